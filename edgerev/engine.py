@@ -1,0 +1,230 @@
+"""The engine: one autograd Function that trains a sequence of stages without storing activations.
+
+Autograd never sees the inside of the sequence. The forward keeps only the sequence output (and
+per-channel statistics on a :class:`~edgerev.layers.base.Tape`); the backward walks the stages in
+reverse, each stage rebuilding its input from its output and producing its gradients, in the mode
+the stage was given:
+
+========== ======================================= =================================================
+mode       forward keeps                           backward does
+========== ======================================= =================================================
+invert     nothing                                 block inverse, then layer-wise inverses (hybrid)
+recompute  nothing                                 block inverse, then autograd on the recomputed stage
+store      the stage's autograd graph (its input)  ordinary backward of the stage
+========== ======================================= =================================================
+
+The same weights run through plain autograd when :attr:`InvertibleSequence.plain` is set: that is
+the reference for every gradient test and the path used for ONNX export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from edgerev.errors import ModeError, NonFiniteError
+from edgerev.layers.base import Grads, Tape, add_grad, is_fake, replaying
+
+
+class Mode(str, enum.Enum):
+    """How a stage is trained (see the module docstring)."""
+
+    INVERT = "invert"
+    RECOMPUTE = "recompute"
+    STORE = "store"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def supported_modes(stage: nn.Module) -> tuple[Mode, ...]:
+    """Modes a stage can run in: invertible layers declare theirs, anything else is ``store`` only."""
+    return tuple(Mode(m) for m in getattr(stage, "modes", ("store",)))
+
+
+def check_finite(t: Tensor, what: str) -> None:
+    """Raise :class:`NonFiniteError` if ``t`` holds NaN or infinity (no-op on fake tensors)."""
+    if is_fake(t) or t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t.detach())
+    if not (torch.isfinite(lo) and torch.isfinite(hi)):
+        raise NonFiniteError(f"{what} holds NaN or infinity")
+
+
+class InvertibleSequence(nn.Module):
+    """A sequence of stages trained by the engine, with a mode per stage.
+
+    Args:
+        stages: the stages, in order. Invertible stages (see :mod:`edgerev.layers`) support
+            ``invert``/``recompute``/``store``; any other module (a stem convolution, a strided
+            downsampling) is run in ``store`` mode.
+        modes: one mode per stage, or one mode for all; by default the cheapest in memory that each
+            stage supports (``invert``, else ``recompute``, else ``store``).
+        pool: ``"mean"`` makes the sequence return per-sample features averaged over space and over
+            the sub-images of batch pooling (``[B, C]``); the activation itself then never leaves
+            the engine, so its backward can work in place on its own buffers. ``None`` returns the
+            last activation (its incoming gradient is then copied before being overwritten).
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], modes: Sequence[Mode | str] | Mode | str | None = None,
+                 pool: str | None = "mean") -> None:
+        super().__init__()
+        if pool not in ("mean", None):
+            raise ValueError(f"pool must be 'mean' or None, got {pool!r}")
+        self.stages = nn.ModuleList(stages)
+        self.pool = pool
+        self.plain = False
+        self.probe: Callable[[nn.Module, Tensor], None] | None = None
+        self._modes: list[Mode] = [supported_modes(s)[0] for s in self.stages]
+        if modes is not None:
+            self.set_modes(modes)
+
+    @property
+    def modes(self) -> list[Mode]:
+        return list(self._modes)
+
+    def set_modes(self, modes: Sequence[Mode | str] | Mode | str) -> None:
+        """Set the mode of every stage; a single mode applies where supported, else the stage's default."""
+        if isinstance(modes, (str, Mode)):
+            mode = Mode(modes)
+            self._modes = [mode if mode in supported_modes(s) else supported_modes(s)[0] for s in self.stages]
+            return
+        modes = list(modes)
+        if len(modes) != len(self.stages):
+            raise ModeError(f"got {len(modes)} modes for {len(self.stages)} stages")
+        parsed = []
+        for i, (stage, m) in enumerate(zip(self.stages, modes)):
+            try:
+                m = Mode(m)
+            except ValueError:
+                raise ModeError(f"unknown mode {m!r}; choose from {', '.join(x.value for x in Mode)}") from None
+            if m not in supported_modes(stage):
+                ok = ", ".join(x.value for x in supported_modes(stage))
+                raise ModeError(f"stage {i} ({type(stage).__name__}) cannot run in {m.value} mode; it supports {ok}")
+            parsed.append(m)
+        self._modes = parsed
+
+    def forward(self, x: Tensor, samples: int | None = None) -> Tensor:
+        """Run the stages; ``samples`` is the original batch size (for ``pool="mean"``)."""
+        samples = x.shape[0] if samples is None else samples
+        params = [p for p in self.parameters() if p.requires_grad]
+        use_engine = (
+            not self.plain and torch.is_grad_enabled() and (x.requires_grad or bool(params)) and len(self.stages) > 0
+        )
+        if not use_engine:
+            for stage in self.stages:
+                x = stage(x)
+            return _pool(x, samples) if self.pool else x
+        return _Engine.apply(x, self, samples, *params)
+
+
+def _pool(y: Tensor, samples: int) -> Tensor:
+    """Mean over space and over the sub-images that batch pooling moved to the batch axis."""
+    return y.reshape(samples, y.shape[0] // samples, *y.shape[1:]).mean(dim=(1, 3, 4))
+
+
+def _stage_params(stage: nn.Module) -> list[nn.Parameter]:
+    return [p for p in stage.parameters() if p.requires_grad]
+
+
+class _Engine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, seq: InvertibleSequence, samples: int, *params: nn.Parameter) -> Tensor:
+        tape = Tape(probe=seq.probe)
+        stored: dict[int, tuple[Tensor, Tensor]] = {}
+        h = x
+        for i, (stage, mode) in enumerate(zip(seq.stages, seq._modes)):
+            if mode is Mode.STORE:
+                xin = h.detach().requires_grad_(i > 0 or ctx.needs_input_grad[0])
+                with torch.enable_grad():
+                    out = stage(xin)
+                stored[i] = (xin, out)
+                h = out.detach()
+                if h.untyped_storage().data_ptr() == xin.untyped_storage().data_ptr():
+                    h = h.clone()  # later stages overwrite h; the stored input must survive
+            else:
+                if h is x:
+                    h = x.clone()  # never overwrite the caller's tensor
+                h = stage.forward_(h, tape)
+        check_finite(h, "the output of the invertible sequence (diverged weights or a bad input)")
+        ctx.seq, ctx.tape, ctx.stored, ctx.samples, ctx.params = seq, tape, stored, samples, params
+        if seq.pool:
+            ctx.y = h  # never handed out, so the backward may overwrite it
+            return _pool(h, samples)
+        ctx.save_for_backward(h)
+        ctx.mark_non_differentiable()
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gout: Tensor):
+        seq: InvertibleSequence = ctx.seq
+        tape: Tape = ctx.tape
+        if seq.pool:
+            y = ctx.y
+            del ctx.y
+            b = ctx.samples
+            per = y.shape[0] // b
+            gy = (gout / (per * y.shape[2] * y.shape[3])).view(b, 1, -1, 1, 1).expand(b, per, *y.shape[1:])
+            gy = gy.contiguous().view(y.shape)
+        else:
+            (y,) = ctx.saved_tensors
+            gy = gout.clone(memory_format=torch.contiguous_format)  # the incoming gradient may be shared
+        tape.replay = True
+        grads: Grads = {}
+        stored = ctx.stored
+        for i in reversed(range(len(seq.stages))):
+            stage, mode = seq.stages[i], seq._modes[i]
+            with replaying(stage):
+                if mode is Mode.STORE:
+                    xin, out = stored.pop(i)
+                    y, gy = _autograd_backward(stage, xin, out, gy, grads)
+                elif mode is Mode.RECOMPUTE:
+                    x = stage.inverse_(y, tape)
+                    xin = x.detach().requires_grad_()
+                    with torch.enable_grad():
+                        out = stage(xin)
+                    _, gy = _autograd_backward(stage, xin, out, gy, grads)
+                    y = x
+                else:
+                    y, gy = stage.backward_(y, gy, tape, grads)
+            if tape.probe is not None:
+                tape.probe(stage, y)
+            if gy is None:
+                break
+        del y
+        gx = gy if ctx.needs_input_grad[0] else None
+        return (gx, None, None, *[grads.get(p) for p in ctx.params])
+
+
+def _autograd_backward(stage: nn.Module, xin: Tensor, out: Tensor, gy: Tensor, grads: Grads) -> tuple[Tensor, Tensor | None]:
+    params = _stage_params(stage)
+    inputs = ([xin] if xin.requires_grad else []) + params
+    res = torch.autograd.grad(out, inputs, gy, allow_unused=True)
+    if xin.requires_grad:
+        gx, res = res[0], res[1:]
+    else:
+        gx = None
+    for p, g in zip(params, res):
+        if g is not None:
+            add_grad(grads, p, g)
+    return xin.detach(), gx
+
+
+@contextlib.contextmanager
+def plain(model: nn.Module, enabled: bool = True) -> Iterator[nn.Module]:
+    """Run every :class:`InvertibleSequence` of ``model`` through plain autograd inside the block."""
+    seqs = [m for m in model.modules() if isinstance(m, InvertibleSequence)]
+    old = [s.plain for s in seqs]
+    for s in seqs:
+        s.plain = enabled
+    try:
+        yield model
+    finally:
+        for s, o in zip(seqs, old):
+            s.plain = o

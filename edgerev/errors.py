@@ -1,0 +1,30 @@
+"""Errors that edgerev raises on bad input.
+
+Every check that guards user input raises a subclass of :class:`EdgerevError` with one sentence that
+names the problem, so the CLI can print it as a single line instead of a stack trace deep in torch.
+"""
+
+from __future__ import annotations
+
+
+class EdgerevError(ValueError):
+    """Base class of all edgerev input errors."""
+
+
+class ShapeError(EdgerevError):
+    """An input tensor has a shape a layer or model cannot take."""
+
+
+class UnknownModelError(EdgerevError, KeyError):
+    """A model name is not in the registry."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class NonFiniteError(EdgerevError):
+    """A tensor holds NaN or infinity where finite values are required."""
+
+
+class ModeError(EdgerevError):
+    """A stage was asked to run in a mode it does not support."""

@@ -1,0 +1,198 @@
+"""The invertible-layer protocol shared by every block, and the helpers the in-place code needs.
+
+A layer has two faces:
+
+* ``forward(x)`` / ``inverse(y)``: ordinary autograd code, out of place. This is the reference path
+  (tests compare against it) and the export path.
+* ``forward_(x, tape)`` / ``inverse_(y, tape)`` / ``backward_(y, gy, tape, grads)``: the engine's
+  face. They run without autograd and may overwrite their arguments. ``backward_`` receives the
+  layer output ``y`` and its gradient ``gy``, turns ``y`` into the layer input and ``gy`` into the
+  input gradient (in place where it can) and adds parameter gradients into ``grads``.
+
+The :class:`Tape` carries what one training step must remember between its forward and its backward
+(per-channel batch-norm statistics), so two forwards before a backward never mix their statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from edgerev.errors import ShapeError
+
+Grads = dict[nn.Parameter, Tensor]
+
+# Temporaries of per-sample operations (convolutions, element-wise gradient maps, reductions) are
+# computed in slices of the batch no larger than this, so they stop growing with the batch.
+_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def chunk_bytes() -> int:
+    """Current byte budget of one batch slice of temporaries."""
+    return _CHUNK_BYTES
+
+
+@contextlib.contextmanager
+def chunk_budget(nbytes: int) -> Iterator[None]:
+    """Temporarily set the byte budget of batch-sliced temporaries (``0`` means: never slice)."""
+    global _CHUNK_BYTES
+    old, _CHUNK_BYTES = _CHUNK_BYTES, int(nbytes)
+    try:
+        yield
+    finally:
+        _CHUNK_BYTES = old
+
+
+def batch_slices(t: Tensor, width: float = 1.0) -> Iterator[slice]:
+    """Slices of dim 0 of ``t`` whose temporaries (``width`` times a slice of ``t``) fit the budget."""
+    n = t.shape[0]
+    row = max(1, int(t[:1].numel() * t.element_size() * width))
+    step = n if _CHUNK_BYTES <= 0 else max(1, _CHUNK_BYTES // row)
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
+def add_grad(grads: Grads, p: nn.Parameter, g: Tensor) -> None:
+    """Accumulate ``g`` into the gradient of ``p`` kept in ``grads``."""
+    if not p.requires_grad:
+        return
+    if p in grads:
+        grads[p].add_(g)
+    else:
+        grads[p] = g
+
+
+def halves(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Views of the two channel halves of ``t``."""
+    c = t.shape[1]
+    return t[:, : c // 2], t[:, c // 2 :]
+
+
+def check_channels(name: str, x: Tensor, channels: int) -> None:
+    """Raise a :class:`ShapeError` unless ``x`` is a 4-d batch with ``channels`` channels."""
+    if x.dim() != 4:
+        raise ShapeError(f"{name} expects a 4-d [batch, channels, height, width] tensor, got shape {tuple(x.shape)}")
+    if x.shape[1] != channels:
+        raise ShapeError(f"{name} expects {channels} channels, got {x.shape[1]} (input shape {tuple(x.shape)})")
+
+
+class Tape:
+    """What one training step keeps between forward and backward, apart from activations.
+
+    Attributes:
+        stats: per-module values (batch-norm mean and standard deviation) recorded by the forward.
+        replay: True while the backward re-runs forwards: batch norm then reuses ``stats`` instead of
+            measuring the batch again, and running statistics are never touched.
+        probe: optional ``probe(module, x)`` called with every input a backward reconstructs
+            (diagnostics compare it with the input the forward saw).
+    """
+
+    def __init__(self, probe: Callable[[nn.Module, Tensor], None] | None = None) -> None:
+        self.stats: dict[nn.Module, tuple[Tensor, ...]] = {}
+        self.replay = False
+        self.probe = probe
+
+
+class Invertible(nn.Module):
+    """Base of every volume-preserving layer or block (see the module docstring)."""
+
+    #: engine modes (``edgerev.engine.Mode`` values) this layer supports
+    modes: tuple[str, ...] = ("invert", "recompute", "store")
+
+    def inverse(self, y: Tensor) -> Tensor:
+        """Out-of-place inverse; in training mode it uses the statistics of the last forward."""
+        with torch.no_grad():
+            return self.inverse_(y.clone(), self._plain_tape())
+
+    def forward_(self, x: Tensor, tape: Tape) -> Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def inverse_(self, y: Tensor, tape: Tape) -> Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} has no layer-wise backward")
+
+    def _plain_tape(self) -> Tape:
+        """A replay tape filled with the statistics each sub-layer saw in its last plain forward."""
+        tape = Tape()
+        tape.replay = True
+        for m in self.modules():
+            last = getattr(m, "_last_stats", None)
+            if last is not None:
+                tape.stats[m] = last
+        return tape
+
+
+class InvSequential(Invertible):
+    """A chain of invertible layers; its inverse and backward walk the chain in reverse."""
+
+    def __init__(self, *layers: Invertible) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def forward_(self, x: Tensor, tape: Tape) -> Tensor:
+        for layer in self.layers:
+            x = layer.forward_(x, tape)
+        return x
+
+    def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
+        for layer in reversed(self.layers):
+            y = layer.inverse_(y, tape)
+        return y
+
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+        for layer in reversed(self.layers):
+            y, gy = layer.backward_(y, gy, tape, grads)
+            if tape.probe is not None:
+                tape.probe(layer, y)
+        return y, gy
+
+
+@contextlib.contextmanager
+def replaying(module: nn.Module) -> Iterator[None]:
+    """Re-run ``module`` without touching running statistics.
+
+    Invertible batch norms read the ``_replay`` flag; ordinary ``nn.BatchNorm`` layers (RevNet's
+    residual functions) stop tracking, so in training mode they normalize with batch statistics
+    and leave the running estimates alone.
+    """
+    saved = []
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            saved.append((m, m.track_running_stats))
+            m.track_running_stats = False
+        elif hasattr(m, "_replay"):
+            saved.append((m, m._replay))
+            m._replay = True
+    try:
+        yield
+    finally:
+        for m, value in saved:
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.track_running_stats = value
+            else:
+                m._replay = value
+
+
+def is_fake(t: Tensor) -> bool:
+    """True for tensors without data (FakeTensorMode, meta): no value checks are possible."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def check_even(name: str, x: Tensor) -> None:
+    if x.dim() != 4:
+        raise ShapeError(f"{name} expects a 4-d [batch, channels, height, width] tensor, got shape {tuple(x.shape)}")
+    h, w = x.shape[-2:]
+    if h % 2 or w % 2:
+        raise ShapeError(f"{name} halves the resolution and needs even height and width, got {h}x{w}")

@@ -1,0 +1,100 @@
+"""Invertible convolution: the smallest coupling, one 3x3 convolution on each channel half."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edgerev.errors import ShapeError
+from edgerev.layers.base import Grads, Invertible, Tape, add_grad, batch_slices, check_channels, halves
+
+
+class InvConv2d(Invertible):
+    r"""Additive coupling whose two functions are single convolutions of ``C/2 -> C/2`` channels.
+
+    .. math::
+        y_1 = x_1 + w_f * x_2, \qquad y_2 = x_2 + w_g * y_1 \\
+        x_2 = y_2 - w_g * y_1, \qquad x_1 = y_1 - w_f * x_2
+
+    Every operation is per sample, so the engine computes the convolution temporaries in batch
+    slices and overwrites the halves in place.
+
+    Args:
+        channels: number of channels (even).
+        kernel_size: odd kernel size; padding keeps the resolution.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 3) -> None:
+        super().__init__()
+        if channels % 2 or channels < 2:
+            raise ShapeError(f"InvConv2d splits channels in halves and needs an even count, got {channels}")
+        if kernel_size % 2 == 0:
+            raise ValueError(f"InvConv2d needs an odd kernel size to keep the resolution, got {kernel_size}")
+        self.channels, self.padding = channels, kernel_size // 2
+        half = channels // 2
+        self.weight_f = nn.Parameter(torch.empty(half, half, kernel_size, kernel_size))
+        self.weight_g = nn.Parameter(torch.empty(half, half, kernel_size, kernel_size))
+        for w in (self.weight_f, self.weight_g):
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+
+    def extra_repr(self) -> str:
+        return f"{self.channels}, kernel_size={self.weight_f.shape[-1]}"
+
+    def _conv(self, x: Tensor, w: Tensor) -> Tensor:
+        return F.conv2d(x, w, padding=self.padding)
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_channels(type(self).__name__, x, self.channels)
+        x1, x2 = halves(x)
+        y1 = x1 + self._conv(x2, self.weight_f)
+        y2 = x2 + self._conv(y1, self.weight_g)
+        return torch.cat([y1, y2], dim=1)
+
+    def forward_(self, x: Tensor, tape: Tape) -> Tensor:
+        check_channels(type(self).__name__, x, self.channels)
+        wf, wg = self.weight_f.detach(), self.weight_g.detach()
+        x1, x2 = halves(x)
+        for sl in batch_slices(x, 0.5):
+            x1[sl].add_(self._conv(x2[sl], wf))
+            x2[sl].add_(self._conv(x1[sl], wg))
+        return x
+
+    def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
+        wf, wg = self.weight_f.detach(), self.weight_g.detach()
+        y1, y2 = halves(y)
+        for sl in batch_slices(y, 0.5):
+            y2[sl].sub_(self._conv(y1[sl], wg))
+            y1[sl].sub_(self._conv(y2[sl], wf))
+        return y
+
+    def _conv_backward(self, gout: Tensor, inp: Tensor, w: nn.Parameter) -> tuple[Tensor, Tensor | None]:
+        p = self.padding
+        gin, gw, _ = torch.ops.aten.convolution_backward(
+            gout, inp, w.detach(), None, [1, 1], [p, p], [1, 1], False, [0, 0], 1, [True, w.requires_grad, False]
+        )
+        return gin, gw
+
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+        wf, wg = self.weight_f, self.weight_g
+        y1, y2 = halves(y)
+        g1, g2 = halves(gy)
+        dwf = dwg = None
+        for sl in batch_slices(y, 0.5):
+            # y2 = x2 + g(y1): recover x2, then push the y2 gradient through g
+            y2[sl].sub_(self._conv(y1[sl], wg.detach()))
+            gin, gw = self._conv_backward(g2[sl], y1[sl], wg)
+            g1[sl].add_(gin)
+            dwg = gw if dwg is None or gw is None else dwg.add_(gw)
+            # y1 = x1 + f(x2): recover x1, then push the (total) y1 gradient through f
+            y1[sl].sub_(self._conv(y2[sl], wf.detach()))
+            gin, gw = self._conv_backward(g1[sl], y2[sl], wf)
+            g2[sl].add_(gin)
+            dwf = gw if dwf is None or gw is None else dwf.add_(gw)
+        if dwf is not None:
+            add_grad(grads, self.weight_f, dwf)
+        if dwg is not None:
+            add_grad(grads, self.weight_g, dwg)
+        return y, gy

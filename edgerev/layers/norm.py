@@ -1,0 +1,117 @@
+"""Invertible batch normalization (RevNeXt, Hascoet et al.)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edgerev.layers.base import Grads, Invertible, Tape, add_grad, batch_slices, check_channels
+
+
+class InvBatchNorm2d(Invertible):
+    r"""Batch norm whose scale is bounded away from zero, so it can be inverted.
+
+    .. math::
+        s = \operatorname{sign}(\gamma)\,(|\gamma| + \epsilon_i), \qquad
+        y = s\,\frac{x - \mu}{\sigma} + \beta, \qquad
+        x = \frac{y - \beta}{s}\,\sigma + \mu
+
+    with :math:`\mu, \sigma` the batch mean and standard deviation in training mode (running
+    estimates in eval mode). Only the per-channel :math:`\mu, \sigma` are kept for the backward;
+    the normalized input :math:`\hat x = (y - \beta) / s` is recovered from the output. Running
+    statistics are updated once per training forward and never while the engine replays.
+
+    Args:
+        channels: number of channels.
+        eps_i: the bound on the scale (the paper's new hyperparameter).
+        eps: added to the variance, as in ``nn.BatchNorm2d``.
+        momentum: running-statistics momentum, as in ``nn.BatchNorm2d``.
+    """
+
+    def __init__(self, channels: int, eps_i: float = 0.1, eps: float = 1e-5, momentum: float = 0.1) -> None:
+        super().__init__()
+        if eps_i <= 0:
+            raise ValueError(f"eps_i must be positive to keep batch norm invertible, got {eps_i}")
+        self.channels, self.eps_i, self.eps, self.momentum = channels, eps_i, eps, momentum
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+        self._replay = False
+        self._last_stats: tuple[Tensor, Tensor] | None = None
+
+    def extra_repr(self) -> str:
+        return f"{self.channels}, eps_i={self.eps_i}, momentum={self.momentum}"
+
+    def scale(self) -> Tensor:
+        """The bounded scale ``s``; its derivative with respect to ``gamma`` is 1."""
+        sign = torch.where(self.weight.detach() >= 0, 1.0, -1.0).to(self.weight.dtype)
+        return self.weight + self.eps_i * sign
+
+    def _view(self, v: Tensor) -> Tensor:
+        return v.view(1, -1, 1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_channels(type(self).__name__, x, self.channels)
+        s = self.scale()
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, s, self.bias, False, 0.0, self.eps)
+        update = not self._replay
+        y, mean, invstd = torch.ops.aten.native_batch_norm(
+            x,
+            s,
+            self.bias,
+            self.running_mean if update else None,
+            self.running_var if update else None,
+            True,
+            self.momentum,
+            self.eps,
+        )
+        self._last_stats = (mean.detach(), invstd.detach().reciprocal())
+        return y
+
+    # ---- engine face -------------------------------------------------------------------------
+
+    def _stats(self, x: Tensor | None, tape: Tape) -> tuple[Tensor, Tensor]:
+        if not self.training:
+            return self.running_mean, (self.running_var + self.eps).sqrt()
+        if tape.replay:
+            return tape.stats[self][:2]
+        var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+        sigma = (var + self.eps).sqrt()
+        if not self._replay:
+            n = x.numel() // x.shape[1]
+            with torch.no_grad():
+                self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
+                self.running_var.mul_(1 - self.momentum).add_(var * (n / max(n - 1, 1)), alpha=self.momentum)
+        tape.stats[self] = (mean, sigma)
+        return mean, sigma
+
+    def forward_(self, x: Tensor, tape: Tape) -> Tensor:
+        check_channels(type(self).__name__, x, self.channels)
+        mean, sigma = self._stats(x, tape)
+        a = self.scale().detach() / sigma
+        return x.mul_(self._view(a)).add_(self._view(self.bias.detach() - mean * a))
+
+    def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
+        mean, sigma = self._stats(None, tape)
+        a = sigma / self.scale().detach()
+        return y.mul_(self._view(a)).add_(self._view(mean - self.bias.detach() * a))
+
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+        mean, sigma = self._stats(None, tape)
+        s = self.scale().detach()
+        xhat = y.sub_(self._view(self.bias.detach())).div_(self._view(s))
+        dbeta = gy.sum(dim=(0, 2, 3))
+        dgamma = torch.zeros_like(dbeta)
+        for sl in batch_slices(y):
+            dgamma += (gy[sl] * xhat[sl]).sum(dim=(0, 2, 3))
+        a = self._view(s / sigma)
+        if self.training:
+            n = y.numel() // y.shape[1]
+            gy.sub_(self._view(dbeta / n)).addcmul_(xhat, self._view(dgamma / n), value=-1.0)
+        gy.mul_(a)
+        add_grad(grads, self.weight, dgamma)
+        add_grad(grads, self.bias, dbeta)
+        return xhat.mul_(self._view(sigma)).add_(self._view(mean)), gy

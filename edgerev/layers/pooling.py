@@ -1,0 +1,97 @@
+"""Exact, volume-preserving pooling: channel pooling (i-RevNet) and batch pooling (RevNeXt).
+
+Both move the four sub-images ``x[..., a::2, b::2]`` of every sample out of the spatial axes. Both
+keep each sample's values inside that sample's own slice of memory (the pooled batch is ordered
+sample-major), so the engine can permute a sample at a time in place, with a temporary of one
+batch slice instead of a second copy of the activation.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from edgerev.layers.base import Grads, Invertible, Tape, batch_slices, check_even
+
+
+def _to_subimages(x: Tensor) -> Tensor:
+    """``[B, C, H, W] -> [B, 2, 2, C, H/2, W/2]`` (a copy: the permutation is not a view)."""
+    b, c, h, w = x.shape
+    return x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 3, 5, 1, 2, 4)
+
+
+def _from_subimages(t: Tensor, channels: int) -> Tensor:
+    """Inverse of :func:`_to_subimages`: ``[B, 2, 2, C, h, w] -> [B, C, 2h, 2w]``."""
+    b, _, _, c, h, w = t.shape
+    return t.permute(0, 3, 4, 1, 5, 2).reshape(b, c, 2 * h, 2 * w)
+
+
+class _Pool(Invertible):
+    """Shared machinery; subclasses only say where the sub-images go."""
+
+    modes = ("invert", "recompute", "store")
+
+    def _pooled_shape(self, b: int, c: int, h: int, w: int) -> tuple[int, int, int, int]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _unpooled_shape(self, y: Tensor) -> tuple[int, int, int, int]:  # pragma: no cover
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_even(type(self).__name__, x)
+        return _to_subimages(x).reshape(self._pooled_shape(*x.shape))
+
+    def inverse(self, y: Tensor) -> Tensor:
+        b, c, h, w = self._unpooled_shape(y)
+        return _from_subimages(y.reshape(b, 2, 2, c, h // 2, w // 2), c)
+
+    def forward_(self, x: Tensor, tape: Tape) -> Tensor:
+        check_even(type(self).__name__, x)
+        b, c, h, w = x.shape
+        flat = x.view(b, -1)
+        for sl in batch_slices(flat):
+            tmp = flat[sl].clone().view(-1, c, h, w)
+            flat[sl].view(-1, 2, 2, c, h // 2, w // 2).copy_(_to_subimages(tmp))
+        return x.view(self._pooled_shape(b, c, h, w))
+
+    def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
+        b, c, h, w = self._unpooled_shape(y)
+        flat = y.view(b, -1)
+        for sl in batch_slices(flat):
+            tmp = flat[sl].clone().view(-1, 2, 2, c, h // 2, w // 2)
+            flat[sl].view(-1, c, h, w).copy_(_from_subimages(tmp, c))
+        return y.view(b, c, h, w)
+
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+        return self.inverse_(y, tape), self.inverse_(gy, tape)
+
+
+class ChannelPool(_Pool):
+    """Space to depth: ``[B, C, H, W] -> [B, 4C, H/2, W/2]``, exact."""
+
+    def _pooled_shape(self, b: int, c: int, h: int, w: int) -> tuple[int, int, int, int]:
+        return (b, 4 * c, h // 2, w // 2)
+
+    def _unpooled_shape(self, y: Tensor) -> tuple[int, int, int, int]:
+        b, c, h, w = y.shape
+        return (b, c // 4, 2 * h, 2 * w)
+
+
+class BatchPool(_Pool):
+    """Space to batch: ``[B, C, H, W] -> [4B, C, H/2, W/2]``, exact.
+
+    Channels, and so the weights (which grow with channels squared), stay fixed while the
+    resolution drops; batch norm then sees the four sub-images of a sample as four samples.
+    The model's head undoes it (see :func:`unpool_batch`).
+    """
+
+    def _pooled_shape(self, b: int, c: int, h: int, w: int) -> tuple[int, int, int, int]:
+        return (4 * b, c, h // 2, w // 2)
+
+    def _unpooled_shape(self, y: Tensor) -> tuple[int, int, int, int]:
+        b, c, h, w = y.shape
+        return (b // 4, c, 2 * h, 2 * w)
+
+
+def unpool_batch(y: Tensor, samples: int) -> Tensor:
+    """View a batch-pooled ``[P*B, C, h, w]`` as ``[B, P, C, h, w]`` (sample-major, no copy)."""
+    return y.view(samples, y.shape[0] // samples, *y.shape[1:])
