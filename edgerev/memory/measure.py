@@ -1,0 +1,116 @@
+"""Peak memory of one training step, measured (CPU tracker, CUDA statistics) or predicted (fake tensors)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgerev.memory.tracker import CudaPeak, MemoryTracker
+from edgerev.models import create_model
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Peak of one training step (forward, loss, backward; optimizer state excluded).
+
+    ``peak_bytes`` includes what lives throughout the step: weights, buffers, the input batch and
+    the labels (``baseline_bytes``), plus the largest total of tensors the step itself had alive
+    (activations, their gradients, weight gradients, temporaries).
+    """
+
+    peak_bytes: int
+    baseline_bytes: int
+    peak_op: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s._cdata not in seen:
+            seen.add(s._cdata)
+            total += s.nbytes()
+    return total
+
+
+def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Forward, cross-entropy, backward. Returns the loss (detached)."""
+    loss = F.cross_entropy(model(x), target)
+    loss.backward()
+    return loss.detach()
+
+
+def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_channels: int = 3) -> StepMemory:
+    """Peak bytes of one training step of ``model`` on a random batch.
+
+    On CPU (and under ``FakeTensorMode``) the :class:`MemoryTracker` counts live tensors; on CUDA the
+    allocator's own peak is read. Gradients are cleared first so the step allocates them.
+    """
+    model.train()
+    model.zero_grad(set_to_none=True)
+    num_classes = getattr(model, "num_classes", 10)
+    x = torch.randn(batch, in_channels, size, size, device=device)
+    target = torch.randint(0, num_classes, (batch,), device=device)
+    if torch.device(device).type == "cuda":
+        with CudaPeak(device) as cp:
+            training_step(model, x, target)
+        return StepMemory(cp.peak, cp.baseline, "")
+    baseline = _bytes([*model.parameters(), *model.buffers(), x, target])
+    with MemoryTracker(baseline=baseline) as tr:
+        training_step(model, x, target)
+    return StepMemory(tr.peak, baseline, tr.peak_op)
+
+
+@contextlib.contextmanager
+def _maybe_fake(fake: bool):
+    if not fake:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        yield
+
+
+def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fake: bool = False,
+            seed: int = 0, **overrides) -> dict:
+    """Peak at ``batch`` and ``2 * batch``, and the bytes per input pixel (slope between them).
+
+    The slope cancels everything that does not grow with the batch (weights, their gradients,
+    batch-sliced temporaries), as in the RevNeXt paper. ``fake=True`` predicts the same figures
+    with fake tensors: nothing is allocated, so any size can be asked for.
+    """
+    from edgerev.memory.analytic import model_bytes_per_pixel
+
+    if fake and device != "cpu":
+        raise ValueError("--fake predicts on the CPU tracker; leave --device at cpu")
+    torch.manual_seed(seed)
+    with _maybe_fake(fake):
+        model = create_model(arch, **overrides)
+        if not fake:
+            model = model.to(device)
+        params = sum(p.numel() for p in model.parameters())
+        first = step_peak(model, batch, size, device)
+        second = step_peak(model, 2 * batch, size, device)
+    pixels = batch * size * size
+    return {
+        "arch": arch,
+        "params": params,
+        "batch": batch,
+        "size": size,
+        "device": device,
+        "fake": fake,
+        "modes": sorted({str(m) for m in model.body.modes}),
+        "peak_bytes": first.peak_bytes,
+        "peak_bytes_2x": second.peak_bytes,
+        "bytes_per_pixel": (second.peak_bytes - first.peak_bytes) / pixels,
+        "model_bytes_per_pixel": model_bytes_per_pixel(model),
+        "peak_op": first.peak_op,
+    }

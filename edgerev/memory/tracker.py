@@ -1,0 +1,99 @@
+"""Live tensor bytes, measured on any device: a dispatch mode that sees every op's output storage.
+
+Each storage is counted once, the first time an op returns it, and uncounted by a weakref finalizer
+when it dies. Views and in-place ops return storages already seen and so count nothing. Under
+``FakeTensorMode`` the same tracker predicts the peak of a step without allocating it.
+
+Only tensors produced inside the ``with`` block are counted; what existed before (weights, the
+input batch) is the caller's baseline. Memory an operator uses internally and frees before it
+returns (a convolution workspace) is invisible to it; on CUDA, use :class:`CudaPeak` for that.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from edgerev.errors import EdgerevError
+
+
+class MemoryBudgetExceeded(EdgerevError, MemoryError):
+    """The tracked live bytes went over the budget given to :class:`MemoryTracker`."""
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Count live tensor bytes created inside the block.
+
+    Attributes:
+        current: bytes live now (counted storages not yet freed).
+        peak: the largest value ``current`` reached.
+        peak_op: the operator that allocated at the moment of the peak (where to look).
+
+    Args:
+        budget: if set, raise :class:`MemoryBudgetExceeded` as soon as ``current`` passes it.
+        baseline: bytes to add to every figure (e.g. weights and inputs that live throughout).
+    """
+
+    def __init__(self, budget: int | None = None, baseline: int = 0) -> None:
+        super().__init__()
+        self.budget, self.baseline = budget, baseline
+        self.current = self.peak = baseline
+        self.peak_op = ""
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # an output on the storage of an input is a view or an in-place result: nothing new
+        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                self._see(t, func)
+        return out
+
+    def _see(self, t: torch.Tensor, func) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        known = self._live.get(key)
+        if known is None:
+            self._live[key] = nbytes
+            weakref.finalize(storage, self._free, key)
+            self.current += nbytes
+        elif nbytes != known:  # resized in place
+            self._live[key] = nbytes
+            self.current += nbytes - known
+        else:
+            return
+        if self.current > self.peak:
+            self.peak, self.peak_op = self.current, str(func)
+        if self.budget is not None and self.current > self.budget:
+            raise MemoryBudgetExceeded(
+                f"live tensors reached {self.current} bytes, over the budget of {self.budget} bytes (at {func})"
+            )
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+class CudaPeak:
+    """``torch.cuda.max_memory_allocated`` over the block, with the bytes live before as baseline."""
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        self.baseline = self.peak = 0
+
+    def __enter__(self) -> CudaPeak:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.baseline = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device)

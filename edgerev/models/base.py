@@ -1,0 +1,57 @@
+"""What every model shares: a stored stem, an engine-run body, a linear head, and input checks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from edgerev.engine import InvertibleSequence, Mode, check_finite
+from edgerev.errors import ShapeError
+
+
+def stem(channels: int, in_channels: int = 3) -> nn.Conv2d:
+    """The non-invertible 3x3 stem; its input, the image, is kept anyway."""
+    return nn.Conv2d(in_channels, channels, 3, padding=1, bias=False)
+
+
+class EngineModel(nn.Module):
+    """An image classifier whose body is an :class:`InvertibleSequence` (stem included).
+
+    Args:
+        stages: stem first, then the body's stages.
+        features: channels of the last stage.
+        num_classes: outputs of the linear head.
+        divisor: input height and width must be multiples of this (two per pooling).
+        in_channels: channels of the input image.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], features: int, num_classes: int, divisor: int,
+                 in_channels: int = 3) -> None:
+        super().__init__()
+        self.body = InvertibleSequence(stages, pool="mean")
+        self.head = nn.Linear(features, num_classes)
+        self.divisor, self.in_channels, self.num_classes = divisor, in_channels, num_classes
+
+    @property
+    def stages(self) -> nn.ModuleList:
+        return self.body.stages
+
+    def set_modes(self, modes: Sequence[Mode | str] | Mode | str) -> None:
+        self.body.set_modes(modes)
+
+    def check_input(self, x: Tensor) -> None:
+        """One clear error for an input the model cannot take."""
+        name = type(self).__name__
+        if x.dim() != 4:
+            raise ShapeError(f"{name} expects images as a [batch, channels, height, width] tensor, got {tuple(x.shape)}")
+        if x.shape[1] != self.in_channels:
+            raise ShapeError(f"{name} expects {self.in_channels}-channel images, got {x.shape[1]} channels")
+        h, w = x.shape[-2:]
+        if h % self.divisor or w % self.divisor or h == 0 or w == 0:
+            raise ShapeError(f"{name} needs height and width divisible by {self.divisor}, got {h}x{w}")
+        check_finite(x, "the input batch")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.check_input(x)
+        return self.head(self.body(x, samples=x.shape[0]))
