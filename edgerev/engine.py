@@ -145,7 +145,7 @@ class _Engine(torch.autograd.Function):
                     out = stage(xin)
                 stored[i] = (xin, out)
                 h = out.detach()
-                if h.untyped_storage().data_ptr() == xin.untyped_storage().data_ptr():
+                if h.untyped_storage()._cdata == xin.untyped_storage()._cdata:
                     h = h.clone()  # later stages overwrite h; the stored input must survive
             else:
                 if h is x:
@@ -184,6 +184,8 @@ class _Engine(torch.autograd.Function):
                 if mode is Mode.STORE:
                     xin, out = stored.pop(i)
                     y, gy = _autograd_backward(stage, xin, out, gy, grads)
+                elif mode is Mode.RECOMPUTE and hasattr(stage, "recompute_backward_"):
+                    y, gy = stage.recompute_backward_(y, gy, tape, grads)
                 elif mode is Mode.RECOMPUTE:
                     x = stage.inverse_(y, tape)
                     xin = x.detach().requires_grad_()

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from edgerev.errors import ShapeError
-from edgerev.layers.base import Grads, Invertible, InvSequential, Tape, check_channels, halves
+from edgerev.layers.base import Grads, Invertible, InvSequential, Tape, add_grad, check_channels, halves
 
 
 class Coupling(Invertible):
@@ -61,6 +61,28 @@ class Coupling(Invertible):
         y2.sub_(self._run(self.g, y1, tape))
         y1.sub_(self._run(self.f, y2, tape))
         return y
+
+    def recompute_backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+        """RevNet backward: block inverse, then autograd over the recomputed halves.
+
+        Working on the halves (no concatenation, no split) keeps the recomputed graph to the insides
+        of ``F`` and ``G``; the input gradient is written over ``gy`` once autograd is done with it.
+        """
+        x1, x2 = halves(self.inverse_(y, tape))
+        g1, g2 = halves(gy)
+        params = [p for p in self.parameters() if p.requires_grad]
+        a, b = x1.detach().requires_grad_(), x2.detach().requires_grad_()
+        with torch.enable_grad():
+            y1 = a + self.f(b)
+            y2 = b + self.g(y1)
+        res = torch.autograd.grad([y1, y2], [a, b, *params], [g1, g2], allow_unused=True)
+        del y1, y2
+        g1.copy_(res[0])
+        g2.copy_(res[1])
+        for p, g in zip(params, res[2:]):
+            if g is not None:
+                add_grad(grads, p, g)
+        return y, gy
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
         """Hybrid backward with 2.5 activation volumes live (see DESIGN.md section 4).
