@@ -27,7 +27,7 @@ Grads = dict[nn.Parameter, Tensor]
 
 # Temporaries of per-sample operations (convolutions, element-wise gradient maps, reductions) are
 # computed in slices of the batch no larger than this, so they stop growing with the batch.
-_CHUNK_BYTES = 8 * 1024 * 1024
+_CHUNK_BYTES = 1024 * 1024
 
 
 def chunk_bytes() -> int:

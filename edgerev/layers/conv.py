@@ -83,16 +83,20 @@ class InvConv2d(Invertible):
         g1, g2 = halves(gy)
         dwf = dwg = None
         for sl in batch_slices(y, 0.5):
-            # y2 = x2 + g(y1): recover x2, then push the y2 gradient through g
-            y2[sl].sub_(self._conv(y1[sl], wg.detach()))
-            gin, gw = self._conv_backward(g2[sl], y1[sl], wg)
+            # y2 = x2 + g(y1): recover x2, then push the y2 gradient through g (one contiguous copy
+            # of each input serves both the convolution and its backward)
+            inp = y1[sl].contiguous()
+            y2[sl].sub_(self._conv(inp, wg.detach()))
+            gin, gw = self._conv_backward(g2[sl], inp, wg)
             g1[sl].add_(gin)
             dwg = gw if dwg is None or gw is None else dwg.add_(gw)
             # y1 = x1 + f(x2): recover x1, then push the (total) y1 gradient through f
-            y1[sl].sub_(self._conv(y2[sl], wf.detach()))
-            gin, gw = self._conv_backward(g1[sl], y2[sl], wf)
+            inp = y2[sl].contiguous()
+            y1[sl].sub_(self._conv(inp, wf.detach()))
+            gin, gw = self._conv_backward(g1[sl], inp, wf)
             g2[sl].add_(gin)
             dwf = gw if dwf is None or gw is None else dwf.add_(gw)
+            del inp, gin
         if dwf is not None:
             add_grad(grads, self.weight_f, dwf)
         if dwg is not None:

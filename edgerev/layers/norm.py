@@ -73,45 +73,61 @@ class InvBatchNorm2d(Invertible):
 
     # ---- engine face -------------------------------------------------------------------------
 
-    def _stats(self, x: Tensor | None, tape: Tape) -> tuple[Tensor, Tensor]:
+    def _stats(self, tape: Tape) -> tuple[Tensor, Tensor]:
+        """Mean and standard deviation the last forward normalized with (running ones in eval mode)."""
         if not self.training:
             return self.running_mean, (self.running_var + self.eps).sqrt()
-        if tape.replay:
-            return tape.stats[self][:2]
-        var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
-        sigma = (var + self.eps).sqrt()
-        if not self._replay:
-            n = x.numel() // x.shape[1]
-            with torch.no_grad():
-                self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
-                self.running_var.mul_(1 - self.momentum).add_(var * (n / max(n - 1, 1)), alpha=self.momentum)
-        tape.stats[self] = (mean, sigma)
-        return mean, sigma
+        return tape.stats[self][:2]
 
     def forward_(self, x: Tensor, tape: Tape) -> Tensor:
         check_channels(type(self).__name__, x, self.channels)
-        mean, sigma = self._stats(x, tape)
-        a = self.scale().detach() / sigma
+        s = self.scale().detach()
+        if self.training and not tape.replay:
+            # the training forward: one fused pass measures the batch, normalizes and updates the
+            # running statistics (once per step; never while the engine replays)
+            update = not self._replay
+            y, mean, invstd = torch.ops.aten.native_batch_norm(
+                x, s, self.bias.detach(), self.running_mean if update else None,
+                self.running_var if update else None, True, self.momentum, self.eps,
+            )
+            tape.stats[self] = (mean, invstd.reciprocal())
+            return y
+        mean, sigma = self._stats(tape)
+        a = s / sigma
         return x.mul_(self._view(a)).add_(self._view(self.bias.detach() - mean * a))
 
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
-        mean, sigma = self._stats(None, tape)
+        mean, sigma = self._stats(tape)
         a = sigma / self.scale().detach()
         return y.mul_(self._view(a)).add_(self._view(mean - self.bias.detach() * a))
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
-        mean, sigma = self._stats(None, tape)
-        s = self.scale().detach()
-        xhat = y.sub_(self._view(self.bias.detach())).div_(self._view(s))
+        r"""Gradients from the output alone, with ``xhat = (y - beta) / s``:
+
+        .. math::
+            deta = \sum g, \quad d\gamma = \sum g \hat x, \quad
+            g_x = rac{s}{\sigma}\Big(g - rac{deta}{N} - \hat x rac{d\gamma}{N}\Big)
+
+        (training mode; in eval mode ``g_x = s g / \sigma``), written over ``gy`` in two passes,
+        while ``y`` becomes the input ``x = \sigma \hat x + \mu`` in place.
+        """
+        mean, sigma = self._stats(tape)
+        s, beta = self.scale().detach(), self.bias.detach()
         dbeta = gy.sum(dim=(0, 2, 3))
-        dgamma = torch.zeros_like(dbeta)
+        gyy = torch.zeros_like(dbeta)
         for sl in batch_slices(y):
-            dgamma += (gy[sl] * xhat[sl]).sum(dim=(0, 2, 3))
-        a = self._view(s / sigma)
+            gyy += (gy[sl] * y[sl]).sum(dim=(0, 2, 3))
+        dgamma = (gyy - beta * dbeta) / s
+        a = s / sigma
         if self.training:
             n = y.numel() // y.shape[1]
-            gy.sub_(self._view(dbeta / n)).addcmul_(xhat, self._view(dgamma / n), value=-1.0)
-        gy.mul_(a)
+            # g_x = a g - (a dgamma / (n s)) y + a (dgamma beta / (n s) - dbeta / n)
+            k = a * dgamma / (n * s)
+            const = a * (dgamma * beta / (n * s) - dbeta / n)
+            torch.addcmul(self._view(const), gy, self._view(a), out=gy)
+            gy.addcmul_(y, self._view(-k))
+        else:
+            gy.mul_(self._view(a))
         add_grad(grads, self.weight, dgamma)
         add_grad(grads, self.bias, dbeta)
-        return xhat.mul_(self._view(sigma)).add_(self._view(mean)), gy
+        return self.inverse_(y, tape), gy

@@ -80,12 +80,13 @@ def _maybe_fake(fake: bool):
 
 
 def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fake: bool = False,
-            seed: int = 0, **overrides) -> dict:
+            seed: int = 0, modes: str | None = None, **overrides) -> dict:
     """Peak at ``batch`` and ``2 * batch``, and the bytes per input pixel (slope between them).
 
     The slope cancels everything that does not grow with the batch (weights, their gradients,
     batch-sliced temporaries), as in the RevNeXt paper. ``fake=True`` predicts the same figures
-    with fake tensors: nothing is allocated, so any size can be asked for.
+    with fake tensors: nothing is allocated, so any size can be asked for. ``modes`` sets one
+    engine mode for every stage that supports it.
     """
     from edgerev.memory.analytic import model_bytes_per_pixel
 
@@ -96,6 +97,8 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
         model = create_model(arch, **overrides)
         if not fake:
             model = model.to(device)
+        if modes is not None:
+            model.body.set_modes(modes)
         params = sum(p.numel() for p in model.parameters())
         first = step_peak(model, batch, size, device)
         second = step_peak(model, 2 * batch, size, device)

@@ -1,0 +1,5 @@
+import sys
+
+from edgerev.cli import main
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""Command line: parse, validate, call one library function, print (JSON with ``--json``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from edgerev.errors import EdgerevError
+
+# RevNeXt paper (Hascoet et al. 2023), batch 32 at 240x240: peak training memory per architecture
+PAPER_PEAK_BYTES = {
+    "resnet18": 3.81e9,
+    "revnet": 1.19e9,
+    "irevnet": 1.35e9,
+    "layerwise": 590e6,
+    "revnext": 648e6,
+}
+PAPER_PIXELS = 32 * 240 * 240
+
+
+def _positive(kind: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kind} must be a whole number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{kind} must be positive, got {value}")
+        return value
+
+    return parse
+
+
+def _device(name: str) -> str:
+    if name not in ("cpu", "cuda"):
+        raise EdgerevError(f"unknown device {name!r}; choose cpu or cuda")
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EdgerevError("--device cuda asked for, but this machine has no usable CUDA device")
+    return name
+
+
+def _arch(name: str) -> str:
+    from edgerev.models import list_models
+
+    if name not in list_models():
+        raise EdgerevError(f"unknown architecture {name!r}; choose from {', '.join(list_models())}")
+    return name
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from edgerev.layers import chunk_budget
+    from edgerev.memory.measure import measure
+
+    device = _device(args.device)
+    if args.table == bool(args.arch):
+        raise EdgerevError("give either --arch NAME or --table")
+    archs = list(PAPER_PEAK_BYTES) if args.table else [_arch(args.arch)]
+    rows = []
+    with chunk_budget(args.chunk_bytes):
+        for arch in archs:
+            row = measure(arch, batch=args.batch, size=args.size, device=device, fake=args.fake)
+            row["chunk_bytes"] = args.chunk_bytes
+            paper = PAPER_PEAK_BYTES.get(arch)
+            if paper is not None:
+                row["paper_peak_bytes"] = paper
+                row["paper_bytes_per_pixel"] = paper / PAPER_PIXELS
+            rows.append(row)
+            if not args.json and args.table:
+                print(f"measured {arch}", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(rows if args.table else rows[0], indent=2))
+        return 0
+    how = "predicted with fake tensors" if args.fake else f"measured on {device}"
+    print(f"training-step memory, batch {args.batch} at {args.size}x{args.size}, float32 ({how})")
+    head = f"{'arch':<10} {'params':>10} {'peak':>10} {'B/px':>7} {'model':>7} {'paper':>9} {'paper B/px':>10}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        paper = _mb(r["paper_peak_bytes"]) if "paper_peak_bytes" in r else "-"
+        ppx = f"{r['paper_bytes_per_pixel']:.0f}" if "paper_bytes_per_pixel" in r else "-"
+        print(f"{r['arch']:<10} {r['params']:>10,} {_mb(r['peak_bytes']):>10} {r['bytes_per_pixel']:>7.0f} "
+              f"{r['model_bytes_per_pixel']:>7.0f} {paper:>9} {ppx:>10}")
+    print("B/px: slope of the peak between batch B and 2B per input pixel; model: analytic; paper: batch 32, 240x240")
+    return 0
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from edgerev.diagnostics import diagnose
+
+    result = diagnose(_arch(args.arch), depth=args.depth, batch=args.batch, size=args.size, seed=args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+
+    def fmt(v: float | None) -> str:
+        return "exact" if v is None else f"{v:.1f}"
+
+    print(f"{result['arch']}: {result['invertible_stages']} invertible stages, batch {args.batch}, "
+          f"{args.size}x{args.size}, float32")
+    print(f"{'#':>3} {'stage':<16} {'mode':<10} {'SNR dB':>8} {'grad angle':>11}")
+    for s in result["stages"]:
+        angle = f"{s['grad_angle_deg']:.2e}" if "grad_angle_deg" in s else "-"
+        print(f"{s['index']:>3} {s['type']:<16} {s['mode']:<10} {fmt(s['snr_db']):>8} {angle:>11}")
+    print(f"min reconstruction SNR {fmt(result['min_snr_db'])} dB; max gradient angle "
+          f"{result['max_grad_angle_deg']:.2e} deg; min cosine {result['min_param_cosine']:.8f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgerev", description="On-device training of reversible networks under a memory cap.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("memory", help="peak memory of one training step, measured or predicted",
+                       description="Peak live bytes of one training step (forward, loss, backward) and bytes per "
+                                   "input pixel: the slope of the peak between batch B and 2B.")
+    m.add_argument("--arch", help="registry name (see --table for all)")
+    m.add_argument("--table", action="store_true", help="all five architectures beside the paper's figures")
+    m.add_argument("--batch", type=_positive("--batch"), default=32, help="batch size B (default 32)")
+    m.add_argument("--size", type=_positive("--size"), default=240, help="input height and width (default 240)")
+    m.add_argument("--device", default="cpu", help="cpu (live-tensor tracker) or cuda (allocator peak)")
+    m.add_argument("--fake", action="store_true", help="predict with fake tensors: nothing is allocated")
+    m.add_argument("--chunk-bytes", type=int, default=1 << 20,
+                   help="batch-slice budget of the engine's temporaries in bytes (default 1 MiB; 0: never slice)")
+    m.add_argument("--json", action="store_true", help="print JSON")
+    m.set_defaults(fn=cmd_memory)
+
+    d = sub.add_parser("diagnose", help="reconstruction SNR and gradient angles of the memory-saving backward",
+                       description="One float32 training step through the engine and through plain autograd: "
+                                   "per-stage and per-layer reconstruction SNR, per-stage gradient angle.")
+    d.add_argument("--arch", required=True, help="registry name")
+    d.add_argument("--depth", type=_positive("--depth"), help="blocks (or layer triples) per level")
+    d.add_argument("--batch", type=_positive("--batch"), default=8, help="batch size (default 8)")
+    d.add_argument("--size", type=_positive("--size"), default=32, help="input size (default 32)")
+    d.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    d.set_defaults(fn=cmd_diagnose)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except EdgerevError as e:
+        print(f"edgerev {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad override values from the model constructors
+        print(f"edgerev {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
