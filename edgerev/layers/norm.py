@@ -91,7 +91,8 @@ class InvBatchNorm2d(Invertible):
                 self.running_var if update else None, True, self.momentum, self.eps,
             )
             tape.stats[self] = (mean, invstd.reciprocal())
-            return y
+            # back into x: the engine's working buffer keeps one storage from stage to stage
+            return x.copy_(y)
         mean, sigma = self._stats(tape)
         a = s / sigma
         return x.mul_(self._view(a)).add_(self._view(self.bias.detach() - mean * a))

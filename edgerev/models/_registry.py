@@ -30,6 +30,8 @@ def create_model(name: str, **overrides) -> nn.Module:
     if name not in _MODELS:
         raise UnknownModelError(f"unknown architecture {name!r}; choose from {', '.join(list_models())}")
     try:
-        return _MODELS[name](**overrides)
+        model = _MODELS[name](**overrides)
     except TypeError as e:
         raise UnknownModelError(f"bad arguments for {name!r}: {e}") from None
+    model.arch = name
+    return model

@@ -42,7 +42,7 @@ class EngineModel(nn.Module):
 
     def check_input(self, x: Tensor) -> None:
         """One clear error for an input the model cannot take."""
-        name = type(self).__name__
+        name = getattr(self, "arch", type(self).__name__)
         if x.dim() != 4:
             raise ShapeError(f"{name} expects images as a [batch, channels, height, width] tensor, got {tuple(x.shape)}")
         if x.shape[1] != self.in_channels:
