@@ -116,7 +116,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="edgerev", description="On-device training of reversible networks under a memory cap.")
+    p = argparse.ArgumentParser(prog="edgerev",
+                                description="On-device training of reversible networks under a memory cap.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("memory", help="peak memory of one training step, measured or predicted",

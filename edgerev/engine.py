@@ -42,6 +42,13 @@ class Mode(str, enum.Enum):
         return self.value
 
 
+def _parse_mode(value: Mode | str) -> Mode:
+    try:
+        return Mode(value)
+    except ValueError:
+        raise ModeError(f"unknown mode {value!r}; choose from {', '.join(x.value for x in Mode)}") from None
+
+
 def supported_modes(stage: nn.Module) -> tuple[Mode, ...]:
     """Modes a stage can run in: invertible layers declare theirs, anything else is ``store`` only."""
     return tuple(Mode(m) for m in getattr(stage, "modes", ("store",)))
@@ -91,7 +98,7 @@ class InvertibleSequence(nn.Module):
     def set_modes(self, modes: Sequence[Mode | str] | Mode | str) -> None:
         """Set the mode of every stage; a single mode applies where supported, else the stage's default."""
         if isinstance(modes, (str, Mode)):
-            mode = Mode(modes)
+            mode = _parse_mode(modes)
             self._modes = [mode if mode in supported_modes(s) else supported_modes(s)[0] for s in self.stages]
             return
         modes = list(modes)
@@ -99,10 +106,7 @@ class InvertibleSequence(nn.Module):
             raise ModeError(f"got {len(modes)} modes for {len(self.stages)} stages")
         parsed = []
         for i, (stage, m) in enumerate(zip(self.stages, modes)):
-            try:
-                m = Mode(m)
-            except ValueError:
-                raise ModeError(f"unknown mode {m!r}; choose from {', '.join(x.value for x in Mode)}") from None
+            m = _parse_mode(m)
             if m not in supported_modes(stage):
                 ok = ", ".join(x.value for x in supported_modes(stage))
                 raise ModeError(f"stage {i} ({type(stage).__name__}) cannot run in {m.value} mode; it supports {ok}")
@@ -141,28 +145,42 @@ class _Engine(torch.autograd.Function):
         for i, (stage, mode) in enumerate(zip(seq.stages, seq._modes)):
             if mode is Mode.STORE:
                 xin = h.detach().requires_grad_(i > 0 or ctx.needs_input_grad[0])
-                with torch.enable_grad():
+                saved: set[int] = set()
+
+                def pack(t: Tensor, saved: set[int] = saved) -> Tensor:
+                    saved.add(t.untyped_storage()._cdata)
+                    return t
+
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = stage(xin)
                 stored[i] = (xin, out)
                 h = out.detach()
-                if h.untyped_storage()._cdata == xin.untyped_storage()._cdata:
-                    h = h.clone()  # later stages overwrite h; the stored input must survive
+                key = h.untyped_storage()._cdata
+                if key in saved or key == xin.untyped_storage()._cdata or not h.is_contiguous():
+                    # later stages overwrite h in place: never the stage's saved tensors or its input
+                    h = h.clone(memory_format=torch.contiguous_format)
             else:
-                if h is x:
-                    h = x.clone()  # never overwrite the caller's tensor
+                if h is x or not h.is_contiguous():
+                    h = h.clone(memory_format=torch.contiguous_format)  # never overwrite the caller's tensor
                 h = stage.forward_(h, tape)
         check_finite(h, "the output of the invertible sequence (diverged weights or a bad input)")
         ctx.seq, ctx.tape, ctx.stored, ctx.samples, ctx.params = seq, tape, stored, samples, params
+        ctx.used = False
         if seq.pool:
             ctx.y = h  # never handed out, so the backward may overwrite it
             return _pool(h, samples)
         ctx.save_for_backward(h)
-        ctx.mark_non_differentiable()
         return h
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gout: Tensor):
+        if ctx.used:
+            raise RuntimeError(
+                "the engine's backward runs once per forward: it rebuilds activations in place. "
+                "Run the forward again (retain_graph cannot keep them)."
+            )
+        ctx.used = True
         seq: InvertibleSequence = ctx.seq
         tape: Tape = ctx.tape
         if seq.pool:
@@ -173,8 +191,10 @@ class _Engine(torch.autograd.Function):
             gy = (gout / (per * y.shape[2] * y.shape[3])).view(b, 1, -1, 1, 1).expand(b, per, *y.shape[1:])
             gy = gy.contiguous().view(y.shape)
         else:
+            # the output and its incoming gradient belong to the caller: work on copies
             (y,) = ctx.saved_tensors
-            gy = gout.clone(memory_format=torch.contiguous_format)  # the incoming gradient may be shared
+            y = y.clone(memory_format=torch.contiguous_format)
+            gy = gout.clone(memory_format=torch.contiguous_format)
         tape.replay = True
         grads: Grads = {}
         stored = ctx.stored
@@ -199,14 +219,19 @@ class _Engine(torch.autograd.Function):
                 tape.probe(stage, y)
             if gy is None:
                 break
+            if not gy.is_contiguous():
+                gy = gy.contiguous()  # autograd may hand back a strided gradient; stages work in place
         del y
         gx = gy if ctx.needs_input_grad[0] else None
         return (gx, None, None, *[grads.get(p) for p in ctx.params])
 
 
-def _autograd_backward(stage: nn.Module, xin: Tensor, out: Tensor, gy: Tensor, grads: Grads) -> tuple[Tensor, Tensor | None]:
+def _autograd_backward(stage: nn.Module, xin: Tensor, out: Tensor, gy: Tensor,
+                       grads: Grads) -> tuple[Tensor, Tensor | None]:
     params = _stage_params(stage)
     inputs = ([xin] if xin.requires_grad else []) + params
+    if not inputs:  # a frozen or parameter-free first stage: nothing to differentiate
+        return xin.detach(), None
     res = torch.autograd.grad(out, inputs, gy, allow_unused=True)
     if xin.requires_grad:
         gx, res = res[0], res[1:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import gc
 
 import pytest
@@ -162,7 +161,7 @@ MODEL_CONFIGS = {
 
 
 NONCONTIGUOUS_GRAD = pytest.mark.xfail(
-    strict=True, reason="pool backward_ .view()s a non-contiguous gradient (from a pool stage in store mode)")
+    strict=True, raises=RuntimeError, reason="pool backward_ .view()s a non-contiguous gradient (from a pool stage in store mode)")
 
 
 def _model_cases():
@@ -287,7 +286,7 @@ def test_unknown_mode_in_list():
     assert issubclass(ModeError, EdgerevError)
 
 
-@pytest.mark.xfail(strict=True, reason="set_modes('bogus') (a single string) raises the enum's bare ValueError, "
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="set_modes('bogus') (a single string) raises the enum's bare ValueError, "
                                        "not ModeError (engine.py set_modes: Mode(modes) unguarded)")
 def test_unknown_single_mode():
     seq, _ = mixed_stack(0)
@@ -347,11 +346,13 @@ def test_incoming_gradient_not_modified(modes):
     assert torch.equal(gy, original)
 
 
+OVERWRITES_OUTPUT = pytest.mark.xfail(strict=True, raises=AssertionError, reason="with pool=None the engine's "
+                                      "backward turns the output tensor it returned into the input, in place")
+
+
 @pytest.mark.parametrize(
-    "modes",
-    [pytest.param("invert", marks=pytest.mark.xfail(strict=True, reason="engine backward overwrites its output")),
-     pytest.param("recompute", marks=pytest.mark.xfail(strict=True, reason="engine backward overwrites its output")),
-     "store"],
+    "modes", [pytest.param("invert", marks=OVERWRITES_OUTPUT), pytest.param("recompute", marks=OVERWRITES_OUTPUT),
+              "store"],
 )
 def test_returned_output_not_overwritten_by_backward(modes):
     """With pool=None the sequence hands its output to the caller; the backward must not rewrite it."""
@@ -363,14 +364,21 @@ def test_returned_output_not_overwritten_by_backward(modes):
     assert torch.equal(out.detach(), kept)
 
 
-@pytest.mark.parametrize("pool", [
-    pytest.param("mean", marks=pytest.mark.xfail(strict=True, reason="second backward: AttributeError (ctx.y)")),
-    None,
-])
-@pytest.mark.parametrize("modes", [
-    "invert", "recompute",
-    pytest.param("store", marks=pytest.mark.xfail(strict=True, reason="second backward: KeyError 0 (ctx.stored)")),
-])
+def _second_backward_cases():
+    for modes in MODES:
+        for pool in ("mean", None):
+            if pool == "mean":
+                marks = pytest.mark.xfail(strict=True, raises=AttributeError, reason="second backward: "
+                                          "AttributeError, ctx.y was deleted by the first")
+            elif modes == "store":
+                marks = pytest.mark.xfail(strict=True, raises=KeyError, reason="second backward: KeyError, "
+                                          "ctx.stored was emptied by the first")
+            else:
+                marks = ()
+            yield pytest.param(modes, pool, marks=marks, id=f"{modes}-{pool}")
+
+
+@pytest.mark.parametrize("modes,pool", list(_second_backward_cases()))
 def test_second_backward_is_a_runtime_error(modes, pool):
     """The engine's graph is single-use; a second backward must fail as autograd's own do (RuntimeError)."""
     seq, x = invertible_stack(0, pool=pool)
@@ -381,7 +389,7 @@ def test_second_backward_is_a_runtime_error(modes, pool):
         out.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="pooling forward_ uses .view on a non-contiguous (channels_last) activation")
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="pooling forward_ uses .view on a non-contiguous (channels_last) activation")
 def test_channels_last_input():
     torch.manual_seed(0)
     model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1))
@@ -392,7 +400,7 @@ def test_channels_last_input():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="_autograd_backward calls autograd.grad with no inputs for a "
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="_autograd_backward calls autograd.grad with no inputs for a "
                                        "parameter-free (or frozen) stored first stage when the input needs no grad")
 @pytest.mark.parametrize("case", ["identity", "pool", "frozen-stem"])
 def test_parameter_free_first_stage(case):
@@ -409,7 +417,7 @@ def test_parameter_free_first_stage(case):
     check_against_plain(model, x, 0, input_grad=False)
 
 
-@pytest.mark.xfail(strict=True, reason="the engine overwrites in place the output of a stored stage that its "
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="the engine overwrites in place the output of a stored stage that its "
                                        "autograd graph saved (nn.ReLU), breaking that stage's backward")
 @pytest.mark.parametrize("stored", ["relu", "sigmoid"])
 def test_stored_stage_that_saves_its_output(stored):
@@ -420,7 +428,7 @@ def test_stored_stage_that_saves_its_output(stored):
     check_against_plain(seq, torch.randn(4, 3, 8, 8, dtype=torch.float64), 0)
 
 
-@pytest.mark.xfail(strict=True, reason="pool backward_ (inverse_) .view()s the incoming gradient, which a pool "
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="pool backward_ (inverse_) .view()s the incoming gradient, which a pool "
                                        "stage in store mode can hand back non-contiguous (here at 1x1 resolution)")
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_pool_after_stored_pool(hybrid):

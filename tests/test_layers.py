@@ -12,7 +12,6 @@ from edgerev.engine import InvertibleSequence, plain
 from edgerev.errors import ShapeError
 from edgerev.layers import (
     BatchPool,
-    ChannelPool,
     Coupling,
     HybridBlock,
     InvBatchNorm2d,

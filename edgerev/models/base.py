@@ -44,7 +44,8 @@ class EngineModel(nn.Module):
         """One clear error for an input the model cannot take."""
         name = getattr(self, "arch", type(self).__name__)
         if x.dim() != 4:
-            raise ShapeError(f"{name} expects images as a [batch, channels, height, width] tensor, got {tuple(x.shape)}")
+            raise ShapeError(f"{name} expects images as a [batch, channels, height, width] tensor, "
+                             f"got {tuple(x.shape)}")
         if x.shape[1] != self.in_channels:
             raise ShapeError(f"{name} expects {self.in_channels}-channel images, got {x.shape[1]} channels")
         h, w = x.shape[-2:]
