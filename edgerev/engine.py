@@ -11,7 +11,12 @@ mode       forward keeps                           backward does
 invert     nothing                                 block inverse, then layer-wise inverses (hybrid)
 recompute  nothing                                 block inverse, then autograd on the recomputed stage
 store      the stage's autograd graph (its input)  ordinary backward of the stage
+store8     an 8-bit copy of the stage input        autograd on the stage recomputed from the copy
+store4     a 4-bit copy (two codes per byte)       the same; approximate gradients
 ========== ======================================= =================================================
+
+With ``store8``/``store4`` the forward stays exact; the earlier stages then rebuild their inputs
+from the dequantized copy, so its error reaches their gradients too (see :mod:`edgerev.quantize`).
 
 The same weights run through plain autograd when :attr:`InvertibleSequence.plain` is set: that is
 the reference for every gradient test and the path used for ONNX export.
@@ -29,6 +34,8 @@ from torch.autograd.function import once_differentiable
 
 from edgerev.errors import ModeError, NonFiniteError
 from edgerev.layers.base import Grads, Tape, add_grad, is_fake, replaying
+from edgerev.layers.norm import InvBatchNorm2d
+from edgerev.quantize import bn_range, dequantize, quantize
 
 
 class Mode(str, enum.Enum):
@@ -37,6 +44,13 @@ class Mode(str, enum.Enum):
     INVERT = "invert"
     RECOMPUTE = "recompute"
     STORE = "store"
+    STORE8 = "store8"
+    STORE4 = "store4"
+
+    @property
+    def bits(self) -> int | None:
+        """Bits of the kept copy for the approximate modes, None otherwise."""
+        return {"store8": 8, "store4": 4}.get(self.value)
 
     def __str__(self) -> str:
         return self.value
@@ -50,8 +64,12 @@ def _parse_mode(value: Mode | str) -> Mode:
 
 
 def supported_modes(stage: nn.Module) -> tuple[Mode, ...]:
-    """Modes a stage can run in: invertible layers declare theirs, anything else is ``store`` only."""
-    return tuple(Mode(m) for m in getattr(stage, "modes", ("store",)))
+    """Modes a stage can run in: invertible layers declare theirs, anything else is ``store`` only.
+
+    Every stage also runs in ``store8`` and ``store4``: the backward recomputes it with autograd
+    from the dequantized copy of its input.
+    """
+    return (*(Mode(m) for m in getattr(stage, "modes", ("store",))), Mode.STORE8, Mode.STORE4)
 
 
 def check_finite(t: Tensor, what: str) -> None:
@@ -132,6 +150,14 @@ def _pool(y: Tensor, samples: int) -> Tensor:
     return y.reshape(samples, y.shape[0] // samples, *y.shape[1:]).mean(dim=(1, 3, 4))
 
 
+def _quant_range(seq: InvertibleSequence, i: int) -> tuple[Tensor, Tensor] | None:
+    """The paper's range after a batch norm (from its scale and shift); None: measure the batch."""
+    prev = seq.stages[i - 1] if i > 0 else None
+    if isinstance(prev, InvBatchNorm2d):
+        return bn_range(prev.scale().detach(), prev.bias.detach())
+    return None
+
+
 def _stage_params(stage: nn.Module) -> list[nn.Parameter]:
     return [p for p in stage.parameters() if p.requires_grad]
 
@@ -160,6 +186,11 @@ class _Engine(torch.autograd.Function):
                     # later stages overwrite h in place: never the stage's saved tensors or its input
                     h = h.clone(memory_format=torch.contiguous_format)
             else:
+                if mode.bits is not None:
+                    stored[i] = quantize(h, mode.bits, _quant_range(seq, i))
+                if not hasattr(stage, "forward_"):  # a plain module kept as an 8/4-bit input copy
+                    h = stage(h)
+                    continue
                 if h is x or not h.is_contiguous():
                     h = h.clone(memory_format=torch.contiguous_format)  # never overwrite the caller's tensor
                 h = stage.forward_(h, tape)
@@ -203,6 +234,11 @@ class _Engine(torch.autograd.Function):
             with replaying(stage):
                 if mode is Mode.STORE:
                     xin, out = stored.pop(i)
+                    y, gy = _autograd_backward(stage, xin, out, gy, grads)
+                elif mode.bits is not None:
+                    xin = dequantize(stored.pop(i)).requires_grad_(i > 0 or ctx.needs_input_grad[0])
+                    with torch.enable_grad():
+                        out = stage(xin)
                     y, gy = _autograd_backward(stage, xin, out, gy, grads)
                 elif mode is Mode.RECOMPUTE and hasattr(stage, "recompute_backward_"):
                     y, gy = stage.recompute_backward_(y, gy, tape, grads)
