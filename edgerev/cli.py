@@ -115,6 +115,47 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from edgerev.memory.autoplan import plan_model, verify
+    from edgerev.memory.planner import parse_bytes
+    from edgerev.memory.profile import load_or_measure
+    from edgerev.models import create_model
+
+    budget = parse_bytes(args.budget)
+    device = _device(args.device)
+    model = create_model(_arch(args.arch)).to(device)
+    model.check_input(torch.zeros(1, model.in_channels, args.size, args.size, device=device))
+    profile = load_or_measure(model, args.size, device, estimate=args.estimate)
+    mp = plan_model(model, args.size, budget, device, profile=profile, check=device == "cpu")
+    result = {
+        "arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget,
+        "batch": mp.plan.batch,
+        "predicted_peak_bytes": mp.plan.predicted_peak_bytes,
+        "fitted_peak_bytes": mp.fitted_peak_bytes,
+        "samples_per_second": mp.plan.samples_per_second,
+        "profile": profile.source,
+        "solve_seconds": mp.solve_seconds,
+        "stages": mp.stages(model),
+    }
+    if args.verify:
+        result.update(verify(model, mp.plan.modes, mp.plan.batch, args.size, device))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.arch} at {args.size}x{args.size} on {device}, budget {budget:,} bytes")
+    print(f"batch {result['batch']}, predicted peak {result['predicted_peak_bytes']:,} bytes, "
+          f"{result['samples_per_second']:.1f} samples/s predicted ({profile.source} profile)")
+    if args.verify:
+        print(f"measured peak {result['measured_peak_bytes']:,} bytes, "
+              f"{result['measured_samples_per_second']:.1f} samples/s measured")
+    print(f"{'#':>3} {'stage':<16} mode")
+    for i, st in enumerate(result["stages"]):
+        print(f"{i:>3} {st['type']:<16} {st['mode']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgerev",
                                 description="On-device training of reversible networks under a memory cap.")
@@ -133,6 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-slice budget of the engine's temporaries in bytes (default 1 MiB; 0: never slice)")
     m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(fn=cmd_memory)
+
+    pl = sub.add_parser("plan", help="batch size and per-stage modes that train fastest under a byte budget",
+                        description="Choose a batch size and a mode per stage (invert, recompute, store, store8, "
+                                    "store4) that maximize samples per second while the peak stays under the "
+                                    "budget. Stage costs are measured once per model, size and device and cached.")
+    pl.add_argument("--arch", required=True, help="registry name")
+    pl.add_argument("--size", type=_positive("--size"), required=True, help="input height and width")
+    pl.add_argument("--budget", required=True, help="bytes, e.g. 400MiB, 1.5GB or 1000000")
+    pl.add_argument("--device", default="cpu", help="cpu or cuda")
+    pl.add_argument("--verify", action="store_true", help="run real training steps with the plan and measure them")
+    pl.add_argument("--estimate", action="store_true", help="estimate costs (fake tensors, FLOPs) instead of measuring")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(fn=cmd_plan)
 
     d = sub.add_parser("diagnose", help="reconstruction SNR and gradient angles of the memory-saving backward",
                        description="One float32 training step through the engine and through plain autograd: "

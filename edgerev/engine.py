@@ -104,6 +104,9 @@ class InvertibleSequence(nn.Module):
         self.stages = nn.ModuleList(stages)
         self.pool = pool
         self.plain = False
+        # with pool=None: let the engine overwrite its input, its output and the output's gradient
+        # instead of copying them (for measurements that must see a stage as it runs inside a model)
+        self.owns_buffers = False
         self.probe: Callable[[nn.Module, Tensor], None] | None = None
         self._modes: list[Mode] = [supported_modes(s)[0] for s in self.stages]
         if modes is not None:
@@ -191,7 +194,7 @@ class _Engine(torch.autograd.Function):
                 if not hasattr(stage, "forward_"):  # a plain module kept as an 8/4-bit input copy
                     h = stage(h)
                     continue
-                if h is x or not h.is_contiguous():
+                if (h is x and not seq.owns_buffers) or not h.is_contiguous():
                     h = h.clone(memory_format=torch.contiguous_format)  # never overwrite the caller's tensor
                 h = stage.forward_(h, tape)
         check_finite(h, "the output of the invertible sequence (diverged weights or a bad input)")
@@ -224,8 +227,11 @@ class _Engine(torch.autograd.Function):
         else:
             # the output and its incoming gradient belong to the caller: work on copies
             (y,) = ctx.saved_tensors
-            y = y.clone(memory_format=torch.contiguous_format)
-            gy = gout.clone(memory_format=torch.contiguous_format)
+            if seq.owns_buffers:
+                gy = gout.contiguous()
+            else:
+                y = y.clone(memory_format=torch.contiguous_format)
+                gy = gout.clone(memory_format=torch.contiguous_format)
         tape.replay = True
         grads: Grads = {}
         stored = ctx.stored

@@ -86,9 +86,14 @@ def make_block(kind: str, channels: int = 8, dtype: torch.dtype = torch.float64,
     return block
 
 
+def exact_modes(stage: nn.Module) -> tuple[str, ...]:
+    """The exact engine modes (invert, recompute, store) ``stage`` supports, cheapest first."""
+    return tuple(str(m) for m in supported_modes(stage) if str(m) in MODES)
+
+
 def block_modes(kind: str) -> tuple[str, ...]:
-    """The engine modes a block kind supports."""
-    return tuple(str(m) for m in supported_modes(make_block(kind, 4)))
+    """The exact engine modes a block kind supports."""
+    return exact_modes(make_block(kind, 4))
 
 
 def params_of(module: nn.Module) -> list[nn.Parameter]:
@@ -114,7 +119,7 @@ def loss_grads(module: nn.Module, x: torch.Tensor, u: torch.Tensor, reference: b
     params = params_of(module)
     with plain(module, enabled=reference):
         out = module(xx)
-        value = out.detach().clone()  # kept before the backward (see test_returned_output_not_overwritten...)
+        value = out.detach().clone()  # taken before the backward runs
         inputs = ([xx] if input_grad else []) + params
         grads = list(torch.autograd.grad((out * u).sum(), inputs))
     gx = grads.pop(0) if input_grad else None
@@ -138,12 +143,12 @@ def assert_grads_close(engine, reference, tol: float, names=None) -> None:
 
 
 def random_modes(seq: InvertibleSequence, seed: int) -> list[str]:
-    """One supported mode per stage, drawn at random (seeded)."""
+    """One supported exact mode per stage, drawn at random (seeded)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for stage in seq.stages:
-        ok = supported_modes(stage)
-        out.append(str(ok[int(torch.randint(len(ok), (1,), generator=g))]))
+        ok = exact_modes(stage)
+        out.append(ok[int(torch.randint(len(ok), (1,), generator=g))])
     return out
 
 
@@ -201,6 +206,7 @@ __all__ = [
     "clone_model",
     "cosine",
     "engine_fn",
+    "exact_modes",
     "loss_grads",
     "make_block",
     "params_of",

@@ -46,11 +46,14 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # an output on the storage of an input is a view or an in-place result: nothing new
+        # an output on the storage of an input is a view or an in-place result: nothing new, unless
+        # the op grew a storage this tracker counts (resize_, out= ops)
         inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self._see(t, func)
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata
+                if key not in inputs or key in self._live:
+                    self._see(t, func)
         return out
 
     def _see(self, t: torch.Tensor, func) -> None:

@@ -1,0 +1,95 @@
+"""Plan a model's training under a budget: profile (cached), solve, then check the plan's exact bytes.
+
+:func:`plan_model` is what the CLI and the trainer call. The knapsack works on fitted per-stage
+costs; the plan it returns is then run once on fake tensors (exact bytes, nothing allocated) and,
+if it would pass the budget, solved again under a budget reduced by the overshoot, so the bytes a
+plan is reported with are those of the whole step, not of the fit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from edgerev.memory.planner import Plan, plan
+from edgerev.memory.profile import Profile, load_or_measure
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    plan: Plan
+    profile: Profile
+    fitted_peak_bytes: int  # the knapsack's own prediction
+    solve_seconds: float
+
+    def stages(self, model: nn.Module) -> list[dict]:
+        return [{"name": n, "type": type(s).__name__, "mode": m}
+                for (n, s), m in zip(model.body.stages.named_children(), self.plan.modes)]
+
+
+def fake_step_peak(model: nn.Module, modes: tuple[str, ...], batch: int, size: int) -> int:
+    """Exact peak bytes of one training step with ``modes`` at ``batch``, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgerev.memory.measure import step_peak
+    from edgerev.memory.profile import _fake_copy
+
+    with FakeTensorMode() as mode:
+        fake = _fake_copy(model, mode)
+        fake.body.set_modes(list(modes))
+        return step_peak(fake, batch, size).peak_bytes
+
+
+def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", profile: Profile | None = None,
+               check: bool = True, rounds: int = 4) -> ModelPlan:
+    """The fastest plan for ``model`` at ``size`` under ``budget`` bytes (see the module docstring)."""
+    profile = profile or load_or_measure(model, size, device)
+    target = budget
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        p = plan(profile, target)
+        solve = time.perf_counter() - t0
+        if not check:
+            return ModelPlan(p, profile, p.predicted_peak_bytes, solve)
+        exact = fake_step_peak(model, p.modes, p.batch, size)
+        if exact <= budget:
+            return ModelPlan(replace(p, predicted_peak_bytes=exact), profile, p.predicted_peak_bytes, solve)
+        target = int(target * budget / exact) - 1
+    # the last solve still overshot: fall back to the fitted plan's smallest batch that fits exactly
+    b = p.batch
+    while b > 1:
+        b = max(1, b // 2)
+        exact = fake_step_peak(model, p.modes, b, size)
+        if exact <= budget:
+            q = replace(p, batch=b, predicted_peak_bytes=exact,
+                        step_seconds=sum(profile.stages[i][m].seconds.at(b) for i, m in enumerate(p.modes)))
+            return ModelPlan(q, profile, p.predicted_peak_bytes, solve)
+    from edgerev.memory.planner import BudgetTooSmall, smallest_budget
+
+    raise BudgetTooSmall(budget, smallest_budget(profile))
+
+
+def verify(model: nn.Module, modes: tuple[str, ...], batch: int, size: int, device: str = "cpu",
+           steps: int = 2) -> dict:
+    """Run real training steps with the plan: measured peak bytes and seconds per step."""
+    from edgerev.memory.measure import step_peak
+
+    model.body.set_modes(list(modes))
+    peak = step_peak(model, batch, size, device).peak_bytes
+    x = torch.randn(batch, model.in_channels, size, size, device=device)
+    y = torch.randint(0, model.num_classes, (batch,), device=device)
+    times = []
+    for _ in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step = min(times[1:])
+    return {"measured_peak_bytes": peak, "measured_step_seconds": step, "measured_samples_per_second": batch / step}

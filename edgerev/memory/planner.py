@@ -1,0 +1,176 @@
+"""The planner: a batch size and a mode per stage that maximize samples per second under a byte budget.
+
+Pure: costs and a budget in, a plan out. For a batch ``B`` and modes ``m_i`` the predicted peak is
+
+    fixed + max_i ( sum_{j<i} kept_j(B) + max(forward_i(B), backward_i(B)) )
+
+(stage ``i``'s passes run while the earlier stages still hold what they kept), and the step time is
+``sum_i seconds_i(B)``. Each stage is a group of mutually exclusive choices, so for a fixed batch this
+is a multiple-choice knapsack: a dynamic program over the bytes kept so far (rounded up to a granule,
+so a plan that fits the rounded problem fits the real one) finds the fastest modes exactly. The batch
+size is swept around it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from edgerev.errors import EdgerevError
+from edgerev.memory.profile import ModeCost, Profile
+
+
+class BudgetTooSmall(EdgerevError):
+    """No batch size and modes fit the budget."""
+
+    def __init__(self, budget: int, smallest: int) -> None:
+        super().__init__(f"a budget of {budget:,} bytes cannot train even batch 1 in the smallest modes; "
+                         f"the smallest budget that fits is {smallest:,} bytes")
+        self.budget, self.smallest = budget, smallest
+
+
+@dataclass(frozen=True)
+class Plan:
+    batch: int
+    modes: tuple[str, ...]
+    predicted_peak_bytes: int
+    step_seconds: float
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.batch / self.step_seconds if self.step_seconds > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One option of a group, already evaluated at a batch size: bytes kept, local peak, seconds."""
+
+    mode: str
+    kept: float
+    local: float
+    seconds: float
+
+
+def choices_at(stage: dict[str, ModeCost], batch: int) -> list[Choice]:
+    return [Choice(m, c.kept.at(batch), max(c.forward.at(batch), c.backward.at(batch)), c.seconds.at(batch))
+            for m, c in stage.items()]
+
+
+def peak_of(groups: Sequence[Sequence[Choice]], picks: Sequence[int], fixed: float = 0.0) -> float:
+    """Predicted peak of one choice per group."""
+    kept, peak = 0.0, 0.0
+    for group, k in zip(groups, picks):
+        c = group[k]
+        peak = max(peak, kept + c.local)
+        kept += c.kept
+    return fixed + peak
+
+
+def solve(groups: Sequence[Sequence[Choice]], cap: float, granule: float) -> tuple[float, list[int]] | None:
+    """Fastest choice per group with ``peak_of(...) <= cap`` on the granule-rounded problem (None: none fits).
+
+    Dynamic program over stages; the state is the bytes kept so far, in granules (rounded up). A state
+    keeps the fastest way to reach it; a choice is allowed when ``kept + local <= cap``.
+    """
+    if cap < 0:
+        return None
+    slots = int(cap // granule)
+
+    def up(x: float) -> int:
+        return int(math.ceil(x / granule - 1e-9))
+
+    # best[k] = (seconds, picks) over states with k granules kept
+    best: dict[int, tuple[float, list[int]]] = {0: (0.0, [])}
+    for group in groups:
+        nxt: dict[int, tuple[float, list[int]]] = {}
+        for k, (t, picks) in best.items():
+            for idx, c in enumerate(group):
+                if k + up(c.local) > slots:
+                    continue
+                k2 = k + up(c.kept)
+                if k2 > slots:
+                    continue
+                cand = (t + c.seconds, picks + [idx])
+                if k2 not in nxt or cand[0] < nxt[k2][0]:
+                    nxt[k2] = cand
+        if not nxt:
+            return None
+        # a state with more bytes kept and no less time is never better: prune it
+        pruned: dict[int, tuple[float, list[int]]] = {}
+        fastest = math.inf
+        for k in sorted(nxt):
+            if nxt[k][0] < fastest:
+                pruned[k] = nxt[k]
+                fastest = nxt[k][0]
+        best = pruned
+    return min(best.values(), key=lambda v: v[0])
+
+
+def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, granules: int = 4096,
+         head_bytes_per_sample: float = 0.0) -> Plan:
+    """Best plan for ``budget`` bytes over ``batches`` (default: 1, 2, 3, 4, 6, 8, ... up to 4096)."""
+    if budget <= 0:
+        raise EdgerevError(f"the budget must be positive, got {budget} bytes")
+    batches = list(batches or _default_batches())
+    best: Plan | None = None
+    for b in batches:
+        groups = [choices_at(stage, b) for stage in profile.stages]
+        cap = budget - profile.fixed_bytes - head_bytes_per_sample * b
+        if cap <= 0:
+            continue
+        found = solve(groups, cap, granule=max(cap / granules, 1.0))
+        if found is None:
+            continue
+        seconds, picks = found
+        seconds += profile.head_seconds.at(b)
+        p = Plan(b, tuple(groups[i][k].mode for i, k in enumerate(picks)),
+                 int(math.ceil(peak_of(groups, picks, profile.fixed_bytes + head_bytes_per_sample * b))), seconds)
+        if best is None or p.samples_per_second > best.samples_per_second:
+            best = p
+    if best is None:
+        raise BudgetTooSmall(budget, smallest_budget(profile, head_bytes_per_sample))
+    return best
+
+
+def smallest_budget(profile: Profile, head_bytes_per_sample: float = 0.0) -> int:
+    """Bytes needed by batch 1 in the modes that minimize the peak."""
+    groups = [choices_at(stage, 1) for stage in profile.stages]
+    # minimize the peak: DP over kept bytes keeping the smallest running peak per state
+    states: dict[float, float] = {0.0: 0.0}
+    for group in groups:
+        nxt: dict[float, float] = {}
+        for kept, peak in states.items():
+            for c in group:
+                k2, p2 = kept + c.kept, max(peak, kept + c.local)
+                if k2 not in nxt or p2 < nxt[k2]:
+                    nxt[k2] = p2
+        states = nxt
+    return int(math.ceil(profile.fixed_bytes + head_bytes_per_sample + min(states.values())))
+
+
+def _default_batches() -> list[int]:
+    out, b = [1, 2, 3], 4
+    while b <= 4096:
+        out += [b, b * 3 // 2]
+        b *= 2
+    return sorted(set(out))
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"400MiB"``, ``"1.5GB"``, ``"2 GiB"``, ``"1000000"`` -> bytes (decimal SI, binary IEC units)."""
+    import re
+
+    if re.fullmatch(r"\s*-.*", str(text)):
+        raise EdgerevError(f"a budget must be positive, got {text!r}")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise EdgerevError(f"cannot read {text!r} as a size in bytes; write e.g. 400MiB, 1.5GB or 1000000")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value < 1:
+        raise EdgerevError(f"a budget must be at least one byte, got {text!r}")
+    return int(value)

@@ -1,0 +1,307 @@
+"""Per-stage costs of each engine mode: bytes kept, bytes live during its passes, seconds.
+
+Each stage is run on its own, inside a one-stage engine sequence, at two batch sizes: bytes and
+seconds are fitted as ``intercept + slope * batch`` (per sample of the *model's* batch, so batch
+pooling is accounted for). Bytes come from the live-tensor tracker, seconds from the wall clock
+after warm-up steps. A profile is cached per (model, input size, device) as JSON and reused.
+Without measurement (``estimate=True``) bytes come from the same tracker under fake tensors and
+seconds from FLOP counts at a nominal rate: the planner can answer before anything has run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from edgerev.engine import InvertibleSequence, Mode, supported_modes
+from edgerev.errors import EdgerevError
+from edgerev.memory.tracker import MemoryTracker
+
+PROFILE_VERSION = 1
+# seconds per FLOP used by estimates (about 20 GFLOP/s: a small CPU; a measured profile replaces it)
+NOMINAL_SECONDS_PER_FLOP = 1 / 20e9
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``intercept + slope * batch``."""
+
+    intercept: float
+    slope: float
+
+    def at(self, batch: int) -> float:
+        return self.intercept + self.slope * batch
+
+    @staticmethod
+    def fit(b1: int, v1: float, b2: int, v2: float) -> Linear:
+        slope = (v2 - v1) / (b2 - b1)
+        return Linear(max(v1 - slope * b1, 0.0), max(slope, 0.0))
+
+
+@dataclass(frozen=True)
+class Curve:
+    """The smaller of a fit at small batches and a fit at large ones.
+
+    Temporaries that the engine computes in batch slices grow with small batches and stop growing
+    once a batch spans several slices: the bytes of a stage are concave in the batch.
+    """
+
+    small: Linear
+    large: Linear
+
+    def at(self, batch: int) -> float:
+        return min(self.small.at(batch), self.large.at(batch))
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """What one stage costs in one mode (bytes and seconds as functions of the batch)."""
+
+    kept: Curve  # bytes kept from the stage's forward until its backward
+    forward: Curve  # bytes live at the peak of its forward (input and output buffers included)
+    backward: Curve  # bytes live at the peak of its backward (kept, activation, gradients, temporaries)
+    seconds: Linear  # forward + backward
+
+
+@dataclass
+class Profile:
+    """Costs of every stage of a model, per mode, for one input size on one device."""
+
+    arch: str
+    size: int
+    device: str
+    key: str
+    source: str  # "measured" or "estimated"
+    fixed_bytes: int  # weights, their gradients and buffers
+    stages: list[dict[str, ModeCost]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    head_seconds: Linear = Linear(0.0, 0.0)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["version"] = PROFILE_VERSION
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> Profile:
+        def lin(x: dict) -> Linear:
+            return Linear(**x)
+
+        def cost(c: dict) -> ModeCost:
+            curves = {k: Curve(lin(c[k]["small"]), lin(c[k]["large"])) for k in ("kept", "forward", "backward")}
+            return ModeCost(**curves, seconds=lin(c["seconds"]))
+
+        stages = [{m: cost(c) for m, c in s.items()} for s in d["stages"]]
+        return Profile(d["arch"], d["size"], d["device"], d["key"], d["source"], d["fixed_bytes"], stages,
+                       d["names"], lin(d["head_seconds"]))
+
+
+def model_key(model: nn.Module, size: int, device: str) -> str:
+    """Identity of a profile: architecture (its printed structure), input size, device and torch."""
+    text = f"{getattr(model, 'arch', type(model).__name__)}|{model!r}|{size}|{device}|{torch.__version__}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """``$EDGEREV_CACHE`` or the user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
+    root = os.environ.get("EDGEREV_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgerev" / "profiles"
+
+
+def _body(model: nn.Module) -> InvertibleSequence:
+    body = getattr(model, "body", None)
+    if not isinstance(body, InvertibleSequence):
+        raise EdgerevError(f"cannot analyse {type(model).__name__}: it has no engine body (an InvertibleSequence)")
+    return body
+
+
+def stage_inputs(model: nn.Module, size: int, device: str = "cpu") -> list[tuple[int, ...]]:
+    """Input shape of every stage for a batch of one image (dim 0 is the batch multiplier)."""
+    body = _body(model)
+    shapes: dict[int, tuple[int, ...]] = {}
+    def record(i: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            shapes.setdefault(i, tuple(args[0].shape))
+
+        return hook
+
+    hooks = [s.register_forward_pre_hook(record(i)) for i, s in enumerate(body.stages)]
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros(1, model.in_channels, size, size, device=device))
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    return [shapes[i] for i in range(len(body.stages))]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _run(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first: bool, device: str,
+         track: bool) -> tuple[float, float, float, float]:
+    """(kept, forward peak, backward peak, seconds) of one forward+backward of a one-stage sequence."""
+    seq = InvertibleSequence([stage], modes=[mode], pool=None)
+    seq.owns_buffers = True
+    n = shape[0] * batch
+    tracker = MemoryTracker() if track else contextlib.nullcontext()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with tracker:
+        x = torch.randn(n, *shape[1:], device=device)
+        if not first:  # a non-leaf input, as inside a model: nothing but the stage may keep it alive
+            x = x + torch.zeros((), device=device, requires_grad=True)
+        out = seq(x)
+        del x
+        if track:
+            kept, fwd = tracker.current - _nbytes(out), tracker.peak
+            tracker.reset_peak()
+        gy = torch.randn_like(out)
+        out.backward(gy)
+        bwd = tracker.peak if track else 0.0
+        del out, gy
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return (kept, fwd, bwd, seconds) if track else (0.0, 0.0, 0.0, seconds)
+
+
+BYTE_BATCHES = ((1, 2), (64, 128))  # small and large batches of the byte fits (run on fake tensors)
+
+
+def _bytes_curves(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool) -> tuple[Curve, Curve, Curve]:
+    """Byte fits from fake-tensor runs: exact bytes, nothing allocated, any batch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fits = []
+    for b1, b2 in BYTE_BATCHES:
+        with FakeTensorMode() as mode_:
+            fake = _fake_copy(stage, mode_)
+            r1 = _run(fake, mode, shape, b1, first, "cpu", True)
+            r2 = _run(fake, mode, shape, b2, first, "cpu", True)
+        fits.append([Linear.fit(b1, r1[k], b2, r2[k]) for k in range(3)])
+    # the stage's own weight gradients are counted once for the whole model (Profile.fixed_bytes)
+    own = float(sum(p.numel() * p.element_size() for p in stage.parameters()))
+    for fit in fits:
+        fit[2] = Linear(max(fit[2].intercept - own, 0.0), fit[2].slope)
+    small, large = fits
+    return tuple(Curve(small[k], large[k]) for k in range(3))
+
+
+def _measure_mode(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str,
+                  batches: tuple[int, int], repeats: int) -> ModeCost:
+    kept, fwd, bwd = _bytes_curves(stage, mode, shape, first)
+    secs = {}
+    for b in batches:
+        _run(stage, mode, shape, b, first, device, False)  # warm-up
+        secs[b] = min(_run(stage, mode, shape, b, first, device, False)[3] for _ in range(repeats))
+    b1, b2 = batches
+    return ModeCost(kept, fwd, bwd, Linear.fit(b1, secs[b1], b2, secs[b2]))
+
+
+def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: tuple[int, int] = (4, 8),
+                    repeats: int = 3, modes: list[Mode] | None = None) -> Profile:
+    """Measure every stage in every mode it supports (or in ``modes``) on this machine."""
+    body = _body(model)
+    shapes = stage_inputs(model, size, device)
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # profiling steps move BN statistics
+    model.train()
+    stages, names = [], []
+    try:
+        for i, (stage, shape) in enumerate(zip(body.stages, shapes)):
+            costs = {}
+            for m in supported_modes(stage):
+                if modes is None or m in modes:
+                    costs[m.value] = _measure_mode(stage, m, shape, i == 0, device, batches, repeats)
+            stages.append(costs)
+            names.append(type(stage).__name__)
+            stage.zero_grad(set_to_none=True)
+    finally:
+        model.load_state_dict(state)
+    return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
+                   "measured", _fixed_bytes(model), stages, names)
+
+
+def _fixed_bytes(model: nn.Module) -> int:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return 2 * params + buffers
+
+
+def estimate_profile(model: nn.Module, size: int, device: str = "cpu") -> Profile:
+    """Bytes from fake-tensor runs of each stage, seconds from FLOP counts at a nominal rate."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    body = _body(model)
+    shapes = stage_inputs(model, size, "cpu")
+    stages, names = [], []
+    for i, (stage, shape) in enumerate(zip(body.stages, shapes)):
+        costs = {}
+        for m in supported_modes(stage):
+            kept, fwd, bwd = _bytes_curves(stage, m, shape, i == 0)
+            flops = {}
+            for b in (1, 2):
+                counter = FlopCounterMode(display=False)
+                with FakeTensorMode() as mode_, counter:
+                    _run(_fake_copy(stage, mode_), m, shape, b, i == 0, "cpu", False)
+                flops[b] = counter.get_total_flops() * NOMINAL_SECONDS_PER_FLOP
+            costs[m.value] = ModeCost(kept, fwd, bwd, Linear.fit(1, flops[1], 2, flops[2]))
+        stages.append(costs)
+        names.append(type(stage).__name__)
+    return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
+                   "estimated", _fixed_bytes(model), stages, names)
+
+
+def _fake_copy(stage: nn.Module, fake_mode) -> nn.Module:
+    """A copy of ``stage`` whose parameters and buffers are fake tensors of ``fake_mode``."""
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        clone = copy.deepcopy(stage)
+        for mod in clone.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None:
+                    fake = fake_mode.from_tensor(p.detach())
+                    mod._parameters[name] = nn.Parameter(fake, requires_grad=p.requires_grad)
+            for name, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[name] = fake_mode.from_tensor(b)
+    return clone
+
+
+def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
+                    estimate: bool = False) -> Profile:
+    """The cached profile for (model, size, device), measuring it (or estimating it) the first time."""
+    key = model_key(model, size, device)
+    if estimate:
+        return estimate_profile(model, size, device)
+    root = cache or cache_dir()
+    path = root / f"{getattr(model, 'arch', 'model')}-{size}-{device}-{key}.json"
+    if path.exists():
+        try:
+            d = json.loads(path.read_text())
+            if d.get("version") == PROFILE_VERSION and d.get("key") == key:
+                return Profile.from_json(d)
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is measured again
+    prof = measure_profile(model, size, device)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prof.to_json()))
+    tmp.replace(path)
+    return prof
