@@ -118,7 +118,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from edgerev.memory.autoplan import plan_model, verify
+    from edgerev.memory.autoplan import is_plain, plan_model, plan_plain, verify
     from edgerev.memory.planner import parse_bytes
     from edgerev.memory.profile import load_or_measure
     from edgerev.models import create_model
@@ -127,26 +127,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = _device(args.device)
     model = create_model(_arch(args.arch)).to(device)
     model.check_input(torch.zeros(1, model.in_channels, args.size, args.size, device=device))
-    profile = load_or_measure(model, args.size, device, estimate=args.estimate)
-    mp = plan_model(model, args.size, budget, device, profile=profile, check=device == "cpu")
-    result = {
-        "arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget,
-        "batch": mp.plan.batch,
-        "predicted_peak_bytes": mp.plan.predicted_peak_bytes,
-        "fitted_peak_bytes": mp.fitted_peak_bytes,
-        "samples_per_second": mp.plan.samples_per_second,
-        "profile": profile.source,
-        "solve_seconds": mp.solve_seconds,
-        "stages": mp.stages(model),
-    }
+    check = device == "cpu"
+    if is_plain(model):
+        pp = plan_plain(model, args.size, budget, device, check=check)
+        batch, modes, segments = pp.plan.batch, None, pp.plan.segments
+        result = {"planner": "checkpoint segments", "batch": batch,
+                  "predicted_peak_bytes": pp.plan.predicted_peak_bytes, "fitted_peak_bytes": pp.fitted_peak_bytes,
+                  "samples_per_second": pp.plan.samples_per_second, "solve_seconds": pp.solve_seconds,
+                  "segments": [{"start": s.start, "end": s.end, "mode": s.mode} for s in segments],
+                  "stages": pp.stages(model)}
+    else:
+        profile = load_or_measure(model, args.size, device, estimate=args.estimate)
+        mp = plan_model(model, args.size, budget, device, profile=profile, check=check)
+        batch, modes, segments = mp.plan.batch, mp.plan.modes, None
+        result = {"planner": f"stage modes ({profile.source} profile)", "batch": batch,
+                  "predicted_peak_bytes": mp.plan.predicted_peak_bytes, "fitted_peak_bytes": mp.fitted_peak_bytes,
+                  "samples_per_second": mp.plan.samples_per_second, "solve_seconds": mp.solve_seconds,
+                  "stages": mp.stages(model)}
+    result = {"arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget, **result}
     if args.verify:
-        result.update(verify(model, mp.plan.modes, mp.plan.batch, args.size, device))
+        result.update(verify(model, modes, batch, args.size, device, segments=segments))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.arch} at {args.size}x{args.size} on {device}, budget {budget:,} bytes")
-    print(f"batch {result['batch']}, predicted peak {result['predicted_peak_bytes']:,} bytes, "
-          f"{result['samples_per_second']:.1f} samples/s predicted ({profile.source} profile)")
+    print(f"{args.arch} at {args.size}x{args.size} on {device}, budget {budget:,} bytes, {result['planner']}")
+    print(f"batch {batch}, predicted peak {result['predicted_peak_bytes']:,} bytes, "
+          f"{result['samples_per_second']:.1f} samples/s predicted")
     if args.verify:
         print(f"measured peak {result['measured_peak_bytes']:,} bytes, "
               f"{result['measured_samples_per_second']:.1f} samples/s measured")

@@ -107,6 +107,8 @@ class InvertibleSequence(nn.Module):
         # with pool=None: let the engine overwrite its input, its output and the output's gradient
         # instead of copying them (for measurements that must see a stage as it runs inside a model)
         self.owns_buffers = False
+        # plain models under a cap: checkpoint segments (edgerev.memory.reforward) instead of modes
+        self.segments = None
         self.probe: Callable[[nn.Module, Tensor], None] | None = None
         self._modes: list[Mode] = [supported_modes(s)[0] for s in self.stages]
         if modes is not None:
@@ -141,6 +143,11 @@ class InvertibleSequence(nn.Module):
         use_engine = (
             not self.plain and torch.is_grad_enabled() and (x.requires_grad or bool(params)) and len(self.stages) > 0
         )
+        if self.segments is not None and not self.plain and torch.is_grad_enabled():
+            from edgerev.memory.reforward import run_segments
+
+            x = run_segments(self.stages, self.segments, x)
+            return _pool(x, samples) if self.pool else x
         if not use_engine:
             for stage in self.stages:
                 x = stage(x)

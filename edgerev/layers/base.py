@@ -162,14 +162,16 @@ def replaying(module: nn.Module) -> Iterator[None]:
     """Re-run ``module`` without touching running statistics.
 
     Invertible batch norms read the ``_replay`` flag; ordinary ``nn.BatchNorm`` layers (RevNet's
-    residual functions) stop tracking, so in training mode they normalize with batch statistics
-    and leave the running estimates alone.
+    residual functions, plain models) get momentum 0, so in training mode they still normalize with
+    batch statistics and save the same tensors for autograd (``torch.utils.checkpoint`` compares the
+    two runs), while the running estimates and the batch counter stay as they were.
     """
     saved = []
     for m in module.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            saved.append((m, m.track_running_stats))
-            m.track_running_stats = False
+            count = m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None
+            saved.append((m, (m.momentum, count)))
+            m.momentum = 0.0
         elif hasattr(m, "_replay"):
             saved.append((m, m._replay))
             m._replay = True
@@ -178,7 +180,9 @@ def replaying(module: nn.Module) -> Iterator[None]:
     finally:
         for m, value in saved:
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.track_running_stats = value
+                m.momentum, count = value
+                if count is not None:
+                    m.num_batches_tracked.copy_(count)
             else:
                 m._replay = value
 

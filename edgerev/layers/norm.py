@@ -57,16 +57,11 @@ class InvBatchNorm2d(Invertible):
         s = self.scale()
         if not self.training:
             return F.batch_norm(x, self.running_mean, self.running_var, s, self.bias, False, 0.0, self.eps)
-        update = not self._replay
+        # while replaying, momentum 0 leaves the running statistics as they are (passing them anyway
+        # keeps what autograd saves identical to the first run, which checkpointing checks)
         y, mean, invstd = torch.ops.aten.native_batch_norm(
-            x,
-            s,
-            self.bias,
-            self.running_mean if update else None,
-            self.running_var if update else None,
-            True,
-            self.momentum,
-            self.eps,
+            x, s, self.bias, self.running_mean, self.running_var, True,
+            0.0 if self._replay else self.momentum, self.eps,
         )
         self._last_stats = (mean.detach(), invstd.detach().reciprocal())
         return y

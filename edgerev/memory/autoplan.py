@@ -30,8 +30,9 @@ class ModelPlan:
                 for (n, s), m in zip(model.body.stages.named_children(), self.plan.modes)]
 
 
-def fake_step_peak(model: nn.Module, modes: tuple[str, ...], batch: int, size: int) -> int:
-    """Exact peak bytes of one training step with ``modes`` at ``batch``, on fake tensors."""
+def fake_step_peak(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: int,
+                   segments: tuple | None = None) -> int:
+    """Exact peak bytes of one training step with ``modes`` (or checkpoint ``segments``), on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgerev.memory.measure import step_peak
@@ -39,8 +40,56 @@ def fake_step_peak(model: nn.Module, modes: tuple[str, ...], batch: int, size: i
 
     with FakeTensorMode() as mode:
         fake = _fake_copy(model, mode)
-        fake.body.set_modes(list(modes))
+        if modes is not None:
+            fake.body.set_modes(list(modes))
+        fake.body.segments = list(segments) if segments is not None else None
         return step_peak(fake, batch, size).peak_bytes
+
+
+def is_plain(model: nn.Module) -> bool:
+    """True when no stage of the model's body is invertible: it is planned with checkpoint segments."""
+    return not any(hasattr(s, "forward_") for s in model.body.stages)
+
+
+@dataclass(frozen=True)
+class PlainPlan:
+    plan: object  # reforward.SegmentPlan
+    fitted_peak_bytes: int
+    solve_seconds: float
+
+    def stages(self, model: nn.Module) -> list[dict]:
+        modes = self.plan.stage_modes()
+        return [{"name": n, "type": type(s).__name__, "mode": m}
+                for (n, s), m in zip(model.body.stages.named_children(), modes)]
+
+
+def plan_plain(model: nn.Module, size: int, budget: int, device: str = "cpu", stats=None, check: bool = True,
+               rounds: int = 4) -> PlainPlan:
+    """Checkpoint segments for a plain model (see :mod:`edgerev.memory.reforward`), checked like :func:`plan_model`."""
+    from dataclasses import replace as dc_replace
+
+    from edgerev.memory.planner import BudgetTooSmall
+    from edgerev.memory.reforward import plan_segments, stage_stats
+
+    if stats is None:
+        x = torch.randn(8, model.in_channels, size, size, device=device)
+        stats = stage_stats(model.body.stages, x)
+    fixed = sum(2 * p.numel() * p.element_size() for p in model.parameters())
+    fixed += sum(b.numel() * b.element_size() for b in model.buffers())
+    target = budget
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        p = plan_segments(stats, target, fixed)
+        solve = time.perf_counter() - t0
+        if not check:
+            return PlainPlan(p, p.predicted_peak_bytes, solve)
+        exact = fake_step_peak(model, None, p.batch, size, segments=p.segments)
+        if exact <= budget:
+            return PlainPlan(dc_replace(p, predicted_peak_bytes=exact), p.predicted_peak_bytes, solve)
+        target -= exact - budget + max(1, budget // 200)  # the fit missed by a roughly constant amount
+        if target <= fixed:
+            break
+    raise BudgetTooSmall(budget, int(fixed + min(s.input_bytes + s.graph_bytes for s in stats) * 2))
 
 
 def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", profile: Profile | None = None,
@@ -57,7 +106,7 @@ def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", pr
         exact = fake_step_peak(model, p.modes, p.batch, size)
         if exact <= budget:
             return ModelPlan(replace(p, predicted_peak_bytes=exact), profile, p.predicted_peak_bytes, solve)
-        target = int(target * budget / exact) - 1
+        target -= exact - budget + max(1, budget // 200)  # the fit missed by a roughly constant amount
     # the last solve still overshot: fall back to the fitted plan's smallest batch that fits exactly
     b = p.batch
     while b > 1:
@@ -72,12 +121,14 @@ def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", pr
     raise BudgetTooSmall(budget, smallest_budget(profile))
 
 
-def verify(model: nn.Module, modes: tuple[str, ...], batch: int, size: int, device: str = "cpu",
-           steps: int = 2) -> dict:
+def verify(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: int, device: str = "cpu",
+           steps: int = 2, segments: tuple | None = None) -> dict:
     """Run real training steps with the plan: measured peak bytes and seconds per step."""
     from edgerev.memory.measure import step_peak
 
-    model.body.set_modes(list(modes))
+    if modes is not None:
+        model.body.set_modes(list(modes))
+    model.body.segments = list(segments) if segments is not None else None
     peak = step_peak(model, batch, size, device).peak_bytes
     x = torch.randn(batch, model.in_channels, size, size, device=device)
     y = torch.randint(0, model.num_classes, (batch,), device=device)
