@@ -63,25 +63,27 @@ class Coupling(Invertible):
         return y
 
     def recompute_backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
-        """RevNet backward: block inverse, then autograd over the recomputed halves.
+        """RevNet backward (Gomez et al., Algorithm 1): the block inverse and the recomputation are one.
 
-        Working on the halves (no concatenation, no split) keeps the recomputed graph to the insides
-        of ``F`` and ``G``; the input gradient is written over ``gy`` once autograd is done with it.
+        ``G(y1)`` is recomputed with autograd; it both undoes ``y2`` (``x2 = y2 - G(y1)``) and, back-
+        propagated with ``gy2``, gives ``z1 = gy1 + dG^T gy2``. Then ``F(x2)`` likewise undoes ``y1``
+        and gives ``gx2 = gy2 + dF^T z1``. Only one residual function's graph exists at a time.
+        The halves are overwritten only after the graph that saved them has been used.
         """
-        x1, x2 = halves(self.inverse_(y, tape))
+        y1, y2 = halves(y)
         g1, g2 = halves(gy)
-        params = [p for p in self.parameters() if p.requires_grad]
-        a, b = x1.detach().requires_grad_(), x2.detach().requires_grad_()
-        with torch.enable_grad():
-            y1 = a + self.f(b)
-            y2 = b + self.g(y1)
-        res = torch.autograd.grad([y1, y2], [a, b, *params], [g1, g2], allow_unused=True)
-        del y1, y2
-        g1.copy_(res[0])
-        g2.copy_(res[1])
-        for p, g in zip(params, res[2:]):
-            if g is not None:
-                add_grad(grads, p, g)
+        for fn, inp, other, g_in, g_out in ((self.g, y1, y2, g2, g1), (self.f, y2, y1, g1, g2)):
+            params = [p for p in fn.parameters() if p.requires_grad]
+            a = inp.detach().requires_grad_()
+            with torch.enable_grad():
+                out = fn(a)
+            res = torch.autograd.grad(out, [a, *params], g_in, allow_unused=True)
+            other.sub_(out.detach())
+            g_out.add_(res[0])
+            for p, g in zip(params, res[1:]):
+                if g is not None:
+                    add_grad(grads, p, g)
+            del out, res, a
         return y, gy
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:

@@ -78,11 +78,23 @@ def _stage_costs(stage: nn.Module, mode: Mode, v: _Vol) -> tuple[float, float, b
         return saved, 0.0, _saves_input(layers[0]) or isinstance(stage, Coupling)
     if mode is Mode.INVERT:
         return 0.0, (0.5 * out.units if isinstance(stage, HybridBlock) else 0.0), False
-    # recompute: the stage's autograd graph exists during its backward, with its root (y2, half a
-    # volume) and about one volume of gradients in flight between two nodes of the graph
+    # recompute (Coupling.recompute_backward_): one residual function's graph at a time, its output
+    # (half a volume), and gradients in flight between its nodes: the input and output gradient of
+    # one node plus the half-volume result (1.5 volumes; this term is read off PyTorch's backward of
+    # BN/ReLU/conv chains, not derived from the structure)
     if isinstance(stage, Coupling):
-        return 0.0, _coupling_graph(stage, v) + 0.5 * out.units + out.units, False
+        return 0.0, _function_graph(stage, v) + 0.5 * out.units + 1.5 * out.units, False
     return 0.0, 2 * out.units, False
+
+
+def _function_graph(stage: nn.Module, v: _Vol) -> float:
+    """Units the larger of the two residual functions saves (recompute runs them one at a time)."""
+    half = _Vol(v.channels // 2, v.frac)
+    sizes = []
+    for fn in (stage.f, stage.g):
+        layers = list(fn.layers) if isinstance(fn, Invertible) and hasattr(fn, "layers") else list(fn)
+        sizes.append(_chain_saved(layers, half)[0])
+    return max(sizes)
 
 
 def _coupling_graph(stage: nn.Module, v: _Vol) -> float:

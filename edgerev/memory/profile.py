@@ -26,7 +26,7 @@ from edgerev.engine import InvertibleSequence, Mode, supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.memory.tracker import MemoryTracker
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 # seconds per FLOP used by estimates (about 20 GFLOP/s: a small CPU; a measured profile replaces it)
 NOMINAL_SECONDS_PER_FLOP = 1 / 20e9
 
@@ -215,8 +215,8 @@ def _measure_mode(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: b
     return ModeCost(kept, fwd, bwd, Linear.fit(b1, secs[b1], b2, secs[b2]))
 
 
-def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: tuple[int, int] = (4, 8),
-                    repeats: int = 3, modes: list[Mode] | None = None) -> Profile:
+def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: tuple[int, int] = (16, 32),
+                    repeats: int = 5, modes: list[Mode] | None = None) -> Profile:
     """Measure every stage in every mode it supports (or in ``modes``) on this machine."""
     body = _body(model)
     shapes = stage_inputs(model, size, device)

@@ -56,3 +56,30 @@ class EngineModel(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)
         return self.head(self.body(x, samples=x.shape[0]))
+
+
+class SequentialModel(nn.Module):
+    """A user's ``nn.Sequential``-like classifier, wrapped so the planner and the cap can work with it.
+
+    Each child becomes a stage (stored by default; the planner can checkpoint segments of them). The
+    last child must produce the logits.
+
+    Args:
+        layers: the model's children, in order (an ``nn.Sequential`` or a list of modules).
+        num_classes: number of logits the model outputs.
+        in_channels: channels of the input image.
+        divisor: input height and width must be multiples of this.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module] | nn.Sequential, num_classes: int, in_channels: int = 3,
+                 divisor: int = 1) -> None:
+        super().__init__()
+        self.body = InvertibleSequence(list(layers), pool=None)
+        self.num_classes, self.in_channels, self.divisor = num_classes, in_channels, divisor
+        self.arch = "sequential"
+
+    check_input = EngineModel.check_input
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.check_input(x)
+        return self.body(x)
