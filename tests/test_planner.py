@@ -1,0 +1,529 @@
+"""The planner: the knapsack against brute force, plans under budgets, byte sizes, speed, real plans, the cache."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import time
+
+import pytest
+import torch
+
+from edgerev.engine import supported_modes
+from edgerev.errors import EdgerevError
+from edgerev.layers import HybridBlock
+from edgerev.memory import profile as profile_mod
+from edgerev.memory.autoplan import fake_step_peak, plan_model, verify
+from edgerev.memory.planner import (
+    BudgetTooSmall,
+    Choice,
+    Plan,
+    choices_at,
+    parse_bytes,
+    peak_of,
+    plan,
+    smallest_budget,
+    solve,
+)
+from edgerev.memory.profile import (
+    PROFILE_VERSION,
+    Curve,
+    Linear,
+    ModeCost,
+    Profile,
+    cache_dir,
+    estimate_profile,
+    load_or_measure,
+)
+from edgerev.models import EngineModel, create_model
+from edgerev.models.base import stem
+from tests.profiles import SMALL_RESNET, SMALL_REVNEXT, measured, recorded, small_model
+
+MODES = ("invert", "recompute", "store", "store8", "store4")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty profile cache for this test only."""
+    root = tmp_path / "profiles"
+    monkeypatch.setenv("EDGEREV_CACHE", str(root))
+    return root
+
+
+# ---- solve: the multiple-choice knapsack -------------------------------------------------------------------------
+
+
+def brute_force(groups, cap):
+    """Fastest time and picks over every combination with ``peak_of <= cap`` (None: none fits)."""
+    best = None
+    for picks in itertools.product(*(range(len(g)) for g in groups)):
+        if peak_of(groups, picks) <= cap:
+            t = sum(g[k].seconds for g, k in zip(groups, picks))
+            if best is None or t < best[0]:
+                best = (t, list(picks))
+    return best
+
+
+def random_groups(r: random.Random, kept_max: int = 6, local_max: int = 12):
+    """2-6 groups of 1-4 choices with small integers. A stage's local peak includes what it keeps (its forward
+    peak is measured with its kept bytes alive), so ``kept <= local`` as in every measured profile."""
+    groups = []
+    for _ in range(r.randint(2, 6)):
+        group = []
+        for j in range(r.randint(1, 4)):
+            kept = r.randint(0, kept_max)
+            group.append(Choice(f"m{j}", float(kept), float(r.randint(kept, local_max)), float(r.randint(0, 9))))
+        groups.append(group)
+    return groups
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_solve_matches_brute_force(chunk):
+    found = infeasible = 0
+    for seed in range(chunk * 200, (chunk + 1) * 200):
+        r = random.Random(seed)
+        groups = random_groups(r)
+        # caps from infeasible (below every local peak) to loose (above any sum)
+        cap = r.choice([r.randint(0, 6), r.randint(0, 30), r.randint(30, 80)])
+        expected = brute_force(groups, cap)
+        got = solve(groups, cap, granule=1.0)
+        if expected is None:
+            assert got is None, f"seed {seed}: solve found {got} where nothing fits under {cap}"
+            infeasible += 1
+            continue
+        found += 1
+        assert got is not None, f"seed {seed}: solve found nothing, brute force {expected} under {cap}"
+        seconds, picks = got
+        assert len(picks) == len(groups)
+        assert all(0 <= k < len(g) for g, k in zip(groups, picks))
+        assert peak_of(groups, picks) <= cap, f"seed {seed}"
+        assert seconds == sum(g[k].seconds for g, k in zip(groups, picks))
+        assert seconds == expected[0], f"seed {seed}: {seconds} != brute force {expected}"
+    assert found > 50 and infeasible > 10  # the sample covers both outcomes
+
+
+def test_solve_edge_cases():
+    one = [[Choice("a", 1.0, 3.0, 2.0), Choice("b", 0.0, 5.0, 1.0)]]
+    assert solve(one, -1.0, 1.0) is None
+    assert solve(one, 2.0, 1.0) is None
+    assert solve(one, 3.0, 1.0) == (2.0, [0])
+    assert solve(one, 5.0, 1.0) == (1.0, [1])
+    # the kept bytes of earlier groups count under later local peaks
+    two = [[Choice("keep", 4.0, 4.0, 0.0), Choice("drop", 0.0, 4.0, 5.0)], [Choice("x", 0.0, 3.0, 0.0)]]
+    assert solve(two, 7.0, 1.0) == (0.0, [0, 0])
+    assert solve(two, 6.0, 1.0) == (5.0, [1, 0])
+    assert peak_of(two, [0, 0], fixed=10.0) == 17.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_solve_with_coarse_granules_never_exceeds_the_cap(seed):
+    """Rounded up to granules, the answer may be slower than the optimum, never over the cap."""
+    r = random.Random(seed)
+    for _ in range(150):
+        groups = [[Choice(f"m{j}", k, k + r.uniform(0, 900), r.uniform(0, 1)) for j, k in
+                   enumerate(r.uniform(0, 300) for _ in range(r.randint(1, 4)))] for _ in range(r.randint(2, 6))]
+        cap = r.uniform(100, 4000)
+        got = solve(groups, cap, granule=cap / r.choice([8, 64, 4096]))
+        exact = brute_force(groups, cap)
+        if got is None:
+            continue
+        assert exact is not None
+        assert peak_of(groups, got[1]) <= cap
+        assert got[0] >= exact[0] - 1e-12
+
+
+@pytest.mark.xfail(strict=True, reason="planner.py solve(): a choice is dropped when the running kept total plus "
+                   "its own kept bytes passes the cap, although peak_of() never counts the last group's kept bytes")
+def test_solve_follows_peak_of_for_the_last_group():
+    groups = [[Choice("a", 0.0, 1.0, 1.0)], [Choice("b", 5.0, 1.0, 1.0)]]
+    assert peak_of(groups, [0, 0]) == 1.0
+    assert solve(groups, 2.0, granule=1.0) == (2.0, [0, 0])
+
+
+# ---- plan on a synthetic profile ---------------------------------------------------------------------------------
+
+
+def line(r: random.Random, intercept: int, slope: int) -> Linear:
+    return Linear(float(r.randint(0, intercept)), float(r.randint(0, slope)))
+
+
+def synthetic_profile(seed: int, fixed: int | None = None) -> Profile:
+    """2-5 stages with 1-3 modes each; bytes concave in the batch (two lines), forward peak >= kept."""
+    r = random.Random(seed)
+    stages = []
+    for _ in range(r.randint(2, 5)):
+        costs = {}
+        for mode in r.sample(MODES, r.randint(1, 3)):
+            act = r.choice([1000, 4000, 16000])  # activation bytes per sample
+            kept = line(r, 300, 3 * act)
+            fwd = Linear(kept.intercept + r.randint(0, 2000), kept.slope + r.randint(act, 3 * act))
+            bwd = Linear(kept.intercept + r.randint(0, 4000), kept.slope + r.randint(act, 4 * act))
+
+            def curve(lin: Linear) -> Curve:  # past batch 16 the slope halves
+                return Curve(lin, Linear(lin.intercept + 8 * lin.slope, lin.slope / 2))
+
+            secs = Linear(r.uniform(1e-4, 1e-2), r.uniform(1e-5, 1e-3))
+            costs[mode] = ModeCost(curve(kept), curve(fwd), curve(bwd), secs)
+        stages.append(costs)
+    fixed = r.randint(0, 200_000) if fixed is None else fixed
+    return Profile("synthetic", 16, "cpu", f"seed{seed}", "measured", fixed, stages,
+                   [f"stage{i}" for i in range(len(stages))], Linear(r.uniform(0, 1e-3), r.uniform(0, 1e-4)))
+
+
+def check_plan(p: Plan, prof: Profile, budget: int) -> None:
+    """A plan is consistent with its profile and within its budget."""
+    assert p.batch >= 1
+    assert len(p.modes) == len(prof.stages)
+    assert all(m in stage for m, stage in zip(p.modes, prof.stages))
+    groups = [choices_at(stage, p.batch) for stage in prof.stages]
+    picks = [list(stage).index(m) for m, stage in zip(p.modes, prof.stages)]
+    assert p.predicted_peak_bytes == math.ceil(peak_of(groups, picks, prof.fixed_bytes))
+    assert p.predicted_peak_bytes <= budget
+    seconds = sum(g[k].seconds for g, k in zip(groups, picks)) + prof.head_seconds.at(p.batch)
+    assert p.step_seconds == pytest.approx(seconds, rel=1e-12)
+    assert p.samples_per_second == pytest.approx(p.batch / seconds, rel=1e-12)
+
+
+def brute_smallest(prof: Profile) -> int:
+    groups = [choices_at(stage, 1) for stage in prof.stages]
+    best = min(peak_of(groups, picks, prof.fixed_bytes)
+               for picks in itertools.product(*(range(len(g)) for g in groups)))
+    return math.ceil(best)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bigger_budgets_never_plan_slower(seed):
+    prof = synthetic_profile(seed)
+    low = smallest_budget(prof)
+    previous = None
+    for i in range(40):
+        budget = int(low * 1.02 * 1.25**i)  # a little above the smallest: the rounding needs a few granules
+        p = plan(prof, budget)
+        check_plan(p, prof, budget)
+        if previous is not None:
+            assert p.samples_per_second >= previous.samples_per_second * (1 - 1e-12), (budget, previous, p)
+        previous = p
+    assert previous.batch > 1  # the sweep reached budgets where the batch grows
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_plan_is_at_least_as_fast_as_any_combination_that_fits_with_room_to_spare(seed):
+    """Brute force over batches and modes: everything that fits with a margin of rounding is no faster."""
+    prof = synthetic_profile(seed, fixed=10_000)
+    batches = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    for factor in (1.2, 2.0, 5.0, 20.0):
+        budget = int(smallest_budget(prof) * factor)
+        p = plan(prof, budget, batches=batches)
+        check_plan(p, prof, budget)
+        for b in batches:
+            cap = budget - prof.fixed_bytes
+            margin = (len(prof.stages) + 2) * max(cap / 4096, 1.0)
+            groups = [choices_at(stage, b) for stage in prof.stages]
+            for picks in itertools.product(*(range(len(g)) for g in groups)):
+                if peak_of(groups, picks, prof.fixed_bytes) <= budget - margin:
+                    seconds = sum(g[k].seconds for g, k in zip(groups, picks)) + prof.head_seconds.at(b)
+                    assert b / seconds <= p.samples_per_second * (1 + 1e-12), (factor, b, picks, p)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_budget_too_small(seed):
+    prof = synthetic_profile(seed)
+    smallest = smallest_budget(prof)
+    assert smallest == brute_smallest(prof)
+    for budget in (1, prof.fixed_bytes, smallest - 1):
+        if budget <= 0:
+            continue
+        with pytest.raises(BudgetTooSmall) as info:
+            plan(prof, budget)
+        assert isinstance(info.value, EdgerevError)
+        assert info.value.smallest == smallest and info.value.budget == budget
+        assert f"{smallest:,}" in str(info.value)
+        assert f"{budget:,}" in str(info.value)
+
+
+def test_smallest_budget_counts_the_head():
+    prof = synthetic_profile(3)
+    assert smallest_budget(prof, head_bytes_per_sample=1000) == smallest_budget(prof) + 1000
+    with pytest.raises(BudgetTooSmall) as info:
+        plan(prof, smallest_budget(prof) + 500, head_bytes_per_sample=1000)
+    assert info.value.smallest == smallest_budget(prof) + 1000
+
+
+@pytest.mark.parametrize("budget", [0, -5])
+def test_plan_rejects_a_non_positive_budget(budget):
+    with pytest.raises(EdgerevError):
+        plan(synthetic_profile(0), budget)
+
+
+@pytest.mark.xfail(strict=True, reason="planner.py: plan() rounds bytes up to granules of cap/4096 while "
+                   "smallest_budget() does not, so the 'smallest budget that fits' of BudgetTooSmall is refused")
+@pytest.mark.parametrize("which", ["synthetic", "revnext", "resnet18"])
+def test_the_smallest_budget_is_enough(which):
+    prof = synthetic_profile(0) if which == "synthetic" else recorded(which)
+    p = plan(prof, smallest_budget(prof))
+    assert p.batch == 1
+
+
+# ---- parse_bytes --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("400MiB", 400 * 2**20),
+    ("1.5GB", 1_500_000_000),
+    ("2 GiB", 2 * 2**30),
+    ("1000000", 1_000_000),
+    ("1e6", 1_000_000),
+    ("1E6", 1_000_000),
+    ("400mib", 400 * 2**20),
+    ("400MIB", 400 * 2**20),
+    ("1.5gb", 1_500_000_000),
+    ("3kb", 3000),
+    ("3KiB", 3072),
+    ("3k", 3072),
+    ("1B", 1),
+    ("7", 7),
+    (" 64 MiB ", 64 * 2**20),
+    (".5GiB", 2**29),
+    ("2TiB", 2 * 2**40),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+    assert isinstance(parse_bytes(text), int)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12xB", "-5", "0", "-1MiB", "0.5", "0B", "MiB", "1.", "+5", "5 5", "1e-3",
+                                  "12 MiBs"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(EdgerevError):
+        parse_bytes(text)
+
+
+@pytest.mark.xfail(strict=True, reason="planner.py parse_bytes(): float('1e400') is inf and int(inf) raises "
+                   "OverflowError, not EdgerevError (the CLI prints a traceback)")
+def test_parse_bytes_rejects_an_infinite_size():
+    with pytest.raises(EdgerevError):
+        parse_bytes("1e400")
+
+
+@pytest.mark.xfail(strict=True, reason="planner.py parse_bytes(): int(float(value) * unit) truncates, "
+                   "'1.001kB' gives 1000 bytes instead of 1001")
+@pytest.mark.parametrize("text, expected", [("1.001kB", 1001), ("1.005kB", 1005), ("2.01MB", 2_010_000)])
+def test_parse_bytes_decimal_fractions_are_exact(text, expected):
+    assert parse_bytes(text) == expected
+
+
+# ---- speed --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["revnext", "resnet18"])
+def test_planner_answers_in_well_under_a_second(arch):
+    """The default models' profiles at 32x32 (recorded, see tests/profiles.py): each plan() well under 1 s."""
+    prof = recorded(arch)
+    model = create_model(arch)
+    # the recorded profile still describes the model: same stages, same modes
+    assert prof.size == 32 and prof.source == "measured"
+    stale = "the recorded profile no longer matches the model: record it again (see tests/profiles.py)"
+    assert prof.names == [type(s).__name__ for s in model.body.stages], stale
+    assert [set(s) for s in prof.stages] == [{str(m) for m in supported_modes(s)} for s in model.body.stages], stale
+    low = smallest_budget(prof)
+    slowest = 0.0
+    for budget in (int(low * 1.01), 64 * 2**20, 400 * 2**20, 2**30, 16 * 2**30, 2**40):
+        t0 = time.perf_counter()
+        try:
+            p = plan(prof, budget)
+        except BudgetTooSmall:
+            p = None
+        slowest = max(slowest, time.perf_counter() - t0)
+        if p is not None:
+            check_plan(p, prof, budget)
+    assert slowest < 0.5, f"plan() took {slowest:.3f} s"
+
+
+def test_planner_is_fast_on_a_measured_profile(cache):
+    prof = measured()
+    t0 = time.perf_counter()
+    for budget in (smallest_budget(prof) * 2, 2**24, 2**30):
+        plan(prof, budget)
+    assert time.perf_counter() - t0 < 1.0
+
+
+# ---- real plans ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [SMALL_REVNEXT, SMALL_RESNET], ids=["revnext", "resnet18"])
+@pytest.mark.parametrize("factor", [1.1, 1.5, 4.0, 30.0])
+def test_plan_model_keeps_the_measured_peak_under_the_budget(cache, spec, factor):
+    prof = measured(spec)
+    budget = int(smallest_budget(prof) * factor)
+    torch.manual_seed(0)
+    model = small_model(spec)
+    mp = plan_model(model, 16, budget, profile=prof)
+    assert mp.profile is prof
+    check = mp.plan
+    assert check.batch >= 1 and len(check.modes) == len(model.body.stages)
+    assert all(m in stage for m, stage in zip(check.modes, prof.stages))
+    assert check.predicted_peak_bytes <= budget
+    stages = mp.stages(model)
+    assert [s["mode"] for s in stages] == list(check.modes)
+    assert [s["type"] for s in stages] == prof.names
+    result = verify(model, check.modes, check.batch, 16, steps=1)
+    measured_peak = result["measured_peak_bytes"]
+    assert measured_peak <= budget, (budget, check, result)
+    assert abs(check.predicted_peak_bytes - measured_peak) <= 0.1 * measured_peak, (check, result)
+    assert result["measured_step_seconds"] > 0
+    assert not cache.exists() or not any(cache.iterdir())  # a profile passed in is not written to the cache
+
+
+@pytest.mark.xfail(strict=True, reason="autoplan.py/planner.py: the smallest budget BudgetTooSmall reports leaves out "
+                   "the head, loss and input of the step, so plan_model refuses the budget it just named")
+def test_plan_model_accepts_the_smallest_budget_it_reports(cache):
+    prof = measured()
+    model = small_model()
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_model(model, 16, 1000, profile=prof)
+    mp = plan_model(model, 16, info.value.smallest, profile=prof)
+    assert mp.plan.predicted_peak_bytes <= info.value.smallest
+
+
+def with_seconds(prof: Profile, seed: int) -> Profile:
+    """``prof`` with reproducible random seconds (measured ones vary from run to run)."""
+    r = random.Random(seed)
+    stages = [{m: ModeCost(c.kept, c.forward, c.backward, Linear(r.uniform(1e-4, 2e-3), r.uniform(1e-5, 2e-4)))
+               for m, c in stage.items()} for stage in prof.stages]
+    return Profile(prof.arch, prof.size, prof.device, prof.key, prof.source, prof.fixed_bytes, stages, prof.names,
+                   prof.head_seconds)
+
+
+@pytest.mark.xfail(strict=True, reason="autoplan.py plan_model(): each round lowers the target by the overshoot, "
+                   "and once the target is below smallest_budget the inner plan() raises BudgetTooSmall (naming "
+                   "that internal target, not the user's budget) although a plan fits the budget")
+def test_plan_model_finds_a_plan_when_one_fits(cache):
+    model = small_model()
+    prof = with_seconds(measured(), 0)
+    defaults = tuple(str(m) for m in model.body.modes)  # stem stored, every other stage inverted
+    fits = fake_step_peak(model, defaults, 1, 16)  # the exact step peak of that plan at batch 1
+    budget = int(fits * 1.02)
+    try:
+        mp = plan_model(model, 16, budget, profile=prof)
+    except BudgetTooSmall as e:
+        assert e.budget == budget, f"the error names a budget of {e.budget:,} bytes, the user gave {budget:,}"
+        raise
+    assert mp.plan.predicted_peak_bytes <= budget
+
+
+def test_plan_model_rejects_a_budget_below_the_weights(cache):
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_model(small_model(), 16, 1000, profile=measured())
+    assert info.value.smallest == smallest_budget(measured())
+
+
+@pytest.mark.xfail(strict=True, reason="profile.py estimate_profile(): FlopCounterMode's module tracker breaks "
+                   "torch.autograd.grad inside the engine's backward ('A leaf node was passed to "
+                   "_will_engine_execute_node'); every model fails, so 'edgerev plan --estimate' crashes")
+def test_estimate_profile_runs_and_agrees_with_measured_bytes():
+    torch.manual_seed(0)
+    model = EngineModel([stem(4), HybridBlock(4)], features=4, num_classes=2, divisor=1)
+    est = estimate_profile(model, 8)
+    assert est.source == "estimated" and len(est.stages) == 2
+    real = profile_mod.measure_profile(model, 8, batches=(1, 2), repeats=1)
+    for e, m in zip(est.stages, real.stages):
+        assert set(e) == set(m)
+        for mode in e:
+            assert (e[mode].kept, e[mode].forward, e[mode].backward) == (m[mode].kept, m[mode].forward,
+                                                                        m[mode].backward)
+            assert e[mode].seconds.at(1) > 0
+
+
+# ---- the profile cache -------------------------------------------------------------------------------------------
+
+
+class FakeMeasure:
+    """Stands in for ``measure_profile``: returns a measured profile and counts the calls."""
+
+    def __init__(self, prof: Profile) -> None:
+        self.prof, self.calls = prof, 0
+
+    def __call__(self, model, size, device="cpu", **kw) -> Profile:
+        self.calls += 1
+        assert size == self.prof.size and device == self.prof.device
+        return self.prof
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEREV_CACHE", str(tmp_path / "here"))
+    assert cache_dir() == tmp_path / "here"
+    monkeypatch.delenv("EDGEREV_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "edgerev" / "profiles"
+
+
+def test_load_or_measure_writes_then_reads_the_cache(cache, monkeypatch):
+    prof = measured()
+    fake = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "measure_profile", fake)
+    model = small_model()
+    first = load_or_measure(model, 16)
+    assert fake.calls == 1 and first is prof
+    files = list(cache.glob("*.json"))
+    assert len(files) == 1 and prof.key in files[0].name
+    stored = json.loads(files[0].read_text())
+    assert stored["version"] == PROFILE_VERSION and stored["key"] == prof.key
+
+    def fail(*args, **kwargs):
+        raise AssertionError("measured again although the cache holds the profile")
+
+    monkeypatch.setattr(profile_mod, "measure_profile", fail)
+    second = load_or_measure(small_model(), 16)  # another instance of the same architecture
+    assert second == prof  # every curve survives the JSON round trip
+    assert second.stages[3]["store8"].kept.at(7) == prof.stages[3]["store8"].kept.at(7)
+    # another input size is another profile
+    monkeypatch.setattr(profile_mod, "measure_profile", FakeMeasure(prof))
+    with pytest.raises(AssertionError):
+        load_or_measure(model, 32)
+
+
+@pytest.mark.parametrize("damage", [
+    "not json at all {",
+    "",
+    '{"version": 1}',
+    '{"version": 999, "key": "x"}',
+    "stale-key",
+    "bad-stages",
+    b"\xff\xfe\x00garbage",
+])
+def test_a_damaged_cache_entry_is_measured_again(cache, monkeypatch, damage):
+    prof = measured()
+    fake = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "measure_profile", fake)
+    model = small_model()
+    load_or_measure(model, 16)
+    (path,) = cache.glob("*.json")
+    good = json.loads(path.read_text())
+    if damage == "stale-key":
+        path.write_text(json.dumps({**good, "key": "0" * 16}))
+    elif damage == "bad-stages":
+        path.write_text(json.dumps({**good, "stages": [{"store": {"kept": 5}}]}))
+    elif isinstance(damage, bytes):
+        path.write_bytes(damage)
+    else:
+        path.write_text(damage)
+    again = load_or_measure(model, 16)
+    assert fake.calls == 2 and again is prof
+    assert json.loads(path.read_text()) == good  # and the entry is repaired
+    assert load_or_measure(model, 16) == prof and fake.calls == 2
+
+
+@pytest.mark.xfail(strict=True, reason="profile.py load_or_measure(): a cache entry holding valid JSON that is not an "
+                   "object (e.g. '[]' or 'null') raises AttributeError instead of being measured again")
+@pytest.mark.parametrize("damage", ["[]", "null"])
+def test_a_cache_entry_that_is_not_an_object_is_measured_again(cache, monkeypatch, damage):
+    fake = FakeMeasure(measured())
+    monkeypatch.setattr(profile_mod, "measure_profile", fake)
+    model = small_model()
+    load_or_measure(model, 16)
+    (path,) = cache.glob("*.json")
+    path.write_text(damage)
+    load_or_measure(model, 16)
+    assert fake.calls == 2

@@ -1,0 +1,279 @@
+"""Sign-preserving 8/4-bit activation copies: the quantizer itself, the bytes store8/store4 keep, their gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edgerev.engine import InvertibleSequence, plain
+from edgerev.layers import InvBatchNorm2d, InvLeakyReLU
+from edgerev.memory.profile import stage_inputs
+from edgerev.memory.tracker import MemoryTracker
+from edgerev.models import create_model
+from edgerev.quantize import bn_range, channel_range, dequantize, quantize
+from tests.helpers import cosine, rel_err
+
+BITS = (8, 4)
+
+
+def sample(shape, seed: int = 0, dtype: torch.dtype = torch.float32, zeros: float = 0.1,
+           outliers: float = 0.01) -> torch.Tensor:
+    """Gaussian values with a fraction of exact zeros and of large values (ten times larger), reproducible."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    x[torch.rand(shape, generator=g) < zeros] = 0.0
+    x[torch.rand(shape, generator=g) < outliers] *= 10.0
+    return x.to(dtype)
+
+
+def reference(x: torch.Tensor, bits: int, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The documented rule, element by element: the middle of the bin on ``2**(bits-1)`` levels, signed."""
+    levels = 2 ** (bits - 1)
+    shape = (1, -1, *([1] * (x.dim() - 2)))
+    tiny = torch.finfo(x.dtype).tiny
+    inv_hi, inv_lo = (levels / hi.clamp_min(tiny)).view(shape), (levels / lo.clamp_min(tiny)).view(shape)
+    pos = x > 0
+    mag = torch.where(pos, x * inv_hi, -x * inv_lo).floor().clamp(0, levels - 1) + 0.5
+    return torch.where(pos, mag * (hi / levels).view(shape), -mag * (lo / levels).view(shape))
+
+
+# ---- the quantizer ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("shape", [(4, 6, 5, 5), (3, 5, 7), (1, 3, 5, 1), (2, 1, 1, 1), (5, 2)])
+@pytest.mark.parametrize("seed", range(3))
+def test_sign_is_preserved_exactly(bits, shape, seed):
+    x = sample(shape, seed)
+    x.view(-1)[0] = 0.0  # at least one exact zero
+    dq = dequantize(quantize(x, bits))
+    assert dq.shape == x.shape and dq.dtype == x.dtype
+    assert torch.equal(dq > 0, x > 0)
+    assert bool((dq[x == 0] <= 0).all()), "an exact zero must come back non-positive (leaky ReLU treats 0 as negative)"
+    assert bool((dq[x < 0] < 0).all())
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_zeros_come_back_non_positive_even_in_an_all_zero_channel(bits):
+    x = torch.zeros(2, 3, 4, 4)
+    x[:, 1] = torch.randn(2, 4, 4)
+    dq = dequantize(quantize(x, bits))
+    assert torch.equal(dq > 0, x > 0)
+    assert bool((dq[:, 0] <= 0).all()) and bool((dq[:, 2] <= 0).all())
+    assert torch.isfinite(dq).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_error_is_at_most_half_a_bin(bits, dtype):
+    """With the range measured on the batch, every value is within half a bin of its copy."""
+    x = sample((4, 6, 5, 5), 1, dtype)
+    q = quantize(x, bits)
+    hi, lo = channel_range(x)
+    assert torch.equal(q.pos, hi) and torch.equal(q.neg, lo)
+    levels = 2 ** (bits - 1)
+    view = (1, -1, 1, 1)
+    half = torch.where(x > 0, (hi / levels).view(view), (lo / levels).view(view)) / 2
+    dq = dequantize(q)
+    slack = 4 * torch.finfo(dtype).eps * x.abs().amax()
+    assert bool(((dq - x).abs() <= half + slack).all())
+    torch.testing.assert_close(dq, reference(x, bits, hi, lo), rtol=0, atol=float(slack))
+
+
+def test_eight_bits_are_much_more_accurate_than_four():
+    x = sample((8, 16, 6, 6), 2, zeros=0.0, outliers=0.0)
+    e8 = rel_err(dequantize(quantize(x, 8)), x)
+    e4 = rel_err(dequantize(quantize(x, 4)), x)
+    assert e8 < 0.01
+    assert e4 < 0.15
+    assert e8 * 8 < e4  # 16 times finer bins: the error shrinks about 16 times
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_per_channel_ranges(bits):
+    """Channels of very different scales each keep their own relative accuracy."""
+    x = sample((4, 3, 6, 6), 3, zeros=0.0, outliers=0.0) * torch.tensor([1e-3, 1.0, 1e3]).view(1, 3, 1, 1)
+    dq = dequantize(quantize(x, bits))
+    bound = 0.01 if bits == 8 else 0.15
+    for c in range(3):
+        assert rel_err(dq[:, c], x[:, c]) < bound, f"channel {c}"
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_values_are_clipped_to_the_given_range(bits):
+    scale = torch.tensor([0.5, -1.0, 2.0])
+    shift = torch.tensor([0.2, -0.5, 1.0])
+    hi, lo = bn_range(scale, shift, k=1.0)
+    torch.testing.assert_close(hi, torch.tensor([0.7, 0.5, 3.0]))
+    torch.testing.assert_close(lo, torch.tensor([0.3, 1.5, 1.0]))
+    x = sample((4, 3, 5, 5), 4) * 4.0  # well outside the range
+    dq = dequantize(quantize(x, bits, (hi, lo)))
+    levels = 2 ** (bits - 1)
+    top = ((levels - 0.5) / levels * hi).view(1, 3, 1, 1).expand_as(x)
+    bottom = ((levels - 0.5) / levels * lo).view(1, 3, 1, 1).expand_as(x)
+    assert torch.equal(dq > 0, x > 0)
+    assert bool((dq <= top + 1e-6).all()) and bool((-dq <= bottom + 1e-6).all())
+    above, below = x > top, x < -bottom
+    assert above.any() and below.any()
+    torch.testing.assert_close(dq[above], top[above])  # clipped to the top bin
+    torch.testing.assert_close(dq[below], -bottom[below])
+    torch.testing.assert_close(dq, reference(x, bits, hi, lo))
+
+
+@pytest.mark.xfail(strict=True, reason="quantize.py: a positive value dequantizes to 0.0 when the given range's "
+                   "positive end is 0 (bn_range clamps shift + k|scale| to 0): its sign is lost")
+@pytest.mark.parametrize("bits", BITS)
+def test_sign_survives_a_range_with_no_positive_part(bits):
+    """``bn_range`` gives ``hi = 0`` when ``shift <= -k |scale|``; a batch-norm output can still be positive
+    (``xhat > k``), and the module promises its copy stays positive."""
+    hi, lo = bn_range(torch.tensor([1.0]), torch.tensor([-10.0]))
+    assert hi.item() == 0.0
+    x = torch.tensor([-3.0, 0.5, 2.0, 0.0]).view(1, 1, 2, 2)
+    dq = dequantize(quantize(x, bits, (hi, lo)))
+    assert torch.equal(dq > 0, x > 0), f"{dq.flatten().tolist()} for {x.flatten().tolist()}"
+
+
+@pytest.mark.parametrize("numel_shape", [(2, 3, 5, 5), (1, 3, 5, 1), (3, 1, 1, 1), (1, 1, 1, 1), (2, 5)])
+def test_four_bit_codes_are_packed_two_per_byte(numel_shape):
+    x = sample(numel_shape, 5)
+    n = x.numel()
+    q8, q4 = quantize(x, 8), quantize(x, 4)
+    assert q8.codes.dtype == q4.codes.dtype == torch.uint8
+    assert q8.nbytes == n
+    assert q4.nbytes == math.ceil(n / 2)
+    assert q4.shape == x.shape and q4.bits == 4
+    # the packed codes decode to the same values as the rule applied element by element, last element included
+    hi, lo = channel_range(x)
+    torch.testing.assert_close(dequantize(q4), reference(x, 4, hi, lo), rtol=0, atol=1e-6)
+    # and two 4-bit codes in a byte are the low and high nibble of consecutive elements
+    levels, tiny, view = 8, torch.finfo(x.dtype).tiny, (1, -1, *[1] * (x.dim() - 2))
+    inv_hi, inv_lo = (levels / hi.clamp_min(tiny)).view(view), (levels / lo.clamp_min(tiny)).view(view)
+    mag = torch.where(x > 0, x * inv_hi, -x * inv_lo)
+    codes = (mag.floor().clamp(0, levels - 1) + (x > 0) * levels).to(torch.uint8).flatten()
+    if n % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    assert torch.equal(q4.codes.flatten(), codes[0::2] | (codes[1::2] << 4))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_float64_input(bits):
+    x = sample((3, 4, 3, 3), 6, torch.float64, outliers=0.0)
+    q = quantize(x, bits)
+    dq = dequantize(q)
+    assert dq.dtype == torch.float64 and q.dtype == torch.float64
+    assert torch.equal(dq > 0, x > 0)
+    assert rel_err(dq, x) < (0.01 if bits == 8 else 0.15)
+    assert q.nbytes == (x.numel() if bits == 8 else math.ceil(x.numel() / 2))
+
+
+def test_the_input_is_left_untouched():
+    x = sample((2, 3, 4, 4), 7)
+    before = x.clone()
+    for bits in BITS:
+        quantize(x, bits)
+    assert torch.equal(x, before)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="8 or 4"):
+        quantize(torch.randn(2, 3, 4, 4), 2)
+    with pytest.raises(ValueError, match="batch, channels"):
+        quantize(torch.randn(5), 8)
+
+
+# ---- what the engine keeps, and the gradients it gets from the copies ------------------------------------------------
+
+SMALL = dict(width=8, blocks=(1, 1, 1, 1, 1))
+
+
+def kept_bytes(model, x: torch.Tensor, mode: str) -> int:
+    """Live bytes the forward of the body leaves for its backward (the pooled output included)."""
+    model.body.set_modes(mode)
+    with MemoryTracker() as tr:
+        out = model.body(x, samples=x.shape[0])
+        kept = tr.current
+        assert out.grad_fn is not None
+        out.sum().backward()  # and the backward runs on what was kept
+    model.zero_grad(set_to_none=True)
+    return kept
+
+
+def test_store4_keeps_less_than_store8_less_than_store():
+    torch.manual_seed(0)
+    model = create_model("revnext", **SMALL)
+    batch, size = 4, 16
+    x = torch.randn(batch, 3, size, size)
+    kept = {m: kept_bytes(model, x, m) for m in ("store", "store8", "store4", "invert")}
+    assert kept["invert"] < kept["store4"] < kept["store8"] < kept["store"], kept
+    # the difference is exactly the codes: one byte per element of every stage input, or half a byte (rounded up)
+    numels = [batch * math.prod(s) for s in stage_inputs(model, size)]
+    assert kept["store8"] - kept["store4"] == sum(numels) - sum(math.ceil(n / 2) for n in numels)
+    # and an 8-bit copy of every stage input is at least 3 times smaller than their autograd graphs
+    assert kept["store8"] * 3 < kept["store"]
+
+
+def param_grads(model, x, y, reference: bool) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    with plain(model, enabled=reference):
+        F.cross_entropy(model(x), y).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_store8_gradients_are_close_and_store4_no_closer():
+    torch.manual_seed(1)
+    model = create_model("revnext", **SMALL)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    ref = param_grads(model, x, y, reference=True)
+    cos = {}
+    for mode in ("invert", "store8", "store4"):
+        model.body.set_modes(mode)
+        g = param_grads(model, x, y, reference=False)
+        cos[mode] = cosine(g, ref)
+    assert cos["invert"] > 0.99999, cos  # exact mode: the control
+    assert cos["store8"] > 0.98, cos
+    assert 0.9 < cos["store4"] <= cos["store8"], cos
+
+
+@pytest.mark.parametrize("mode", ["store8", "store4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_leaky_relu_gradient_is_exact_from_the_copy(mode, dtype):
+    """The leaky ReLU backward depends only on signs, and the copy keeps every sign."""
+    seq = InvertibleSequence([InvLeakyReLU(0.2)], modes=[mode], pool=None)
+    x = sample((3, 4, 5, 5), 8, dtype)
+    u = sample((3, 4, 5, 5), 9, dtype, zeros=0.0)
+    grads = []
+    for reference in (False, True):
+        xx = x.clone().requires_grad_()
+        with plain(seq, enabled=reference):
+            out = seq(xx)
+            if not reference:
+                assert type(out.grad_fn).__name__ == "_EngineBackward"
+            (g,) = torch.autograd.grad((out * u).sum(), [xx])
+        grads.append(g)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.xfail(strict=True, reason="quantize.py/engine.py: after an InvBatchNorm2d whose shift <= -4|scale|, "
+                   "bn_range gives hi=0, positive activations come back as 0.0 and the leaky ReLU in store8 mode "
+                   "uses the negative slope for them: the gradient is no longer exact")
+def test_leaky_relu_after_batch_norm_gradient_is_exact_in_store8():
+    bn = InvBatchNorm2d(2).double()
+    with torch.no_grad():
+        bn.weight.fill_(0.9)  # scale 1.0 with eps_i = 0.1
+        bn.bias.fill_(-5.0)
+    seq = InvertibleSequence([bn, InvLeakyReLU(0.2)], modes=["store", "store8"], pool=None)
+    x = torch.randn(1, 2, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[0, :, 0, 0] = 50.0  # an outlier: normalized to about +7.9, so its batch-norm output is positive
+    u = torch.randn(1, 2, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for reference in (False, True):
+        xx = x.clone().requires_grad_()
+        with plain(seq, enabled=reference):
+            out = seq(xx)
+            assert int((out > 0).sum()) == 2
+            (g,) = torch.autograd.grad((out * u).sum(), [xx])
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
