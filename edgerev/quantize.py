@@ -61,6 +61,9 @@ def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None) -> 
     if x.dim() < 2:
         raise ValueError(f"quantize needs a [batch, channels, ...] tensor, got shape {tuple(x.shape)}")
     hi, lo = channel_range(x) if rng is None else rng
+    # a range of 0 would put a whole sign at zero on the way back: keep every range positive
+    floor = torch.finfo(x.dtype).eps
+    hi, lo = hi.clamp_min(floor), lo.clamp_min(floor)
     levels = 2 ** (bits - 1)
     tiny = torch.finfo(x.dtype).tiny
     inv_hi = _view(levels / hi.clamp_min(tiny), x.dim())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -158,15 +159,18 @@ def test_plan_text(capsys, small_revnext):
 def test_plan_budget_too_small(capsys, small_revnext):
     prof, _, _ = small_revnext
     line = assert_one_line_error(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "1B")
-    assert f"{smallest_budget(prof):,}" in line
+    smallest = re.search(r"the smallest budget that fits is ([0-9,]+) bytes", line)
+    assert smallest, line
+    rc, out, err = run(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", smallest.group(1).replace(",", ""),
+                       "--json")
+    assert rc == 0, err
+    assert json.loads(out)["predicted_peak_bytes"] <= int(smallest.group(1).replace(",", ""))
 
 
-@pytest.mark.xfail(strict=True, reason="profile.py estimate_profile() raises RuntimeError for every model (see "
-                   "test_planner.py), which the CLI does not catch: 'edgerev plan --estimate' prints a traceback")
 def test_plan_estimate(capsys, small_revnext):
     rc, out, err = run(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "2MiB", "--estimate", "--json")
     assert rc == 0, err
-    assert json.loads(out)["profile"] == "estimated"
+    assert "estimated" in json.loads(out)["planner"]
 
 
 @pytest.mark.parametrize("argv, match", [

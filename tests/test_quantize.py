@@ -123,8 +123,6 @@ def test_values_are_clipped_to_the_given_range(bits):
     torch.testing.assert_close(dq, reference(x, bits, hi, lo))
 
 
-@pytest.mark.xfail(strict=True, reason="quantize.py: a positive value dequantizes to 0.0 when the given range's "
-                   "positive end is 0 (bn_range clamps shift + k|scale| to 0): its sign is lost")
 @pytest.mark.parametrize("bits", BITS)
 def test_sign_survives_a_range_with_no_positive_part(bits):
     """``bn_range`` gives ``hi = 0`` when ``shift <= -k |scale|``; a batch-norm output can still be positive
@@ -256,9 +254,6 @@ def test_leaky_relu_gradient_is_exact_from_the_copy(mode, dtype):
     assert torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.xfail(strict=True, reason="quantize.py/engine.py: after an InvBatchNorm2d whose shift <= -4|scale|, "
-                   "bn_range gives hi=0, positive activations come back as 0.0 and the leaky ReLU in store8 mode "
-                   "uses the negative slope for them: the gradient is no longer exact")
 def test_leaky_relu_after_batch_norm_gradient_is_exact_in_store8():
     bn = InvBatchNorm2d(2).double()
     with torch.no_grad():

@@ -63,23 +63,43 @@ class PlainPlan:
                 for (n, s), m in zip(model.body.stages.named_children(), modes)]
 
 
+def minimal_segments(model: nn.Module, size: int) -> tuple[tuple, int]:
+    """The segmentation of least exact peak at batch 1 among the smallest candidates, and that peak."""
+    from edgerev.memory.reforward import Segment
+
+    n = len(model.body.stages)
+    candidates = [tuple(Segment(i, i + 1, "store4") for i in range(n)), (Segment(0, n, "store4"),),
+                  tuple(Segment(i, i + 1, "checkpoint") for i in range(n))]
+    peaks = [fake_step_peak(model, None, 1, size, segments=c) for c in candidates]
+    k = min(range(len(candidates)), key=peaks.__getitem__)
+    return candidates[k], peaks[k]
+
+
 def plan_plain(model: nn.Module, size: int, budget: int, device: str = "cpu", stats=None, check: bool = True,
                rounds: int = 4) -> PlainPlan:
     """Checkpoint segments for a plain model (see :mod:`edgerev.memory.reforward`), checked like :func:`plan_model`."""
     from dataclasses import replace as dc_replace
 
     from edgerev.memory.planner import BudgetTooSmall
-    from edgerev.memory.reforward import plan_segments, stage_stats
+    from edgerev.memory.reforward import SegmentPlan, plan_segments, stage_stats
 
+    if budget <= 0:
+        raise BudgetTooSmall(budget, 0)
+    floor_segments, floor = minimal_segments(model, size) if check else ((), 0)
+    if budget < floor:
+        raise BudgetTooSmall(budget, floor)
     if stats is None:
         x = torch.randn(8, model.in_channels, size, size, device=device)
         stats = stage_stats(model.body.stages, x)
     fixed = sum(2 * p.numel() * p.element_size() for p in model.parameters())
     fixed += sum(b.numel() * b.element_size() for b in model.buffers())
-    target = budget
+    target, solve = budget, 0.0
     for _ in range(rounds):
         t0 = time.perf_counter()
-        p = plan_segments(stats, target, fixed)
+        try:
+            p = plan_segments(stats, target, fixed)
+        except BudgetTooSmall:
+            break
         solve = time.perf_counter() - t0
         if not check:
             return PlainPlan(p, p.predicted_peak_bytes, solve)
@@ -87,19 +107,48 @@ def plan_plain(model: nn.Module, size: int, budget: int, device: str = "cpu", st
         if exact <= budget:
             return PlainPlan(dc_replace(p, predicted_peak_bytes=exact), p.predicted_peak_bytes, solve)
         target -= exact - budget + max(1, budget // 200)  # the fit missed by a roughly constant amount
-        if target <= fixed:
-            break
-    raise BudgetTooSmall(budget, int(fixed + min(s.input_bytes + s.graph_bytes for s in stats) * 2))
+    if not check:
+        raise BudgetTooSmall(budget, floor)
+    step = sum(s.forward_seconds.at(1) * 2 + s.backward_seconds.at(1) for s in stats)
+    return PlainPlan(SegmentPlan(1, floor_segments, floor, step), floor, solve)
+
+
+def minimal_modes(model: nn.Module) -> tuple[str, ...]:
+    """Per stage, the mode that keeps least: invert, else recompute, else a 4-bit copy."""
+    from edgerev.engine import supported_modes
+
+    out = []
+    for stage in model.body.stages:
+        names = [m.value for m in supported_modes(stage)]
+        out.append(next(m for m in ("invert", "recompute", "store4") if m in names))
+    return tuple(out)
 
 
 def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", profile: Profile | None = None,
                check: bool = True, rounds: int = 4) -> ModelPlan:
-    """The fastest plan for ``model`` at ``size`` under ``budget`` bytes (see the module docstring)."""
+    """The fastest plan for ``model`` at ``size`` under ``budget`` bytes (see the module docstring).
+
+    Before anything is profiled, batch 1 in :func:`minimal_modes` is run on fake tensors: a budget
+    below its exact peak is refused at once, and that peak is the smallest budget the error names.
+    Any budget at or above it gets a plan (that one, if nothing faster fits).
+    """
+    from edgerev.memory.planner import BudgetTooSmall
+
+    if budget <= 0:
+        raise BudgetTooSmall(budget, 0)
+    floor_modes = minimal_modes(model)
+    floor = fake_step_peak(model, floor_modes, 1, size) if check else 0
+    if budget < floor:
+        raise BudgetTooSmall(budget, floor)
     profile = profile or load_or_measure(model, size, device)
     target = budget
+    solve = 0.0
     for _ in range(rounds):
         t0 = time.perf_counter()
-        p = plan(profile, target)
+        try:
+            p = plan(profile, target)
+        except BudgetTooSmall:
+            break
         solve = time.perf_counter() - t0
         if not check:
             return ModelPlan(p, profile, p.predicted_peak_bytes, solve)
@@ -107,18 +156,10 @@ def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", pr
         if exact <= budget:
             return ModelPlan(replace(p, predicted_peak_bytes=exact), profile, p.predicted_peak_bytes, solve)
         target -= exact - budget + max(1, budget // 200)  # the fit missed by a roughly constant amount
-    # the last solve still overshot: fall back to the fitted plan's smallest batch that fits exactly
-    b = p.batch
-    while b > 1:
-        b = max(1, b // 2)
-        exact = fake_step_peak(model, p.modes, b, size)
-        if exact <= budget:
-            q = replace(p, batch=b, predicted_peak_bytes=exact,
-                        step_seconds=sum(profile.stages[i][m].seconds.at(b) for i, m in enumerate(p.modes)))
-            return ModelPlan(q, profile, p.predicted_peak_bytes, solve)
-    from edgerev.memory.planner import BudgetTooSmall, smallest_budget
-
-    raise BudgetTooSmall(budget, smallest_budget(profile))
+    if not check:
+        raise BudgetTooSmall(budget, floor)
+    seconds = sum(profile.stages[i][m].seconds.at(1) for i, m in enumerate(floor_modes))
+    return ModelPlan(Plan(1, floor_modes, floor, seconds), profile, floor, solve)
 
 
 def verify(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: int, device: str = "cpu",

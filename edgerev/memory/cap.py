@@ -6,9 +6,11 @@ behaviour is the same and testable without a GPU.
 
 :func:`train_step` runs one optimizer step on a batch. If the step runs out of memory, it restores
 what the failed attempt touched (gradients, batch-norm running statistics), splits the batch into
-twice as many micro-batches, accumulates their gradients (each loss weighted by its share of the
-batch, so the update equals the full-batch one) and tries again, down to micro-batches of one
-sample. The optimizer steps exactly once per call, after every micro-batch succeeded.
+twice as many micro-batches, accumulates their gradients and tries again, down to micro-batches of
+one sample. Each loss is weighted by its share of the batch, so the update equals the full-batch one
+wherever the loss is a sum over samples (batch norm in training mode normalizes each micro-batch by
+its own statistics, as with any gradient accumulation). The optimizer steps exactly once per call,
+after every micro-batch succeeded.
 """
 
 from __future__ import annotations

@@ -89,8 +89,6 @@ def solve(groups: Sequence[Sequence[Choice]], cap: float, granule: float) -> tup
                 if k + up(c.local) > slots:
                     continue
                 k2 = k + up(c.kept)
-                if k2 > slots:
-                    continue
                 cand = (t + c.seconds, picks + [idx])
                 if k2 not in nxt or cand[0] < nxt[k2][0]:
                     nxt[k2] = cand
@@ -108,7 +106,7 @@ def solve(groups: Sequence[Sequence[Choice]], cap: float, granule: float) -> tup
 
 
 def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, granules: int = 4096,
-         head_bytes_per_sample: float = 0.0) -> Plan:
+         head_bytes_per_sample: float = 0.0, _raise: bool = True) -> Plan:
     """Best plan for ``budget`` bytes over ``batches`` (default: 1, 2, 3, 4, 6, 8, ... up to 4096)."""
     if budget <= 0:
         raise EdgerevError(f"the budget must be positive, got {budget} bytes")
@@ -129,11 +127,34 @@ def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, gr
         if best is None or p.samples_per_second > best.samples_per_second:
             best = p
     if best is None:
+        if not _raise:
+            raise _NoPlan
         raise BudgetTooSmall(budget, smallest_budget(profile, head_bytes_per_sample))
     return best
 
 
 def smallest_budget(profile: Profile, head_bytes_per_sample: float = 0.0) -> int:
+    """The smallest budget for which :func:`plan` finds a plan (batch 1, modes that minimize the peak).
+
+    The peak is minimized exactly; the budget is then raised until the granule-rounded solver
+    accepts it, so the figure an error names always works.
+    """
+    low = _smallest_peak(profile, head_bytes_per_sample)
+    budget = low
+    for _ in range(200):
+        try:
+            plan(profile, budget, batches=[1], head_bytes_per_sample=head_bytes_per_sample, _raise=False)
+            return budget
+        except _NoPlan:
+            budget = int(math.ceil(budget * (1 + 2**-10))) + 1
+    return budget
+
+
+class _NoPlan(Exception):
+    pass
+
+
+def _smallest_peak(profile: Profile, head_bytes_per_sample: float = 0.0) -> int:
     """Bytes needed by batch 1 in the modes that minimize the peak."""
     groups = [choices_at(stage, 1) for stage in profile.stages]
     # minimize the peak: DP over kept bytes keeping the smallest running peak per state
@@ -170,7 +191,14 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise EdgerevError(f"cannot read {text!r} as a size in bytes; write e.g. 400MiB, 1.5GB or 1000000")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        value = Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
+    except InvalidOperation:
+        raise EdgerevError(f"cannot read {text!r} as a size in bytes") from None
     if value < 1:
         raise EdgerevError(f"a budget must be at least one byte, got {text!r}")
-    return int(value)
+    if value > 2**62:
+        raise EdgerevError(f"{text!r} is more bytes than any device has")
+    return int(value.to_integral_value())

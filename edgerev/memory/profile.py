@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgerev.engine import InvertibleSequence, Mode, supported_modes
 from edgerev.errors import EdgerevError
@@ -247,7 +248,6 @@ def _fixed_bytes(model: nn.Module) -> int:
 def estimate_profile(model: nn.Module, size: int, device: str = "cpu") -> Profile:
     """Bytes from fake-tensor runs of each stage, seconds from FLOP counts at a nominal rate."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     body = _body(model)
     shapes = stage_inputs(model, size, "cpu")
@@ -258,15 +258,39 @@ def estimate_profile(model: nn.Module, size: int, device: str = "cpu") -> Profil
             kept, fwd, bwd = _bytes_curves(stage, m, shape, i == 0)
             flops = {}
             for b in (1, 2):
-                counter = FlopCounterMode(display=False)
-                with FakeTensorMode() as mode_, counter:
-                    _run(_fake_copy(stage, mode_), m, shape, b, i == 0, "cpu", False)
-                flops[b] = counter.get_total_flops() * NOMINAL_SECONDS_PER_FLOP
+                counter = FlopCounter()
+                with FakeTensorMode() as mode_:
+                    fake = _fake_copy(stage, mode_)
+                    with counter:
+                        _run(fake, m, shape, b, i == 0, "cpu", False)
+                flops[b] = counter.total * NOMINAL_SECONDS_PER_FLOP
             costs[m.value] = ModeCost(kept, fwd, bwd, Linear.fit(1, flops[1], 2, flops[2]))
         stages.append(costs)
         names.append(type(stage).__name__)
     return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
                    "estimated", _fixed_bytes(model), stages, names)
+
+
+class FlopCounter(TorchDispatchMode):
+    """FLOPs of every op PyTorch has a formula for (convolutions, matrix products), by shapes only.
+
+    ``torch.utils.flop_counter.FlopCounterMode`` also tracks modules with hooks, which breaks the
+    engine's own ``autograd.grad`` calls inside its backward; this counts ops and nothing else.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
 
 
 def _fake_copy(stage: nn.Module, fake_mode) -> nn.Module:
@@ -295,9 +319,9 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
     if path.exists():
         try:
             d = json.loads(path.read_text())
-            if d.get("version") == PROFILE_VERSION and d.get("key") == key:
+            if isinstance(d, dict) and d.get("version") == PROFILE_VERSION and d.get("key") == key:
                 return Profile.from_json(d)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             pass  # a damaged cache entry is measured again
     prof = measure_profile(model, size, device)
     root.mkdir(parents=True, exist_ok=True)
