@@ -161,10 +161,10 @@ def test_plan_budget_too_small(capsys, small_revnext):
     line = assert_one_line_error(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "1B")
     smallest = re.search(r"the smallest budget that fits is ([0-9,]+) bytes", line)
     assert smallest, line
-    rc, out, err = run(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", smallest.group(1).replace(",", ""),
-                       "--json")
+    budget = smallest.group(1).replace(",", "")
+    rc, out, err = run(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", budget, "--json")
     assert rc == 0, err
-    assert json.loads(out)["predicted_peak_bytes"] <= int(smallest.group(1).replace(",", ""))
+    assert json.loads(out)["predicted_peak_bytes"] <= int(budget)
 
 
 def test_plan_estimate(capsys, small_revnext):
