@@ -192,8 +192,11 @@ class _Engine(torch.autograd.Function):
                 stored[i] = (xin, out)
                 h = out.detach()
                 key = h.untyped_storage()._cdata
-                if key in saved or key == xin.untyped_storage()._cdata or not h.is_contiguous():
-                    # later stages overwrite h in place: never the stage's saved tensors or its input
+                nxt = i + 1
+                in_place_next = nxt < len(seq.stages) and seq._modes[nxt] is not Mode.STORE and hasattr(
+                    seq.stages[nxt], "forward_")
+                if in_place_next and (key in saved or key == xin.untyped_storage()._cdata or not h.is_contiguous()):
+                    # the next stage overwrites h: never the stage's saved tensors or its input
                     h = h.clone(memory_format=torch.contiguous_format)
             else:
                 if mode.bits is not None:

@@ -213,3 +213,22 @@ def test_cpu_cap_without_budget_is_a_no_op():
     with cpu_cap(10_000, baseline=100) as tracker, pytest.raises(MemoryBudgetExceeded):
         assert tracker.current == 100
         torch.empty(10_000)
+
+
+@pytest.mark.gpu
+def test_cuda_cap_recovers_from_out_of_memory():
+    """Under a 400 MiB CUDA cap a batch too large for it is split, not crashed on."""
+    from edgerev.memory.cap import apply_cuda_cap
+
+    torch.manual_seed(0)
+    model = create_model("revnext").cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    apply_cuda_cap(400 * 2**20)
+    try:
+        x = torch.randn(256, 3, 240, 240, device="cuda")
+        y = torch.randint(0, 10, (256,), device="cuda")
+        result = train_step(model, opt, x, y)
+        assert result.micro_batches > 1
+        assert torch.cuda.max_memory_allocated() <= 400 * 2**20
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
