@@ -230,13 +230,30 @@ def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: t
             for m in supported_modes(stage):
                 if modes is None or m in modes:
                     costs[m.value] = _measure_mode(stage, m, shape, i == 0, device, batches, repeats)
-            stages.append(costs)
+            stages.append(_store_is_fastest(costs))
             names.append(type(stage).__name__)
             stage.zero_grad(set_to_none=True)
     finally:
         model.load_state_dict(state)
     return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
                    "measured", _fixed_bytes(model), stages, names)
+
+
+def _store_is_fastest(costs: dict[str, ModeCost]) -> dict[str, ModeCost]:
+    """``store`` does no work beyond plain autograd, so no other mode of the stage is faster.
+
+    Timings of small stages differ by less than their noise; where a measurement says otherwise,
+    ``store`` gets the smaller intercept and slope, so the planner never trades memory for nothing.
+    """
+    if "store" not in costs:
+        return costs
+    store = costs["store"]
+    a = min(c.seconds.intercept for c in costs.values())
+    b = min(c.seconds.slope for c in costs.values())
+    costs = dict(costs)
+    costs["store"] = ModeCost(store.kept, store.forward, store.backward,
+                              Linear(min(store.seconds.intercept, a), min(store.seconds.slope, b)))
+    return costs
 
 
 def _fixed_bytes(model: nn.Module) -> int:
