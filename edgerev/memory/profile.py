@@ -230,7 +230,7 @@ def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: t
             for m in supported_modes(stage):
                 if modes is None or m in modes:
                     costs[m.value] = _measure_mode(stage, m, shape, i == 0, device, batches, repeats)
-            stages.append(_store_is_fastest(costs))
+            stages.append(_store_is_fastest(costs, batches))
             names.append(type(stage).__name__)
             stage.zero_grad(set_to_none=True)
     finally:
@@ -239,20 +239,23 @@ def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: t
                    "measured", _fixed_bytes(model), stages, names)
 
 
-def _store_is_fastest(costs: dict[str, ModeCost]) -> dict[str, ModeCost]:
+def _store_is_fastest(costs: dict[str, ModeCost], batches: tuple[int, int]) -> dict[str, ModeCost]:
     """``store`` does no work beyond plain autograd, so no other mode of the stage is faster.
 
-    Timings of small stages differ by less than their noise; where a measurement says otherwise,
-    ``store`` gets the smaller intercept and slope, so the planner never trades memory for nothing.
+    Timings of small stages differ by less than their noise; where the measurement at a timed batch
+    says otherwise, ``store`` gets the faster time there (and the line through those two points), so
+    the planner never trades memory for nothing.
     """
     if "store" not in costs:
         return costs
     store = costs["store"]
-    a = min(c.seconds.intercept for c in costs.values())
-    b = min(c.seconds.slope for c in costs.values())
+    b1, b2 = batches
+    t1 = min(c.seconds.at(b1) for c in costs.values())
+    t2 = min(c.seconds.at(b2) for c in costs.values())
+    if t1 >= store.seconds.at(b1) and t2 >= store.seconds.at(b2):
+        return costs
     costs = dict(costs)
-    costs["store"] = ModeCost(store.kept, store.forward, store.backward,
-                              Linear(min(store.seconds.intercept, a), min(store.seconds.slope, b)))
+    costs["store"] = ModeCost(store.kept, store.forward, store.backward, Linear.fit(b1, t1, b2, t2))
     return costs
 
 
