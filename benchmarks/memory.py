@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
+from _common import write_json
 
 from edgerev.cli import PAPER_PEAK_BYTES, PAPER_PIXELS
 from edgerev.memory.measure import measure
@@ -58,11 +58,7 @@ def main() -> None:
         "paper_peak_bytes": PAPER_PEAK_BYTES,
         "paper_bytes_per_pixel": {k: v / PAPER_PIXELS for k, v in PAPER_PEAK_BYTES.items()},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    write_json(result, a.out)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import write_json
 
 from edgerev import create_model, plain
 from edgerev.memory.autoplan import is_plain, plan_model, plan_plain, verify
@@ -161,11 +161,7 @@ def main() -> None:
         "everything_fits": plan_vs_invert(a.size, [4096], batch=32),
         "approximate": approximate(),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    write_json(result, a.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Writes JSON (``--out``) and prints it.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import write_json
 
 from edgerev import create_model, plain
 from edgerev.layers import chunk_budget
@@ -80,11 +80,7 @@ def main() -> None:
         "relative_to_plain": {v: statistics.median(t) / base for v, t in times.items()},
         "bytes_per_pixel": mem,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    write_json(result, a.out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -31,14 +31,22 @@ class RevNeXt(EngineModel):
                  slope: float = 0.2, eps_i: float = 0.1, num_classes: int = 10) -> None:
         if len(blocks) != 5:
             raise ValueError(f"revnext has 5 levels, got blocks={tuple(blocks)}")
-        stages: list[nn.Module] = [stem(width)]
-        channels = [width, width, 4 * width, 4 * width, 16 * width]
-        pools = [BatchPool, ChannelPool, BatchPool, ChannelPool, None]
-        for c, n, pool in zip(channels, blocks, pools):
-            stages += [HybridBlock(c, depth, slope, eps_i) for _ in range(n)]
-            if pool is not None:
-                stages.append(pool())
-        super().__init__(stages, channels[-1], num_classes, divisor=16)
+        stages = _pooled_levels(width, blocks, lambda c: [HybridBlock(c, depth, slope, eps_i)])
+        super().__init__(stages, 16 * width, num_classes, divisor=16)
+
+
+def _pooled_levels(width: int, counts: Sequence[int], unit: Callable[[int], list[nn.Module]]) -> list[nn.Module]:
+    """Stem, then five levels of ``counts[k]`` units at ``w, w, 4w, 4w, 16w`` channels, with batch and
+    channel pooling alternating between levels (the RevNeXt plan: every stage keeps the same volume)."""
+    stages: list[nn.Module] = [stem(width)]
+    channels = [width, width, 4 * width, 4 * width, 16 * width]
+    pools = [BatchPool, ChannelPool, BatchPool, ChannelPool, None]
+    for c, n, pool in zip(channels, counts, pools):
+        for _ in range(n):
+            stages += unit(c)
+        if pool is not None:
+            stages.append(pool())
+    return stages
 
 
 @register_model
@@ -59,12 +67,5 @@ def layerwise(width: int = 32, layers: Sequence[int] = (2, 2, 2, 2, 2), slope: f
 
     if len(layers) != 5:
         raise ValueError(f"layerwise has 5 levels, got layers={tuple(layers)}")
-    stages: list[nn.Module] = [stem(width)]
-    channels = [width, width, 4 * width, 4 * width, 16 * width]
-    pools = [BatchPool, ChannelPool, BatchPool, ChannelPool, None]
-    for c, n, pool in zip(channels, layers, pools):
-        for _ in range(n):
-            stages += [InvConv2d(c), InvBatchNorm2d(c, eps_i), InvLeakyReLU(slope)]
-        if pool is not None:
-            stages.append(pool())
-    return EngineModel(stages, channels[-1], num_classes, divisor=16)
+    stages = _pooled_levels(width, layers, lambda c: [InvConv2d(c), InvBatchNorm2d(c, eps_i), InvLeakyReLU(slope)])
+    return EngineModel(stages, 16 * width, num_classes, divisor=16)
