@@ -212,10 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except EdgerevError as e:
-        print(f"edgerev {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # bad override values from the model constructors
+    except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
         print(f"edgerev {args.command}: error: {e}", file=sys.stderr)
         return 2
 

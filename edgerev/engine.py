@@ -33,8 +33,9 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from edgerev.errors import ModeError, NonFiniteError
-from edgerev.layers.base import Grads, Tape, add_grad, is_fake, replaying
+from edgerev.layers.base import Grads, Tape, add_grads, is_fake, replaying
 from edgerev.layers.norm import InvBatchNorm2d
+from edgerev.layers.pooling import unpool_batch
 from edgerev.quantize import bn_range, dequantize, quantize
 
 
@@ -157,7 +158,7 @@ class InvertibleSequence(nn.Module):
 
 def _pool(y: Tensor, samples: int) -> Tensor:
     """Mean over space and over the sub-images that batch pooling moved to the batch axis."""
-    return y.reshape(samples, y.shape[0] // samples, *y.shape[1:]).mean(dim=(1, 3, 4))
+    return unpool_batch(y, samples).mean(dim=(1, 3, 4))
 
 
 def _quant_range(seq: InvertibleSequence, i: int) -> tuple[Tensor, Tensor] | None:
@@ -289,9 +290,7 @@ def _autograd_backward(stage: nn.Module, xin: Tensor, out: Tensor, gy: Tensor,
         gx, res = res[0], res[1:]
     else:
         gx = None
-    for p, g in zip(params, res):
-        if g is not None:
-            add_grad(grads, p, g)
+    add_grads(grads, params, res)
     return xin.detach(), gx
 
 

@@ -65,6 +65,13 @@ def add_grad(grads: Grads, p: nn.Parameter, g: Tensor) -> None:
         grads[p] = g
 
 
+def add_grads(grads: Grads, params: list[nn.Parameter], gs) -> None:
+    """Accumulate ``torch.autograd.grad`` results (``None`` for unused parameters) into ``grads``."""
+    for p, g in zip(params, gs):
+        if g is not None:
+            add_grad(grads, p, g)
+
+
 def halves(t: Tensor) -> tuple[Tensor, Tensor]:
     """Views of the two channel halves of ``t`` (one split node for autograd, not two slices)."""
     a, b = t.chunk(2, dim=1)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from edgerev.errors import ShapeError
-from edgerev.layers.base import Grads, Invertible, InvSequential, Tape, add_grad, check_channels, halves
+from edgerev.layers.base import Grads, Invertible, InvSequential, Tape, add_grads, check_channels, halves
 
 
 class Coupling(Invertible):
@@ -80,9 +80,7 @@ class Coupling(Invertible):
             res = torch.autograd.grad(out, [a, *params], g_in, allow_unused=True)
             other.sub_(out.detach())
             g_out.add_(res[0])
-            for p, g in zip(params, res[1:]):
-                if g is not None:
-                    add_grad(grads, p, g)
+            add_grads(grads, params, res[1:])
             del out, res, a
         return y, gy
 

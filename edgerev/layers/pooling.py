@@ -93,5 +93,5 @@ class BatchPool(_Pool):
 
 
 def unpool_batch(y: Tensor, samples: int) -> Tensor:
-    """View a batch-pooled ``[P*B, C, h, w]`` as ``[B, P, C, h, w]`` (sample-major, no copy)."""
-    return y.view(samples, y.shape[0] // samples, *y.shape[1:])
+    """View a batch-pooled ``[P*B, C, h, w]`` as ``[B, P, C, h, w]`` (sample-major; no copy when contiguous)."""
+    return y.reshape(samples, y.shape[0] // samples, *y.shape[1:])

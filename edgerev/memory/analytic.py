@@ -87,25 +87,24 @@ def _stage_costs(stage: nn.Module, mode: Mode, v: _Vol) -> tuple[float, float, b
     return 0.0, 2 * out.units, False
 
 
-def _function_graph(stage: nn.Module, v: _Vol) -> float:
-    """Units the larger of the two residual functions saves (recompute runs them one at a time)."""
+def _residual_saved(stage: nn.Module, v: _Vol) -> list[float]:
+    """Units autograd saves inside each of the coupling's ``F`` and ``G`` (at half the channels)."""
     half = _Vol(v.channels // 2, v.frac)
-    sizes = []
+    out = []
     for fn in (stage.f, stage.g):
         layers = list(fn.layers) if isinstance(fn, Invertible) and hasattr(fn, "layers") else list(fn)
-        sizes.append(_chain_saved(layers, half)[0])
-    return max(sizes)
+        out.append(_chain_saved(layers, half)[0])
+    return out
+
+
+def _function_graph(stage: nn.Module, v: _Vol) -> float:
+    """Units the larger of the two residual functions saves (recompute runs them one at a time)."""
+    return max(_residual_saved(stage, v))
 
 
 def _coupling_graph(stage: nn.Module, v: _Vol) -> float:
-    half = _Vol(v.channels // 2, v.frac)
-    total = 0.0
-    for fn in (stage.f, stage.g):
-        layers = list(fn.layers) if isinstance(fn, Invertible) and hasattr(fn, "layers") else list(fn)
-        saved, _ = _chain_saved(layers, half)
-        total += saved
     # y1 is kept as G's input; F's output and the sums are freed as the graph is built
-    return total + half.units
+    return sum(_residual_saved(stage, v)) + v.channels // 2 * v.frac
 
 
 def model_bytes_per_pixel(model: nn.Module, element_size: int | None = None) -> float:

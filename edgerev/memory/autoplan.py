@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from edgerev.memory.planner import Plan, plan
-from edgerev.memory.profile import Profile, load_or_measure
+from edgerev.memory.profile import Profile, fixed_bytes, load_or_measure
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ def plan_plain(model: nn.Module, size: int, budget: int, device: str = "cpu", st
     if stats is None:
         x = torch.randn(8, model.in_channels, size, size, device=device)
         stats = stage_stats(model.body.stages, x)
-    fixed = sum(2 * p.numel() * p.element_size() for p in model.parameters())
-    fixed += sum(b.numel() * b.element_size() for b in model.buffers())
+    fixed = fixed_bytes(model)
     target, solve = budget, 0.0
     for _ in range(rounds):
         t0 = time.perf_counter()

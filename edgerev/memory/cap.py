@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker
+from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker, storage_bytes
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (MemoryBudgetExceeded, torch.cuda.OutOfMemoryError)
 
@@ -84,9 +84,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
     n = x.shape[0]
     buffers = _state(model)
     retries = 0
-    baseline = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers(), x, target))
-    baseline += sum(s.untyped_storage().nbytes() for st in optimizer.state.values() for s in st.values()
-                    if isinstance(s, Tensor))
+    state = [s for st in optimizer.state.values() for s in st.values() if isinstance(s, Tensor)]
+    baseline = storage_bytes([*model.parameters(), *model.buffers(), x, target, *state])
     while True:
         optimizer.zero_grad(set_to_none=True)
         total = 0.0

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgerev.memory.tracker import CudaPeak, MemoryTracker
+from edgerev.memory.tracker import CudaPeak, MemoryTracker, storage_bytes
 from edgerev.models import create_model
 
 
@@ -28,16 +28,6 @@ class StepMemory:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if s._cdata not in seen:
-            seen.add(s._cdata)
-            total += s.nbytes()
-    return total
 
 
 def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -62,7 +52,7 @@ def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_c
         with CudaPeak(device) as cp:
             training_step(model, x, target)
         return StepMemory(cp.peak, cp.baseline, "")
-    baseline = _bytes([*model.parameters(), *model.buffers(), x, target])
+    baseline = storage_bytes([*model.parameters(), *model.buffers(), x, target])
     with MemoryTracker(baseline=baseline) as tr:
         training_step(model, x, target)
     return StepMemory(tr.peak, baseline, tr.peak_op)

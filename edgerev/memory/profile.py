@@ -236,7 +236,7 @@ def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: t
     finally:
         model.load_state_dict(state)
     return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
-                   "measured", _fixed_bytes(model), stages, names)
+                   "measured", fixed_bytes(model), stages, names)
 
 
 def _store_is_fastest(costs: dict[str, ModeCost], batches: tuple[int, int]) -> dict[str, ModeCost]:
@@ -259,7 +259,8 @@ def _store_is_fastest(costs: dict[str, ModeCost], batches: tuple[int, int]) -> d
     return costs
 
 
-def _fixed_bytes(model: nn.Module) -> int:
+def fixed_bytes(model: nn.Module) -> int:
+    """Bytes that live through a whole step whatever the plan: weights, their gradients, buffers."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return 2 * params + buffers
@@ -288,7 +289,7 @@ def estimate_profile(model: nn.Module, size: int, device: str = "cpu") -> Profil
         stages.append(costs)
         names.append(type(stage).__name__)
     return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
-                   "estimated", _fixed_bytes(model), stages, names)
+                   "estimated", fixed_bytes(model), stages, names)
 
 
 class FlopCounter(TorchDispatchMode):

@@ -24,6 +24,17 @@ class MemoryBudgetExceeded(EdgerevError, MemoryError):
     """The tracked live bytes went over the budget given to :class:`MemoryTracker`."""
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and aliases counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s._cdata not in seen:
+            seen.add(s._cdata)
+            total += s.nbytes()
+    return total
+
+
 class MemoryTracker(TorchDispatchMode):
     """Count live tensor bytes created inside the block.
 
