@@ -76,7 +76,7 @@ def minimal_segments(model: nn.Module, size: int) -> tuple[tuple, int]:
 
 
 def plan_plain(model: nn.Module, size: int, budget: int, device: str = "cpu", stats=None, check: bool = True,
-               rounds: int = 4) -> PlainPlan:
+               rounds: int = 4, batches: list[int] | None = None) -> PlainPlan:
     """Checkpoint segments for a plain model (see :mod:`edgerev.memory.reforward`), checked like :func:`plan_model`."""
     from dataclasses import replace as dc_replace
 
@@ -96,7 +96,7 @@ def plan_plain(model: nn.Module, size: int, budget: int, device: str = "cpu", st
     for _ in range(rounds):
         t0 = time.perf_counter()
         try:
-            p = plan_segments(stats, target, fixed)
+            p = plan_segments(stats, target, fixed, **({"batches": batches} if batches else {}))
         except BudgetTooSmall:
             break
         solve = time.perf_counter() - t0
@@ -124,12 +124,15 @@ def minimal_modes(model: nn.Module) -> tuple[str, ...]:
 
 
 def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", profile: Profile | None = None,
-               check: bool = True, rounds: int = 4) -> ModelPlan:
+               check: bool = True, rounds: int = 4, batches: list[int] | None = None) -> ModelPlan:
     """The fastest plan for ``model`` at ``size`` under ``budget`` bytes (see the module docstring).
 
     Before anything is profiled, batch 1 in :func:`minimal_modes` is run on fake tensors: a budget
     below its exact peak is refused at once, and that peak is the smallest budget the error names.
     Any budget at or above it gets a plan (that one, if nothing faster fits).
+
+    Args:
+        batches: the batch sizes to consider (default: the planner's sweep up to 4096).
     """
     from edgerev.memory.planner import BudgetTooSmall
 
@@ -145,7 +148,7 @@ def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", pr
     for _ in range(rounds):
         t0 = time.perf_counter()
         try:
-            p = plan(profile, target)
+            p = plan(profile, target, batches=batches)
         except BudgetTooSmall:
             break
         solve = time.perf_counter() - t0
@@ -184,3 +187,53 @@ def verify(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: in
         times.append(time.perf_counter() - t0)
     step = min(times[1:])
     return {"measured_peak_bytes": peak, "measured_step_seconds": step, "measured_samples_per_second": batch / step}
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """What a training run needs from the planner: a micro-batch, and modes or checkpoint segments."""
+
+    batch: int
+    modes: tuple[str, ...] | None
+    segments: tuple | None
+    predicted_peak_bytes: int
+    summary: dict  # for the CLI's and the trainer's reports (JSON-ready)
+
+    def apply(self, model: nn.Module) -> None:
+        if self.modes is not None:
+            model.body.set_modes(list(self.modes))
+        model.body.segments = list(self.segments) if self.segments is not None else None
+
+
+def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu", estimate: bool = False,
+                  max_batch: int | None = None) -> TrainingPlan:
+    """Plan ``model`` under ``budget``: stage modes for an invertible body, checkpoint segments for a
+    plain one; the plan's bytes are checked exactly on fake tensors (on CPU, where they are exact).
+
+    Args:
+        estimate: estimate the stage costs from FLOPs instead of measuring them (quick, less exact).
+        max_batch: consider micro-batches up to this size only (a trainer's batch).
+    """
+    from edgerev.memory.planner import _default_batches
+    from edgerev.memory.profile import load_or_measure
+
+    check = device == "cpu"
+    batches = None
+    if max_batch is not None:
+        batches = sorted({b for b in _default_batches() if b <= max_batch} | {max_batch})
+    if is_plain(model):
+        pp = plan_plain(model, size, budget, device, check=check, batches=batches)
+        segments = pp.plan.segments
+        summary = {"planner": "checkpoint segments", "batch": pp.plan.batch,
+                   "predicted_peak_bytes": pp.plan.predicted_peak_bytes, "fitted_peak_bytes": pp.fitted_peak_bytes,
+                   "samples_per_second": pp.plan.samples_per_second, "solve_seconds": pp.solve_seconds,
+                   "segments": [{"start": s.start, "end": s.end, "mode": s.mode} for s in segments],
+                   "stages": pp.stages(model)}
+        return TrainingPlan(pp.plan.batch, None, segments, pp.plan.predicted_peak_bytes, summary)
+    profile = load_or_measure(model, size, device, estimate=estimate)
+    mp = plan_model(model, size, budget, device, profile=profile, check=check, batches=batches)
+    summary = {"planner": f"stage modes ({profile.source} profile)", "batch": mp.plan.batch,
+               "predicted_peak_bytes": mp.plan.predicted_peak_bytes, "fitted_peak_bytes": mp.fitted_peak_bytes,
+               "samples_per_second": mp.plan.samples_per_second, "solve_seconds": mp.solve_seconds,
+               "stages": mp.stages(model)}
+    return TrainingPlan(mp.plan.batch, mp.plan.modes, None, mp.plan.predicted_peak_bytes, summary)

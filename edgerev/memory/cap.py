@@ -71,12 +71,14 @@ def _restore(model: nn.Module, state: dict[str, Tensor]) -> None:
             v.copy_(state[k])
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor | tuple[Tensor, ...],
                micro_batches: int = 1, budget: int | None = None,
-               loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy) -> StepResult:
+               loss_fn: Callable[..., Tensor] = F.cross_entropy) -> StepResult:
     """One optimizer step on ``(x, target)``, split into micro-batches as memory requires.
 
     Args:
+        target: the labels, or a tuple of per-sample tensors (labels, a teacher's logits ...) that
+            are split with the batch and passed to ``loss_fn(logits, *target)``.
         micro_batches: split to start from (a previous step's answer; halving only ever grows it).
         budget: CPU cap in bytes, enforced by the tracker (``None``: no CPU cap; on CUDA, set the cap
             once with :func:`apply_cuda_cap`).
@@ -85,7 +87,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
     buffers = _state(model)
     retries = 0
     state = [s for st in optimizer.state.values() for s in st.values() if isinstance(s, Tensor)]
-    baseline = storage_bytes([*model.parameters(), *model.buffers(), x, target, *state])
+    targets = target if isinstance(target, tuple) else (target,)
+    baseline = storage_bytes([*model.parameters(), *model.buffers(), x, *targets, *state])
     while True:
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -93,8 +96,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             parts = torch.arange(n).tensor_split(min(micro_batches, n))
             with cpu_cap(budget, baseline):
                 for idx in parts:
-                    xb, yb = x[idx[0]: idx[-1] + 1], target[idx[0]: idx[-1] + 1]
-                    loss = loss_fn(model(xb), yb) * (len(idx) / n)
+                    part = slice(int(idx[0]), int(idx[-1]) + 1)
+                    loss = loss_fn(model(x[part]), *(t[part] for t in targets)) * (len(idx) / n)
                     loss.backward()
                     total += float(loss.detach())
                     del loss

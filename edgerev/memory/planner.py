@@ -124,8 +124,8 @@ def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, gr
         seconds += profile.head_seconds.at(b)
         p = Plan(b, tuple(groups[i][k].mode for i, k in enumerate(picks)),
                  int(math.ceil(peak_of(groups, picks, profile.fixed_bytes + head_bytes_per_sample * b))), seconds)
-        if best is None or p.samples_per_second > best.samples_per_second:
-            best = p
+        if best is None or p.samples_per_second >= best.samples_per_second:
+            best = p  # on a tie the larger batch: fewer micro-batches, steadier batch statistics
     if best is None:
         if not _raise:
             raise _NoPlan

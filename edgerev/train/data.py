@@ -144,7 +144,8 @@ class SyntheticImages(torch.utils.data.Dataset):
     Each class has a prototype: a colour and a stripe pattern of its own orientation and frequency.
     A sample is its class prototype, shifted by a random offset, with a random brightness and pixel
     noise, so it takes a real (if small) model to tell the classes apart. ``dataset[i]`` depends
-    only on ``(seed, i)``.
+    only on ``(seed, start + i)``: the seed fixes the classes (their prototypes), ``start`` picks which
+    samples, so a held-out set is the same seed at another ``start``.
 
     Args:
         n: number of samples.
@@ -153,12 +154,15 @@ class SyntheticImages(torch.utils.data.Dataset):
         seed: the data set's identity.
         noise: standard deviation of the pixel noise, in 0..255 units.
         classes: restrict to these class indices (e.g. ``range(5)`` for old classes only).
+        start: index of the first sample (disjoint ranges give disjoint samples of the same classes).
     """
 
     def __init__(self, n: int, num_classes: int = 10, size: int = 32, seed: int = 0, noise: float = 40.0,
-                 classes: Sequence[int] | None = None) -> None:
-        if n < 1 or num_classes < 2 or size < 4:
-            raise ValueError(f"need n >= 1, num_classes >= 2, size >= 4 (got {n}, {num_classes}, {size})")
+                 classes: Sequence[int] | None = None, start: int = 0) -> None:
+        if n < 1 or num_classes < 2 or size < 4 or start < 0:
+            raise ValueError(f"need n >= 1, num_classes >= 2, size >= 4, start >= 0 (got {n}, {num_classes}, {size}, "
+                             f"{start})")
+        self.start = start
         self.n, self.num_classes, self.size, self.seed, self.noise = n, num_classes, size, seed, noise
         self.subset = list(classes) if classes is not None else list(range(num_classes))
         if any(not 0 <= c < num_classes for c in self.subset):
@@ -173,13 +177,13 @@ class SyntheticImages(torch.utils.data.Dataset):
         return self.n
 
     def label(self, i: int) -> int:
-        return self.subset[i % len(self.subset)]
+        return self.subset[(self.start + i) % len(self.subset)]
 
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
         if not 0 <= i < self.n:
             raise IndexError(i)
         c = self.label(i)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.start + i)
         s = self.size
         yy, xx = torch.meshgrid(torch.arange(s, dtype=torch.float32), torch.arange(s, dtype=torch.float32),
                                 indexing="ij")

@@ -1,0 +1,189 @@
+"""The training recipe: a YAML file read into frozen dataclasses (see :mod:`edgerev.config`).
+
+Defaults are the recipe behind the RevNeXt paper's CIFAR-10 runs: SGD with Nesterov momentum 0.9,
+a one-cycle schedule peaking at lr 0.4, weight decay 5e-4, pad-and-crop and flip. Every key is
+optional; ``configs/`` holds presets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from edgerev.config import check
+
+SCHEDULES = ("onecycle", "constant")
+MODES = ("auto", "plain", "invert", "recompute", "store", "store8", "store4")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``arch``: a registry name; ``args``: its overrides (``num_classes`` comes from the data);
+    ``init``: a model directory (a previous run's output) to start from instead of random weights."""
+
+    arch: str = "revnext"
+    args: dict = field(default_factory=dict)
+    init: str | None = None
+
+    def __post_init__(self) -> None:
+        from edgerev.models import list_models
+
+        check(self.arch in list_models(), "arch", f"unknown architecture {self.arch!r}; choose from "
+              f"{', '.join(list_models())}")
+        check("num_classes" not in self.args, "args.num_classes", "set by the data's classes, not here")
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Where images come from.
+
+    ``synthetic``: the generated set (``samples`` from index ``start``, ``num_classes``, ``classes``
+    subset, ``seed``: the classes' identity, ``noise``); the same seed at another ``start`` gives
+    other samples of the same classes; ``folder``: ``path/<class>/<image>``; ``cifar10``: the binary version at ``path``
+    (``split`` train or test).
+    """
+
+    kind: Literal["synthetic", "folder", "cifar10"] = "synthetic"
+    path: str | None = None
+    samples: int = 2000
+    num_classes: int = 10
+    classes: tuple[int, ...] | None = None
+    seed: int = 0
+    start: int = 0
+    noise: float = 40.0
+    split: Literal["train", "test"] = "train"
+
+    def __post_init__(self) -> None:
+        if self.kind in ("folder", "cifar10"):
+            check(self.path is not None, "path", f"a {self.kind} source needs a local path")
+        check(self.samples >= 1, "samples", f"must be at least 1, got {self.samples}")
+        check(self.start >= 0, "start", f"must be >= 0, got {self.start}")
+        check(self.num_classes >= 2, "num_classes", f"must be at least 2, got {self.num_classes}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``size``: input height and width; ``val``: a held-out source, or, when absent, a fraction
+    ``val_fraction`` of the training source held out (fixed by sample index, so it never moves)."""
+
+    train: SourceConfig = field(default_factory=SourceConfig)
+    val: SourceConfig | None = None
+    val_fraction: float = 0.1
+    size: int = 32
+
+    def __post_init__(self) -> None:
+        check(self.size >= 1, "size", f"must be positive, got {self.size}")
+        check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must lie in [0, 1), got {self.val_fraction}")
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    pad: int = 4
+    flip: float = 0.5
+    cutout: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.pad >= 0, "pad", f"must be >= 0, got {self.pad}")
+        check(0.0 <= self.flip <= 1.0, "flip", f"is a probability, got {self.flip}")
+        check(self.cutout >= 0, "cutout", f"must be >= 0, got {self.cutout}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """SGD; ``lr`` is the peak of the one-cycle schedule (reached after ``warmup`` of the steps)."""
+
+    lr: float = 0.4
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-4
+    label_smoothing: float = 0.0
+    schedule: Literal["onecycle", "constant"] = "onecycle"
+    warmup: float = 0.25
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        check(0.0 <= self.momentum < 1.0, "momentum", f"must lie in [0, 1), got {self.momentum}")
+        check(not self.nesterov or self.momentum > 0, "nesterov", "needs momentum > 0")
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", f"must lie in [0, 1), got {self.label_smoothing}")
+        check(0.0 < self.warmup < 1.0, "warmup", f"must lie in (0, 1), got {self.warmup}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``batch``: samples per optimizer step (split into micro-batches when the cap needs it);
+    ``checkpoint_every``: steps between checkpoints (and at each epoch's end)."""
+
+    epochs: int = 10
+    batch: int = 128
+    seed: int = 0
+    checkpoint_every: int = 50
+    log_every: int = 10
+    eval_batch: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch", "checkpoint_every", "log_every", "eval_batch"):
+            value = getattr(self, name)
+            check(value >= 1, name, f"must be at least 1, got {value}")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """``budget``: the hard cap on training memory ("400MiB", "1.5GB"; null: none). ``mode``: ``auto``
+    lets the planner choose per-stage modes (the model's least-memory modes when there is no budget);
+    ``plain`` trains through plain autograd; a mode name runs every stage in it. ``profile``: the
+    planner's per-stage costs, ``measure``d once per model and size (cached) or ``estimate``d."""
+
+    budget: str | None = None
+    mode: Literal["auto", "plain", "invert", "recompute", "store", "store8", "store4"] = "auto"
+    profile: Literal["measure", "estimate"] = "measure"
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            from edgerev.memory.planner import parse_bytes
+
+            try:
+                parse_bytes(self.budget)
+            except ValueError as e:
+                check(False, "budget", str(e))
+        check(self.budget is None or self.mode == "auto", "mode", "a budget needs mode auto (the planner picks)")
+
+
+@dataclass(frozen=True)
+class ContinualConfig:
+    """Keeping old classes when fine-tuning from ``model.init``.
+
+    ``replay``: size of the bounded, class-balanced sample of earlier training data kept beside the
+    model and mixed into the next run's data (0: none). ``distill``: weight of the distillation
+    loss (LwF) from the starting model on the old classes, at ``temperature`` (0: none).
+    """
+
+    replay: int = 0
+    distill: float = 0.0
+    temperature: float = 2.0
+
+    def __post_init__(self) -> None:
+        check(self.replay >= 0, "replay", f"must be >= 0, got {self.replay}")
+        check(self.distill >= 0, "distill", f"must be >= 0, got {self.distill}")
+        check(self.temperature > 0, "temperature", f"must be positive, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole training recipe."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    continual: ContinualConfig = field(default_factory=ContinualConfig)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+
+
+def load_config(path) -> RunConfig:
+    """Read and validate a recipe file."""
+    from edgerev.config import from_dict, load_yaml
+
+    return from_dict(RunConfig, load_yaml(path))

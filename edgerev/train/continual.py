@@ -1,0 +1,86 @@
+"""Continual learning: head expansion, distillation from the previous model (LwF), and replay.
+
+New data may bring new classes. The head grows by one row per new class and keeps the old rows as
+they were, so the model starts from exactly the old model's predictions on the old classes. Two
+things then keep it from forgetting them while it learns the new ones:
+
+- **replay**: a bounded, class-balanced sample of earlier training data, kept beside each model
+  (``replay.safetensors``), is mixed into the new data;
+- **distillation** (Li and Hoiem, *Learning without Forgetting*): the old model's softened outputs
+  on the old classes are a second target, ``T^2 KL(softmax(old/T) || softmax(new[:, :K]/T))``
+  over the ``K`` old logits of every batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edgerev.train.checkpoint import CheckpointError, load_tensors, save_tensors
+from edgerev.train.labeled import LabeledImages
+
+REPLAY = "replay.safetensors"
+
+
+def grow_head(model: nn.Module, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+    """Replace ``model.head`` by one with a row per class of ``new`` (which starts with ``old``).
+
+    Old rows keep their weights and biases; new rows get the layer's default initialization.
+    """
+    if new[: len(old)] != old:
+        raise CheckpointError(f"new classes {list(new)} must start with the old ones {list(old)}")
+    if len(new) == len(old):
+        return
+    head: nn.Linear = model.head
+    grown = nn.Linear(head.in_features, len(new), bias=head.bias is not None).to(head.weight.device)
+    with torch.no_grad():
+        grown.weight[: len(old)] = head.weight
+        if head.bias is not None:
+            grown.bias[: len(old)] = head.bias
+    model.head = grown
+    model.num_classes = len(new)
+
+
+def distillation_loss(logits: Tensor, teacher: Tensor, temperature: float) -> Tensor:
+    """LwF's loss: KL from the teacher's softened outputs to the student's on the teacher's classes,
+    scaled by ``T^2`` so its gradients keep their size across temperatures; mean over the batch."""
+    k = teacher.shape[1]
+    t = temperature
+    log_p = F.log_softmax(logits[:, :k] / t, dim=1)
+    q = F.softmax(teacher / t, dim=1)
+    return F.kl_div(log_p, q, reduction="batchmean") * (t * t)
+
+
+class ContinualLoss:
+    """Cross-entropy on the labels plus, when a teacher's logits come with the batch, distillation.
+
+    Called by :func:`edgerev.memory.cap.train_step` as ``loss(logits, labels[, teacher_logits])``.
+    """
+
+    def __init__(self, distill: float = 0.0, temperature: float = 2.0, label_smoothing: float = 0.0) -> None:
+        self.distill, self.temperature, self.label_smoothing = distill, temperature, label_smoothing
+
+    def __call__(self, logits: Tensor, labels: Tensor, teacher: Tensor | None = None) -> Tensor:
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
+        if teacher is not None and self.distill > 0:
+            loss = loss + self.distill * distillation_loss(logits, teacher, self.temperature)
+        return loss
+
+
+def save_replay(folder: str | Path, data: LabeledImages) -> str:
+    """Write the replay sample beside a model (labels index the model's classes); returns its hash."""
+    return save_tensors(Path(folder) / REPLAY, {"images": data.images, "labels": data.labels})
+
+
+def load_replay(folder: str | Path, classes: tuple[str, ...], sha256: str | None) -> LabeledImages | None:
+    """The replay sample kept beside the model in ``folder``, or None if it has none."""
+    path = Path(folder) / REPLAY
+    if not path.exists():
+        return None
+    t = load_tensors(path, sha256)
+    if set(t) != {"images", "labels"}:
+        raise CheckpointError(f"{path} is not a replay sample (keys {sorted(t)})")
+    return LabeledImages(t["images"], t["labels"], classes)

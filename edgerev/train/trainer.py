@@ -1,0 +1,354 @@
+"""The trainer: a recipe and an output folder in, a model directory and its curves out.
+
+:func:`train` runs a :class:`~edgerev.train.config.RunConfig` into ``out``:
+
+- ``config.yaml``: the resolved recipe (every default filled in);
+- ``metrics.jsonl``: one JSON object per logged step (``"kind": "train"``) and per evaluation
+  (``"kind": "eval"``);
+- ``checkpoints/``: the latest step's weights and optimizer state (:mod:`edgerev.train.state`);
+- at the end, ``model.safetensors`` + ``model.json`` (a model directory, see
+  :mod:`edgerev.train.checkpoint`), ``replay.safetensors`` when replay is on, ``summary.json`` and
+  ``curves.png``.
+
+Everything random is a function of the seed and the step: the weights' initialization, each
+epoch's order, each step's augmentation. A run resumed from a checkpoint therefore takes the same
+steps as one that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from edgerev.config import ConfigError, dump_yaml, from_dict, load_yaml, to_dict
+from edgerev.engine import plain
+from edgerev.errors import EdgerevError
+from edgerev.memory.cap import apply_cuda_cap, train_step
+from edgerev.train.augment import Augment
+from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
+from edgerev.train.config import RunConfig
+from edgerev.train.continual import ContinualLoss, grow_head, load_replay, save_replay
+from edgerev.train.evaluate import evaluate
+from edgerev.train.labeled import LabeledImages, load_source
+from edgerev.train.state import has_checkpoint, load_checkpoint, save_checkpoint
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+class RunError(EdgerevError):
+    """The output folder or the run's inputs do not allow training to start."""
+
+
+@dataclass
+class RunResult:
+    status: str  # "done" or "stopped" (at a step boundary, with a checkpoint)
+    out: Path
+    step: int
+    total_steps: int
+    summary: dict = field(default_factory=dict)
+
+
+def lr_at(step: int, total: int, cfg) -> float:
+    """One-cycle: linear warm-up from ``lr/25`` to ``lr`` over ``warmup`` of the steps, then cosine
+    annealing to ``lr/25e4`` (the shape of ``torch.optim.lr_scheduler.OneCycleLR``); or constant."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    start, end = cfg.lr / 25, cfg.lr / 25e4
+    rise = max(1, int(round(cfg.warmup * total)))
+    if step < rise:
+        return start + (cfg.lr - start) * step / rise
+    t = (step - rise) / max(1, total - rise)
+    return end + (cfg.lr - end) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda asked for, but this machine has no usable CUDA device")
+    return torch.device(name)
+
+
+class MetricsLog:
+    """``metrics.jsonl``: appended and flushed per line; on resume, lines past the checkpoint are dropped."""
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        self.rows: list[dict] = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by the crash
+                if row.get("step", 0) <= resume_step:
+                    self.rows.append(row)
+        path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self._f = open(path, "a")
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@dataclass
+class _Setup:
+    model: nn.Module
+    info: ModelInfo
+    train: LabeledImages
+    val: LabeledImages
+    old: tuple[str, ...]
+    teacher: nn.Module | None
+    start_eval: dict | None
+    source_sha: str | None
+
+
+def _prepare(cfg: RunConfig, device: torch.device) -> _Setup:
+    """Data, the starting model (grown for new classes) and the teacher, from the recipe."""
+    size = cfg.data.size
+    new = load_source(cfg.data.train, size)
+    if cfg.data.val is not None:
+        train_new, val = new, load_source(cfg.data.val, size)
+    else:
+        train_new, val = new.held_out(cfg.data.val_fraction)
+    if len(train_new) == 0:
+        raise RunError("no training sample is left after holding out the validation split")
+    torch.manual_seed(cfg.train.seed)
+    teacher, start_eval, source_sha, replay = None, None, None, None
+    if cfg.model.init is not None:
+        start, info0, source_sha = load_model(cfg.model.init)
+        if info0.arch != cfg.model.arch:
+            raise RunError(f"model.init {cfg.model.init} holds a {info0.arch} model, "
+                           f"but model.arch is {cfg.model.arch}")
+        if info0.input_size != size:
+            raise RunError(f"model.init {cfg.model.init} was trained at {info0.input_size}x{info0.input_size}, "
+                           f"but data.size is {size}")
+        old = info0.classes
+        classes = old + tuple(c for c in train_new.present() if c not in old)
+        if cfg.continual.replay > 0:
+            replay = load_replay(cfg.model.init, old, read_info(cfg.model.init)[1].get("replay_sha256"))
+        model = start
+        if cfg.continual.distill > 0:
+            teacher = copy.deepcopy(start).to(device).eval()
+            for p in teacher.parameters():
+                p.requires_grad_(False)
+        start_eval = evaluate(start.to(device), val.restrict(old), info0, device, cfg.train.eval_batch, old=old)
+        grow_head(model, old, classes)
+        info = replace(info0, classes=classes)
+    else:
+        from edgerev.models import create_model
+
+        old = ()
+        classes = train_new.present()
+        model = create_model(cfg.model.arch, **cfg.model.args, num_classes=len(classes))
+        pixels = train_new.images.float() / 255
+        mean = pixels.mean(dim=(0, 2, 3))
+        std = pixels.std(dim=(0, 2, 3)).clamp_min(1e-3)
+        info = ModelInfo(cfg.model.arch, classes, size, tuple(round(float(v), 4) for v in mean),
+                         tuple(round(float(v), 4) for v in std), dict(cfg.model.args))
+    model.check_input(torch.zeros(1, model.in_channels, size, size))
+    train = train_new.relabel(classes)
+    if replay is not None:
+        train = LabeledImages.concat([train, replay.relabel(classes)])
+    return _Setup(model.to(device), info, train, val.restrict(classes), old, teacher, start_eval, source_sha)
+
+
+def _plan(cfg: RunConfig, model: nn.Module, optimizer_bytes: int, teacher: nn.Module | None,
+          device: torch.device) -> tuple[int, int | None, dict]:
+    """Micro-batches, the CPU cap (bytes, or None) and the plan's summary."""
+    mem = cfg.memory
+    if mem.mode == "plain":
+        return 1, None, {"mode": "plain"}
+    if mem.budget is None:
+        if mem.mode != "auto":
+            model.body.set_modes(mem.mode)
+        return 1, None, {"mode": mem.mode, "stages": [
+            {"name": n, "type": type(s).__name__, "mode": m.value}
+            for (n, s), m in zip(model.body.stages.named_children(), model.body.modes)]}
+    from edgerev.memory.autoplan import plan_training
+    from edgerev.memory.planner import parse_bytes
+
+    budget = parse_bytes(mem.budget)
+    teacher_bytes = sum(t.numel() * t.element_size() for t in [*teacher.parameters(), *teacher.buffers()]) \
+        if teacher is not None else 0
+    # the planner counts weights, gradients and buffers; the optimizer's state and the teacher live too
+    planned = budget - optimizer_bytes - teacher_bytes
+    tp = plan_training(model, cfg.data.size, planned, str(device.type), estimate=mem.profile == "estimate",
+                       max_batch=cfg.train.batch)
+    tp.apply(model)
+    if device.type == "cuda":
+        apply_cuda_cap(budget, device)
+    micro = math.ceil(cfg.train.batch / tp.batch)
+    summary = {"mode": "planned", "budget_bytes": budget, "micro_batch": tp.batch, "micro_batches": micro, **tp.summary}
+    return micro, budget if device.type == "cpu" else None, summary
+
+
+def resolve_run(cfg: RunConfig | None, out: Path, resume: bool) -> RunConfig:
+    """The recipe to run in ``out``: the given one for a fresh run, the saved one to resume."""
+    saved = out / CONFIG
+    if resume:
+        if not has_checkpoint(out):
+            raise RunError(f"{out} holds no checkpoint to resume from")
+        resolved = from_dict(RunConfig, load_yaml(saved))
+        if cfg is not None and to_dict(cfg) != to_dict(resolved):
+            raise RunError(f"the config differs from the one the run in {out} started with ({saved}); "
+                           "resume without --config, or start a new run in another folder")
+        return resolved
+    if cfg is None:
+        raise RunError("a new run needs a config")
+    if has_checkpoint(out) or (out / "model.json").exists():
+        raise RunError(f"{out} already holds a run; pass --resume to continue it, or choose another folder")
+    return cfg
+
+
+def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Callable[[], bool] | None = None,
+          progress: bool | None = None) -> RunResult:
+    """Run the recipe ``cfg`` into ``out`` (see the module docstring).
+
+    Args:
+        resume: continue the run in ``out`` from its latest checkpoint (``cfg`` None or the same).
+        stop: polled after every step; when it returns True the run checkpoints and returns
+            ``status="stopped"`` (a signal handler sets it).
+        progress: show a progress bar (default: when stderr is a terminal).
+    """
+    out = Path(out)
+    cfg = resolve_run(cfg, out, resume)
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        dump_yaml(out / CONFIG, cfg)
+    device = _device(cfg.device)
+    s = _prepare(cfg, device)
+    model, info = s.model, s.info
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD([{"params": params}], lr=cfg.optim.lr, momentum=cfg.optim.momentum,
+                                nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
+    opt_bytes = sum(p.numel() * p.element_size() for p in params) if cfg.optim.momentum > 0 else 0
+    micro, cpu_budget, plan_summary = _plan(cfg, model, opt_bytes, s.teacher, device)
+
+    batch = min(cfg.train.batch, len(s.train))
+    per_epoch = max(1, len(s.train) // batch)
+    total = cfg.train.epochs * per_epoch
+    step = 0
+    if resume:
+        r = load_checkpoint(out, model, optimizer)
+        step, micro = r.step, max(micro, int(r.extra.get("micro_batches", micro)))
+    metrics = MetricsLog(out / METRICS, step if resume else None)
+    augment = Augment(cfg.augment.pad, cfg.augment.flip, cfg.augment.cutout)
+    loss_fn = ContinualLoss(cfg.continual.distill, cfg.continual.temperature, cfg.optim.label_smoothing)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _progress(total, step, show)
+    status, started, window = "done", time.perf_counter(), []
+    order, order_epoch = None, -1
+    try:
+        model.train()
+        while step < total:
+            epoch, k = divmod(step, per_epoch)
+            if epoch != order_epoch:
+                order = torch.randperm(len(s.train), generator=torch.Generator().manual_seed(
+                    cfg.train.seed * 100_003 + epoch))
+                order_epoch = epoch
+            idx = order[k * batch:(k + 1) * batch]
+            g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
+            x = normalize(augment(s.train.images[idx], g).to(device), info)
+            y = s.train.labels[idx].to(device)
+            target = (y,)
+            if s.teacher is not None:
+                with torch.no_grad():
+                    target = (y, s.teacher(x))
+            lr = lr_at(step, total, cfg.optim)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            t0 = time.perf_counter()
+            with plain(model, cfg.memory.mode == "plain"):
+                res = train_step(model, optimizer, x, target, micro, cpu_budget, loss_fn)
+            window.append((res.loss, time.perf_counter() - t0))
+            micro = res.micro_batches
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{res.loss:.3f}", epoch=epoch + 1)
+            if step % cfg.train.log_every == 0 or step == total:
+                metrics.write({"kind": "train", "step": step, "epoch": epoch + 1, "lr": lr,
+                               "loss": sum(w[0] for w in window) / len(window),
+                               "step_seconds": sum(w[1] for w in window) / len(window), "micro_batches": micro})
+                window = []
+            end_of_epoch = step % per_epoch == 0
+            if end_of_epoch:
+                ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
+                metrics.write({"kind": "eval", "step": step, "epoch": step // per_epoch,
+                               **{k: v for k, v in ev.items() if k != "per_class"}})
+            stopping = stop is not None and stop()
+            if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0:
+                save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro})
+            if stopping and step < total:
+                status = "stopped"
+                break
+    finally:
+        bar.close()
+        metrics.close()
+    if status == "stopped":
+        return RunResult(status, out, step, total)
+    summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step)
+    return RunResult(status, out, step, total, summary)
+
+
+def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelInfo, rows: list[dict],
+            plan_summary: dict, seconds: float, step: int) -> dict:
+    """Final evaluation, the model directory, the replay sample, the summary and the plot."""
+    device = next(model.parameters()).device
+    final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
+    extra = {}
+    if cfg.continual.replay > 0:
+        extra["replay_sha256"] = save_replay(out, s.train.balanced_sample(cfg.continual.replay, cfg.train.seed))
+    summary = {
+        "arch": info.arch, "classes": list(info.classes), "old_classes": list(s.old), "steps": step,
+        "train_samples": len(s.train), "val_samples": len(s.val),
+        "seconds_this_session": round(seconds, 3), "final": final, "plan": plan_summary,
+        "source_sha256": s.source_sha,
+    }
+    if s.start_eval is not None:
+        summary["start_old_acc"] = s.start_eval["acc"]
+        if final["old_acc"] is not None and s.start_eval["acc"] is not None:
+            summary["forgetting"] = s.start_eval["acc"] - final["old_acc"]
+    summary["weights_sha256"] = save_model(out, model.cpu(), info, extra)
+    write_json(out / SUMMARY, summary)
+    try:
+        from edgerev.train.plots import plot_run
+
+        plot_run(rows, plan_summary, out / "curves.png", title=f"{info.arch}: {out.name}")
+    except ImportError as e:  # matplotlib is a dependency; a broken install must not lose the model
+        print(f"edgerev: curves not plotted: {e}", file=sys.stderr)
+    return summary
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **kw) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, initial: int, show: bool):
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
