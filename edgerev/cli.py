@@ -118,32 +118,16 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from edgerev.memory.autoplan import is_plain, plan_model, plan_plain, verify
+    from edgerev.memory.autoplan import plan_training, verify
     from edgerev.memory.planner import parse_bytes
-    from edgerev.memory.profile import load_or_measure
     from edgerev.models import create_model
 
     budget = parse_bytes(args.budget)
     device = _device(args.device)
     model = create_model(_arch(args.arch)).to(device)
     model.check_input(torch.zeros(1, model.in_channels, args.size, args.size, device=device))
-    check = device == "cpu"
-    if is_plain(model):
-        pp = plan_plain(model, args.size, budget, device, check=check)
-        batch, modes, segments = pp.plan.batch, None, pp.plan.segments
-        result = {"planner": "checkpoint segments", "batch": batch,
-                  "predicted_peak_bytes": pp.plan.predicted_peak_bytes, "fitted_peak_bytes": pp.fitted_peak_bytes,
-                  "samples_per_second": pp.plan.samples_per_second, "solve_seconds": pp.solve_seconds,
-                  "segments": [{"start": s.start, "end": s.end, "mode": s.mode} for s in segments],
-                  "stages": pp.stages(model)}
-    else:
-        profile = load_or_measure(model, args.size, device, estimate=args.estimate)
-        mp = plan_model(model, args.size, budget, device, profile=profile, check=check)
-        batch, modes, segments = mp.plan.batch, mp.plan.modes, None
-        result = {"planner": f"stage modes ({profile.source} profile)", "batch": batch,
-                  "predicted_peak_bytes": mp.plan.predicted_peak_bytes, "fitted_peak_bytes": mp.fitted_peak_bytes,
-                  "samples_per_second": mp.plan.samples_per_second, "solve_seconds": mp.solve_seconds,
-                  "stages": mp.stages(model)}
+    tp = plan_training(model, args.size, budget, device, estimate=args.estimate)
+    batch, modes, segments, result = tp.batch, tp.modes, tp.segments, tp.summary
     result = {"arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget, **result}
     if args.verify:
         result.update(verify(model, modes, batch, args.size, device, segments=segments))
@@ -159,6 +143,47 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{'#':>3} {'stage':<16} mode")
     for i, st in enumerate(result["stages"]):
         print(f"{i:>3} {st['type']:<16} {st['mode']}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import signal
+
+    from edgerev.train.config import load_config
+    from edgerev.train.trainer import train
+
+    if args.config is None and not args.resume:
+        raise EdgerevError("give --config FILE.yaml (or --resume to continue the run in --out)")
+    cfg = load_config(args.config) if args.config is not None else None
+    stop = {"asked": False}
+
+    def ask_stop(signum, frame):  # finish the step, checkpoint, return
+        stop["asked"] = True
+
+    old = {s: signal.signal(s, ask_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = train(cfg, args.out, resume=args.resume, stop=lambda: stop["asked"],
+                       progress=False if args.quiet else None)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    report = {"status": result.status, "out": str(result.out), "step": result.step, "total_steps": result.total_steps,
+              **result.summary}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif result.status == "stopped":
+        print(f"stopped at step {result.step} of {result.total_steps}, checkpoint in {result.out}; "
+              f"continue with: edgerev train --out {result.out} --resume")
+    else:
+        final = result.summary["final"]
+        line = f"done: {result.step} steps, validation accuracy {final['acc']:.4f}"
+        if final.get("old_acc") is not None:
+            line += f" (old classes {final['old_acc']:.4f}, new classes {final['new_acc']:.4f}"
+            if "forgetting" in result.summary:
+                line += f", forgetting {result.summary['forgetting']:+.4f}"
+            line += ")"
+        print(line)
+        print(f"model directory: {result.out} (model.safetensors, model.json, curves.png, metrics.jsonl)")
     return 0
 
 
@@ -204,6 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     d.add_argument("--json", action="store_true", help="print JSON")
     d.set_defaults(fn=cmd_diagnose)
+
+    t = sub.add_parser("train", help="train or fine-tune a model from a YAML recipe",
+                       description="Train (or fine-tune from model.init, growing the head for new classes) as the "
+                                   "recipe says, under its memory budget. Writes the resolved config, metrics.jsonl, "
+                                   "checkpoints, curves.png and a model directory (model.safetensors + model.json) "
+                                   "to --out. SIGTERM or Ctrl-C stops at a step boundary with a checkpoint.")
+    t.add_argument("--config", help="the recipe (YAML); see configs/")
+    t.add_argument("--out", required=True, help="output folder of the run")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--json", action="store_true", help="print the run's summary as JSON")
+    t.set_defaults(fn=cmd_train)
     return p
 
 
