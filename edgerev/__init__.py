@@ -1,13 +1,34 @@
 """edgerev: on-device continual learning with reversible networks whose training memory does not grow with depth.
 
-Importing edgerev never touches CUDA.
+Importing edgerev never touches CUDA, and never imports torch by itself: the names below are loaded
+on first use, so the torch-free parts (``edgerev.export.predict``, the ONNX Runtime training backend,
+``edgerev.errors``) run on devices without PyTorch.
 """
 
-from edgerev.engine import InvertibleSequence, Mode, plain
-from edgerev.errors import EdgerevError, NonFiniteError, ShapeError, UnknownModelError
-from edgerev.models import create_model, list_models
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first access, see __getattr__)
+_LAZY = {
+    "InvertibleSequence": "edgerev.engine",
+    "Mode": "edgerev.engine",
+    "plain": "edgerev.engine",
+    "EdgerevError": "edgerev.errors",
+    "NonFiniteError": "edgerev.errors",
+    "ShapeError": "edgerev.errors",
+    "UnknownModelError": "edgerev.errors",
+    "create_model": "edgerev.models",
+    "list_models": "edgerev.models",
+}
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from edgerev.engine import InvertibleSequence, Mode, plain
+    from edgerev.errors import EdgerevError, NonFiniteError, ShapeError, UnknownModelError
+    from edgerev.models import create_model, list_models
 
 __all__ = [
     "EdgerevError",
@@ -21,3 +42,16 @@ __all__ = [
     "list_models",
     "plain",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'edgerev' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

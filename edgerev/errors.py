@@ -28,3 +28,7 @@ class NonFiniteError(EdgerevError):
 
 class ModeError(EdgerevError):
     """A stage was asked to run in a mode it does not support."""
+
+
+class ExportError(EdgerevError):
+    """A model cannot be exported to ONNX, its export does not match PyTorch, or an ONNX file cannot be used."""
