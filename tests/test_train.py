@@ -246,3 +246,18 @@ def test_cli_train(tmp_path, capsys):
     assert "train.epochs: expected int, got str 'ten'" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "y")]) == 2
     assert "give --config" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cpu_demo_preset_reaches_its_stated_accuracy(tmp_path):
+    """configs/cpu-demo.yaml: at least 95 % on the generated data set (the README states it)."""
+    from pathlib import Path
+
+    from edgerev.train.config import load_config
+
+    preset = Path(__file__).parent.parent / "configs" / "cpu-demo.yaml"
+    t0 = time.perf_counter()
+    result = train(load_config(preset), tmp_path / "demo", progress=False)
+    seconds = time.perf_counter() - t0
+    print(f"cpu demo: accuracy {result.summary['final']['acc']:.4f} in {seconds:.1f} s")
+    assert result.summary["final"]["acc"] >= 0.95
