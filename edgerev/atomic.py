@@ -1,7 +1,7 @@
-"""Atomic file writes without torch: temporary file, fsync, rename, fsync of the folder.
+"""Atomic file writes: temporary file, fsync, rename, fsync of the folder.
 
-The same protocol as :func:`edgerev.train.checkpoint.atomic_write`, importable where torch is not
-(the ONNX Runtime side of :mod:`edgerev.export` runs on devices without PyTorch).
+Every file edgerev writes for later reading (weights, checkpoints, configs, ONNX models) goes through
+here. No torch import: the ONNX Runtime side of :mod:`edgerev.export` runs on devices without PyTorch.
 """
 
 from __future__ import annotations

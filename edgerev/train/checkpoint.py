@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from edgerev.atomic import atomic_write, fsync_dir  # noqa: F401 (fsync_dir: re-exported for callers)
 from edgerev.errors import EdgerevError
 
 WEIGHTS = "model.safetensors"
@@ -33,31 +33,6 @@ INFO = "model.json"
 
 class CheckpointError(EdgerevError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the model asked for."""
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file, fsync, and rename (never a torn file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(path.parent)
 
 
 def write_json(path: str | Path, obj) -> None:
