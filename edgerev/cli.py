@@ -187,6 +187,50 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from edgerev.export.onnx import export_onnx
+
+    r = export_onnx(args.run, args.out, batch=args.batch, tolerance=args.tolerance, exporter=args.exporter)
+    if args.json:
+        print(json.dumps(r.to_json(), indent=2))
+        return 0
+    print(f"wrote {r.path}: {r.size_bytes:,} bytes, opset {r.opset}, IR {r.ir_version}, dynamic batch")
+    print(f"ONNX Runtime against PyTorch: max abs difference of logits {r.max_abs_diff:.2e} "
+          f"(batches {', '.join(map(str, r.batches))}; tolerance {args.tolerance:g})")
+    print(f"export {r.seconds:.1f} s, verification {r.verify_seconds:.1f} s")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from edgerev.export.predict import Predictor  # ONNX Runtime, Pillow and numpy: no torch on this path
+
+    predictions = Predictor(args.model).predict(args.images, top=args.top)
+    if args.json:
+        print(json.dumps([p.to_json() for p in predictions], indent=2))
+        return 0
+    for p in predictions:
+        others = ", ".join(f"{c} {q:.4f}" for c, q in p.top[1:])
+        print(f"{p.source}: {p.label} {p.probability:.4f}" + (f"  ({others})" if others else ""))
+    return 0
+
+
+def cmd_finetune_head(args: argparse.Namespace) -> int:
+    from edgerev.export.ort_training import finetune_head  # ONNX Runtime training and numpy: no torch
+
+    r = finetune_head(args.model, args.data, args.out, val=args.val, epochs=args.epochs, lr=args.lr,
+                      batch=args.batch, optimizer=args.optimizer, seed=args.seed)
+    if args.json:
+        print(json.dumps(r.to_json(), indent=2))
+        return 0
+    print(f"trained the head on {r.samples} images ({len(r.skipped)} unreadable skipped), {r.epochs} epochs of "
+          f"{r.optimizer} at lr {r.lr:g}: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
+    print(f"training accuracy {r.train_accuracy_before:.4f} -> {r.train_accuracy_after:.4f}")
+    if r.val_accuracy_before is not None:
+        print(f"validation accuracy {r.val_accuracy_before:.4f} -> {r.val_accuracy_after:.4f} ({r.val_samples} images)")
+    print(f"wrote {r.path} in {r.seconds:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgerev",
                                 description="On-device training of reversible networks under a memory cap.")
@@ -241,6 +285,47 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("export", help="export a model directory to ONNX, verified with ONNX Runtime",
+                       description="Export the model directory RUN (model.json + model.safetensors) to ONNX with a "
+                                   "dynamic batch (opset <= 21, IR <= 10), check its logits against PyTorch with "
+                                   "ONNX Runtime, and write it only if they agree. Classes, input size and "
+                                   "normalization go into the file's metadata.")
+    e.add_argument("--run", required=True, help="model directory (a training run's output)")
+    e.add_argument("--out", required=True, help="the .onnx file to write")
+    e.add_argument("--batch", type=_positive("--batch"), default=4, help="verification batch size (default 4)")
+    e.add_argument("--tolerance", type=float, default=1e-4,
+                   help="largest accepted absolute difference of logits (default 1e-4)")
+    e.add_argument("--exporter", choices=("dynamo", "legacy"), default="dynamo",
+                   help="torch.export-based (default) or the deprecated TorchScript exporter")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.set_defaults(fn=cmd_export)
+
+    pr = sub.add_parser("predict", help="classify images with an exported model (ONNX Runtime, no PyTorch)",
+                        description="Decode, resize and normalize each image as the model's metadata says, run it "
+                                    "with ONNX Runtime and print the most probable class and its probability.")
+    pr.add_argument("--model", required=True, help="an .onnx file written by 'edgerev export'")
+    pr.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, anything Pillow reads)")
+    pr.add_argument("--top", type=_positive("--top"), default=1, help="classes to list per image (default 1)")
+    pr.add_argument("--json", action="store_true", help="print JSON")
+    pr.set_defaults(fn=cmd_predict)
+
+    f = sub.add_parser("finetune-head", help="train an exported model's head with ONNX Runtime (no PyTorch)",
+                       description="Fine-tune the final linear layer of an exported model on a frozen backbone with "
+                                   "ONNX Runtime training (pip install 'edgerev[ort-training]'), on a folder of "
+                                   "<class>/<image> files whose class names are among the model's, and write a "
+                                   "new .onnx with the trained head.")
+    f.add_argument("--model", required=True, help="an .onnx file written by 'edgerev export'")
+    f.add_argument("--data", required=True, help="training images: FOLDER/<class>/<image>")
+    f.add_argument("--out", required=True, help="the .onnx file to write")
+    f.add_argument("--val", help="held-out images, same layout: accuracy before and after")
+    f.add_argument("--epochs", type=_positive("--epochs"), default=10, help="passes over the data (default 10)")
+    f.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 0.01)")
+    f.add_argument("--batch", type=_positive("--batch"), default=32, help="mini-batch size (default 32)")
+    f.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer (default adamw)")
+    f.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
+    f.add_argument("--json", action="store_true", help="print JSON")
+    f.set_defaults(fn=cmd_finetune_head)
     return p
 
 

@@ -1,0 +1,62 @@
+"""Export to ONNX (verified against PyTorch), inference and head fine-tuning with ONNX Runtime.
+
+=========================  ===========================================================  ========
+module                     does                                                         torch
+=========================  ===========================================================  ========
+:mod:`.onnx`               :func:`export_onnx`: model directory to a verified ``.onnx``  yes
+:mod:`.predict`            :class:`Predictor`: images to labels with ONNX Runtime        no
+:mod:`.ort_training`       :func:`finetune_head`: train the head with ONNX Runtime       no
+:mod:`.metadata`           classes, input size, normalization inside the file            no
+:mod:`.graph`              cut an exported graph at its head, swap the head's weights    no
+:mod:`.images`             Pillow + numpy decoding, the same as the trainer's            no
+:mod:`.runtime`            ONNX Runtime imported on demand, sessions                     no
+=========================  ===========================================================  ========
+
+The names below load on first use, so importing this package never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_LAZY = {
+    "ExportResult": "edgerev.export.onnx",
+    "export_onnx": "edgerev.export.onnx",
+    "verify_onnx": "edgerev.export.onnx",
+    "Prediction": "edgerev.export.predict",
+    "Predictor": "edgerev.export.predict",
+    "FinetuneResult": "edgerev.export.ort_training",
+    "finetune_head": "edgerev.export.ort_training",
+    "ModelMeta": "edgerev.export.metadata",
+}
+
+if TYPE_CHECKING:
+    from edgerev.export.metadata import ModelMeta
+    from edgerev.export.onnx import ExportResult, export_onnx, verify_onnx
+    from edgerev.export.ort_training import FinetuneResult, finetune_head
+    from edgerev.export.predict import Prediction, Predictor
+
+__all__ = [
+    "ExportResult",
+    "FinetuneResult",
+    "ModelMeta",
+    "Prediction",
+    "Predictor",
+    "export_onnx",
+    "finetune_head",
+    "verify_onnx",
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'edgerev.export' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

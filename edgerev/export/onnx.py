@@ -1,0 +1,217 @@
+"""ONNX export of a model directory (or a model), verified against PyTorch with ONNX Runtime.
+
+The export runs the model's plain-autograd path in eval mode (:func:`edgerev.engine.plain`: the
+engine's custom autograd Function is not traceable, and the legacy exporter fails on it with
+``RuntimeError: unordered_map::at``). The batch axis is symbolic: the pooling reshapes read the batch
+from the traced shapes, so one file runs at any batch. The file carries the metadata of
+:mod:`edgerev.export.metadata`, is checked with ONNX Runtime before it is written, and is written
+atomically: a model that does not match PyTorch is never left where a predictor would load it.
+
+ONNX Runtime 1.19 (the last release with on-device training) loads opset <= 21 and IR <= 10; onnx
+>= 1.18 writes a newer IR by default, so the IR is lowered to 10 (nothing in these graphs needs more).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from edgerev.atomic import atomic_write
+from edgerev.engine import plain
+from edgerev.errors import ExportError
+from edgerev.export.images import normalize
+from edgerev.export.metadata import ModelMeta, set_props
+from edgerev.export.runtime import first_line, inference_session
+from edgerev.train.checkpoint import ModelInfo, load_model
+
+MAX_OPSET = 21
+MAX_IR = 10
+INPUT, OUTPUT = "pixels", "logits"
+EXPORTERS = ("dynamo", "legacy")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_onnx` wrote and how close it is to PyTorch."""
+
+    path: Path
+    arch: str
+    opset: int
+    ir_version: int
+    max_abs_diff: float  # logits, ONNX Runtime against PyTorch, over the verification batches
+    batches: tuple[int, ...]  # batch sizes verified
+    seconds: float  # export (trace, convert, serialize)
+    verify_seconds: float
+    size_bytes: int
+    weights_sha256: str
+    exporter: str
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["path"], d["batches"] = str(self.path), list(self.batches)
+        return d
+
+
+def weights_sha256(model: nn.Module) -> str:
+    """SHA-256 of the model's weights as :func:`edgerev.train.checkpoint.save_model` would write them."""
+    from safetensors.torch import save
+
+    data = save({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()})
+    return hashlib.sha256(data).hexdigest()
+
+
+def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: ModelInfo | None = None,
+                batch: int = 4, tolerance: float = 1e-4, opset: int | None = None, exporter: str = "dynamo",
+                seed: int = 0) -> ExportResult:
+    """Export a model to ONNX with a dynamic batch, verify it with ONNX Runtime, write it atomically.
+
+    Args:
+        source: a model directory (``model.json`` + ``model.safetensors``) or a model.
+        out_path: the ``.onnx`` file to write.
+        info: classes, input size and normalization; required with a model, read from a directory.
+        batch: verification batch size (batch 1 is verified too).
+        tolerance: largest accepted absolute difference between ONNX Runtime's and PyTorch's logits.
+        opset: ONNX opset (<= 21); default: the exporter's.
+        exporter: ``"dynamo"`` (``torch.export``, needs onnxscript) or ``"legacy"`` (TorchScript tracing;
+            deprecated in torch, kept for installs without onnxscript).
+        seed: seed of the random verification pixels.
+
+    Raises:
+        ExportError: bad arguments, a failed export, or a verification above ``tolerance``.
+        CheckpointError: the model directory is missing or broken.
+    """
+    if batch < 1:
+        raise ExportError(f"verification batch must be positive, got {batch}")
+    if not tolerance >= 0:
+        raise ExportError(f"tolerance must be a non-negative number, got {tolerance}")
+    if exporter not in EXPORTERS:
+        raise ExportError(f"unknown exporter {exporter!r}; choose from {', '.join(EXPORTERS)}")
+    if opset is not None and not 7 <= opset <= MAX_OPSET:
+        raise ExportError(f"opset must lie in 7..{MAX_OPSET} (ONNX Runtime 1.19 loads up to {MAX_OPSET}), got {opset}")
+    out_path = Path(out_path)
+    if not out_path.parent.is_dir():
+        raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
+    if isinstance(source, nn.Module):
+        if info is None:
+            raise ExportError("exporting a model object needs its ModelInfo (classes, input size, normalization)")
+        model, sha = source, weights_sha256(source)
+    else:
+        model, info, sha = load_model(source)
+    arch = getattr(model, "arch", info.arch)
+    # a copy: eval() and tracing never touch the caller's model (its mode, its batch-norm statistics)
+    model = copy.deepcopy(model).cpu().eval()
+    example = torch.zeros(2, len(info.mean), info.input_size, info.input_size)
+    if hasattr(model, "check_input"):
+        model.check_input(example)  # one clear error for an input size the model cannot take
+
+    start = time.perf_counter()
+    proto = _export(model, example, opset, exporter, arch)
+    if proto.ir_version > MAX_IR:
+        proto.ir_version = MAX_IR
+    used_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if used_opset > MAX_OPSET:
+        raise ExportError(f"the exporter wrote opset {used_opset}; ONNX Runtime 1.19 loads up to {MAX_OPSET}: "
+                          f"pass opset={MAX_OPSET} or lower")
+    import edgerev
+
+    meta = ModelMeta(classes=info.classes, input_size=info.input_size, mean=info.mean, std=info.std, arch=info.arch,
+                     weights_sha256=sha, edgerev_version=edgerev.__version__)
+    set_props(proto, meta.to_props())
+    data = proto.SerializeToString()
+    seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    batches = tuple(dict.fromkeys((batch, 1)))
+    diff = verify_onnx(data, model, meta, batches=batches, tolerance=tolerance, seed=seed, what=str(out_path))
+    verify_seconds = time.perf_counter() - start
+    atomic_write(out_path, data)
+    return ExportResult(path=out_path, arch=info.arch, opset=used_opset, ir_version=proto.ir_version,
+                        max_abs_diff=diff, batches=batches, seconds=seconds, verify_seconds=verify_seconds,
+                        size_bytes=len(data), weights_sha256=sha, exporter=exporter)
+
+
+def verify_onnx(onnx_model: str | Path | bytes, model: nn.Module, meta: ModelMeta, batches: tuple[int, ...] = (4, 1),
+                tolerance: float = 1e-4, seed: int = 0, what: str | None = None) -> float:
+    """Largest absolute difference of logits between ONNX Runtime and PyTorch on random pixels.
+
+    Each batch size in ``batches`` is run (a file exported with a fixed batch fails here).
+
+    Raises:
+        ExportError: the difference exceeds ``tolerance`` or is not finite, or ONNX Runtime fails.
+    """
+    session = inference_session(onnx_model, what)
+    name = session.get_inputs()[0].name
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for b in batches:
+        pixels = rng.integers(0, 256, size=(b, len(meta.mean), meta.input_size, meta.input_size), dtype=np.uint8)
+        x = normalize(pixels, meta.mean, meta.std)
+        try:
+            got = session.run(None, {name: x})[0]
+        except Exception as e:  # ORT's pybind exceptions derive from Exception only
+            raise ExportError(f"ONNX Runtime failed on {what or 'the model'} at batch {b}: {first_line(e)}") from None
+        ref = _reference_logits(model, x)
+        if got.shape != ref.shape:
+            raise ExportError(f"{what or 'the ONNX model'} returns logits of shape {got.shape} at batch {b}, "
+                              f"PyTorch {ref.shape}")
+        diff = float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64))))
+        if not diff <= tolerance:  # NaN fails too
+            raise ExportError(f"ONNX Runtime and PyTorch disagree on {what or 'the model'}: max abs difference of "
+                              f"logits {diff:.3g} at batch {b} exceeds the tolerance {tolerance:g}; nothing written")
+        worst = max(worst, diff)
+    return worst
+
+
+def _reference_logits(model: nn.Module, x: np.ndarray) -> np.ndarray:
+    with plain(model), torch.no_grad():
+        return model(torch.from_numpy(x)).numpy()
+
+
+def _export(model: nn.Module, example: torch.Tensor, opset: int | None, exporter: str, arch: str):
+    """Trace ``model`` to an ``onnx.ModelProto`` with a symbolic batch axis."""
+    import onnx
+
+    try:
+        with plain(model), torch.no_grad(), _quiet_exporter():
+            if exporter == "dynamo":
+                batch = torch.export.Dim("batch")
+                program = torch.onnx.export(model, (example,), dynamo=True, input_names=[INPUT], output_names=[OUTPUT],
+                                            dynamic_shapes=({0: batch},), opset_version=opset, verbose=False)
+                return program.model_proto
+            buf = io.BytesIO()
+            torch.onnx.export(model, (example,), buf, dynamo=False, input_names=[INPUT], output_names=[OUTPUT],
+                              dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}}, opset_version=opset or 17)
+            return onnx.load_from_string(buf.getvalue())
+    except ImportError as e:
+        raise ExportError(f"the dynamo exporter needs onnxscript ({first_line(e)}): pip install onnxscript, "
+                          "or use the legacy exporter") from None
+    except Exception as e:  # the exporters raise many types; the CLI needs one line
+        raise ExportError(f"torch.onnx.export failed for {arch}: {type(e).__name__}: {first_line(e)}") from None
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Hide the exporters' chatter (tracer warnings, 'torchvision is not installed', deprecation)."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

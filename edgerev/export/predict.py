@@ -1,0 +1,115 @@
+"""Classify images with an exported model, using ONNX Runtime, Pillow and numpy only.
+
+Nothing on this module's import chain imports torch (``edgerev/__init__`` loads its torch-backed
+names lazily), so a device with ONNX Runtime and without PyTorch can run it:
+
+    >>> predictor = Predictor("model.onnx")                      # doctest: +SKIP
+    >>> predictor.predict(["cat.jpg"], top=3)[0].label           # doctest: +SKIP
+    'cat'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgerev.errors import ExportError
+from edgerev.export.images import decode, normalize
+from edgerev.export.metadata import ModelMeta
+from edgerev.export.runtime import first_line, inference_session
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One image's class: the most probable label, its probability, and the ``top`` labels."""
+
+    source: str
+    label: str
+    probability: float
+    top: tuple[tuple[str, float], ...]
+
+    def to_json(self) -> dict:
+        return {"image": self.source, "label": self.label, "probability": self.probability,
+                "top": [{"label": c, "probability": p} for c, p in self.top]}
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float64 (no overflow for large logits)."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+class Predictor:
+    """An exported model with its metadata: decode, resize, normalize, batch, run, softmax.
+
+    Args:
+        onnx_path: a file written by :func:`edgerev.export.onnx.export_onnx` (or fine-tuned by
+            :mod:`edgerev.export.ort_training`).
+
+    Raises:
+        ExportError: the file is missing, not a model ONNX Runtime can load, or lacks edgerev metadata.
+    """
+
+    def __init__(self, onnx_path: str | Path) -> None:
+        self.path = Path(onnx_path)
+        self.session = inference_session(self.path)
+        self.meta = ModelMeta.from_props(self.session.get_modelmeta().custom_metadata_map, str(self.path))
+        inp = self.session.get_inputs()[0]
+        self.input_name = inp.name
+        s = self.meta.input_size
+        expected = [len(self.meta.mean), s, s]
+        if len(inp.shape) != 4 or list(inp.shape[1:]) != expected:
+            raise ExportError(f"{self.path} takes input {inp.shape}, its metadata says "
+                              f"[batch, {expected[0]}, {s}, {s}]")
+        out = self.session.get_outputs()[0].shape
+        if len(out) != 2 or out[1] != len(self.meta.classes):
+            raise ExportError(f"{self.path} returns logits {out} for {len(self.meta.classes)} classes")
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self.meta.classes
+
+    def logits(self, pixels: np.ndarray) -> np.ndarray:
+        """Logits of ``uint8 [B, 3, S, S]`` pixels (S the model's input size)."""
+        x = normalize(pixels, self.meta.mean, self.meta.std)
+        try:
+            return self.session.run(None, {self.input_name: x})[0]
+        except Exception as e:  # ORT's pybind exceptions derive from Exception only
+            raise ExportError(f"ONNX Runtime failed on {self.path}: {first_line(e)}") from None
+
+    def classify(self, pixels: np.ndarray, top: int = 5, sources: Sequence[str] | None = None) -> list[Prediction]:
+        """Predictions for ``uint8 [B, 3, S, S]`` pixels; ``sources`` name them (default: their index)."""
+        if top < 1:
+            raise ExportError(f"top must be positive, got {top}")
+        probs = softmax(self.logits(pixels))
+        k = min(top, probs.shape[1])
+        out = []
+        for i, p in enumerate(probs):
+            order = np.argsort(-p, kind="stable")[:k]
+            ranked = tuple((self.classes[j], float(p[j])) for j in order)
+            name = sources[i] if sources is not None else str(i)
+            out.append(Prediction(source=name, label=ranked[0][0], probability=ranked[0][1], top=ranked))
+        return out
+
+    def predict(self, images: Sequence[str | Path], top: int = 5, batch: int = 32) -> list[Prediction]:
+        """Classify image files, ``batch`` at a time.
+
+        Raises:
+            ImageError: a file is missing or not an image (the error names it); nothing is classified.
+        """
+        if batch < 1:
+            raise ExportError(f"batch must be positive, got {batch}")
+        if not images:
+            return []
+        size = self.meta.input_size
+        pixels = [decode(p, size) for p in images]  # every file is checked before any is run
+        out: list[Prediction] = []
+        for start in range(0, len(pixels), batch):
+            chunk = np.stack(pixels[start:start + batch])
+            out += self.classify(chunk, top, [str(p) for p in images[start:start + batch]])
+        return out

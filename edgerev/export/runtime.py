@@ -1,0 +1,121 @@
+"""ONNX Runtime, imported on demand with one clear error when it is missing, and its sessions.
+
+Two distributions provide the ``onnxruntime`` module: ``onnxruntime`` (inference) and
+``onnxruntime-training-cpu`` (inference and on-device training). They overwrite each other's files,
+so edgerev lists them as alternative extras (``edgerev[runtime]``, ``edgerev[ort-training]``) and
+never depends on either. No torch here (see :mod:`edgerev.export.predict`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import re
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+from edgerev.errors import ExportError
+
+INSTALL_HINT = ("pip install 'edgerev[runtime]' for inference, or 'edgerev[ort-training]' for inference and "
+                "head fine-tuning (one of the two: they provide the same module)")
+
+
+def onnxruntime() -> types.ModuleType:
+    """The ``onnxruntime`` module, or :class:`ExportError` saying how to install it."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise ExportError(f"ONNX Runtime is not installed: {INSTALL_HINT}") from None
+    return ort
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, without ONNX Runtime's ``[ONNXRuntimeError] : 7 : NAME :`` prefix."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text.splitlines()[0])
+
+
+def inference_session(model: str | Path | bytes, what: str | None = None):
+    """An ``InferenceSession`` on the CPU for a file or serialized model; one-line errors.
+
+    Args:
+        model: path of an ``.onnx`` file, or its bytes.
+        what: how errors name the model (default: the path).
+    """
+    ort = onnxruntime()
+    if not isinstance(model, bytes):
+        path = Path(model)
+        what = what or str(path)
+        if not path.is_file():
+            raise ExportError(f"ONNX model {what} does not exist")
+        model = str(path)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: ORT's warnings about unused initializers are noise here
+    try:
+        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT's pybind exceptions derive from Exception only
+        raise ExportError(f"ONNX Runtime cannot load {what or 'the model'}: {first_line(e)}") from None
+
+
+def training_modules() -> tuple[types.ModuleType, types.ModuleType]:
+    """``(onnxruntime.training.api, onnxruntime.training.artifacts)`` from ``onnxruntime-training-cpu``.
+
+    The package's ``__init__`` imports its PyTorch helpers (``optim``, ``amp``), so it fails on a
+    device without torch, although the two modules needed here use only the C extension, onnx and
+    numpy. Without torch, the package is registered as a bare namespace over its own folder, and
+    the two submodules are imported from it without that ``__init__``.
+    """
+    ort = onnxruntime()
+    folder = Path(ort.__file__).parent / "training"
+    if not (folder / "api").is_dir():
+        raise ExportError(f"ONNX Runtime training is not installed (found plain onnxruntime {ort.__version__}): "
+                          "pip uninstall onnxruntime && pip install 'edgerev[ort-training]'")
+    if "onnxruntime.training" not in sys.modules and not _torch_importable():
+        stub = types.ModuleType("onnxruntime.training")
+        stub.__path__ = [str(folder)]
+        stub.__package__ = "onnxruntime.training"
+        sys.modules["onnxruntime.training"] = stub
+        ort.training = stub
+    try:
+        api = importlib.import_module("onnxruntime.training.api")
+        artifacts = importlib.import_module("onnxruntime.training.artifacts")
+    except ImportError as e:
+        raise ExportError(f"ONNX Runtime training cannot be imported: {first_line(e)}") from None
+    return api, artifacts
+
+
+def _torch_importable() -> bool:
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None
+    return importlib.util.find_spec("torch") is not None
+
+
+@contextlib.contextmanager
+def quiet_artifact_generation() -> Iterator[None]:
+    """Keep ``generate_artifacts`` from printing ONNX Runtime's info log (a hundred lines per call).
+
+    onnxruntime-training 1.19.2 (the last release) optimizes the training graph with a
+    ``SessionOptions`` it creates itself at the default verbosity; give it one that logs errors only.
+    """
+    try:
+        from onnxruntime.training.onnxblock import _training_graph_utils as graph_utils
+    except ImportError:  # another layout: leave it as it is
+        yield
+        return
+    original = graph_utils.SessionOptions
+
+    def options():
+        o = original()
+        o.log_severity_level = 3
+        return o
+
+    graph_utils.SessionOptions = options
+    try:
+        yield
+    finally:
+        graph_utils.SessionOptions = original
