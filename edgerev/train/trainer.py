@@ -118,12 +118,16 @@ class _Setup:
     source_sha: str | None
 
 
-def _prepare(cfg: RunConfig, device: torch.device) -> _Setup:
+def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, LabeledImages | None] | None) -> _Setup:
     """Data, the starting model (grown for new classes) and the teacher, from the recipe."""
     size = cfg.data.size
-    new = load_source(cfg.data.train, size)
-    if cfg.data.val is not None:
-        train_new, val = new, load_source(cfg.data.val, size)
+    if data is not None:
+        new, val = data[0].resized(size), data[1].resized(size) if data[1] is not None else None
+    else:
+        new = load_source(cfg.data.train, size)
+        val = load_source(cfg.data.val, size) if cfg.data.val is not None else None
+    if val is not None:
+        train_new = new
     else:
         train_new, val = new.held_out(cfg.data.val_fraction)
     if len(train_new) == 0:
@@ -217,7 +221,7 @@ def resolve_run(cfg: RunConfig | None, out: Path, resume: bool) -> RunConfig:
 
 
 def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Callable[[], bool] | None = None,
-          progress: bool | None = None) -> RunResult:
+          progress: bool | None = None, data: tuple[LabeledImages, LabeledImages | None] | None = None) -> RunResult:
     """Run the recipe ``cfg`` into ``out`` (see the module docstring).
 
     Args:
@@ -225,6 +229,9 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
         stop: polled after every step; when it returns True the run checkpoints and returns
             ``status="stopped"`` (a signal handler sets it).
         progress: show a progress bar (default: when stderr is a terminal).
+        data: ``(train, val)`` images held by the caller (a service's store) instead of the recipe's
+            sources; ``val`` None holds out ``data.val_fraction`` of ``train``. A resumed run must be
+            given the same data.
     """
     out = Path(out)
     cfg = resolve_run(cfg, out, resume)
@@ -232,7 +239,7 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
     if not resume:
         dump_yaml(out / CONFIG, cfg)
     device = _device(cfg.device)
-    s = _prepare(cfg, device)
+    s = _prepare(cfg, device, data)
     model, info = s.model, s.info
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD([{"params": params}], lr=cfg.optim.lr, momentum=cfg.optim.momentum,
