@@ -6,9 +6,13 @@
   resize, normalize, run, softmax) and the ONNX Runtime call alone, median over repeats;
 * head fine-tuning with ONNX Runtime training on the generated data set (10 classes): accuracy on a
   held-out range before and after, and the time it took (backbone features included). The backbone
-  has random weights: the figure shows the mechanism, not a trained model's accuracy.
+  has random weights: the figure shows the mechanism, not a trained model's accuracy;
+* with ``--run DIR``, a model directory trained on the generated data set (``configs/cpu-demo.yaml``):
+  its export's accuracy against PyTorch's on the held-out range the recipe validates on, then the
+  same model with its head re-initialized, fine-tuned with ONNX Runtime on 1000 training images.
 
-    python benchmarks/export.py --out results/export.json
+    edgerev train --config configs/cpu-demo.yaml --out runs/cpu-demo
+    python benchmarks/export.py --run runs/cpu-demo --out results/export.json
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import onnxruntime
 import torch
 from _common import write_json
 
+from edgerev.engine import plain
 from edgerev.export.images import normalize
 from edgerev.export.onnx import export_onnx
 from edgerev.export.ort_training import finetune_head
 from edgerev.export.predict import Predictor
 from edgerev.models import create_model, list_models
-from edgerev.train.checkpoint import ModelInfo, save_model
+from edgerev.train.checkpoint import ModelInfo, load_model, save_model
+from edgerev.train.checkpoint import normalize as torch_normalize
 from edgerev.train.data import SyntheticImages
 
 CLASSES = tuple(f"class{i}" for i in range(10))
@@ -48,8 +54,8 @@ def export_all(folder: Path, size: int) -> list[dict]:
     return rows
 
 
-def images(n: int, size: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    ds = SyntheticImages(start + n, num_classes=len(CLASSES), size=size, seed=0)
+def images(n: int, size: int, start: int = 0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    ds = SyntheticImages(start + n, num_classes=len(CLASSES), size=size, seed=seed)
     items = [ds[i] for i in range(start, start + n)]
     return np.stack([x.numpy() for x, _ in items]), np.array([y for _, y in items], dtype=np.int64)
 
@@ -86,6 +92,30 @@ def finetune(path: Path, folder: Path, size: int, n_train: int, n_val: int, epoc
     return {**{k: v for k, v in r.to_json().items() if k in keep}, "first_loss": r.losses[0], "last_loss": r.losses[-1]}
 
 
+def trained_run(run: Path, folder: Path, n_train: int, epochs: int, val_start: int = 1_000_000) -> dict:
+    """A trained model: ONNX against PyTorch accuracy, then ORT fine-tuning of a re-initialized head."""
+    model, info, _ = load_model(run)
+    model.eval()
+    r = export_onnx(run, folder / "run.onnx", batch=8)
+    val = images(1000, info.input_size, start=val_start)
+    onnx_pred = np.concatenate([Predictor(r.path).logits(val[0][i:i + 100]).argmax(1) for i in range(0, 1000, 100)])
+    with plain(model), torch.no_grad():
+        torch_pred = model(torch_normalize(torch.from_numpy(val[0]), info)).argmax(1).numpy()
+    torch.manual_seed(1)
+    model.head.reset_parameters()
+    save_model(folder / "reinit", model, info)
+    export_onnx(folder / "reinit", folder / "reinit.onnx")
+    tuned = finetune_head(folder / "reinit.onnx", images(n_train, info.input_size), folder / "tuned.onnx", val=val,
+                          epochs=epochs)
+    return {"run": str(run), "export_seconds": r.seconds, "max_abs_diff": r.max_abs_diff,
+            "onnx_val_accuracy": float(np.mean(onnx_pred == val[1])),
+            "torch_val_accuracy": float(np.mean(torch_pred == val[1])),
+            "onnx_torch_agreement": float(np.mean(onnx_pred == torch_pred)),
+            "reinit_head_finetune": {"samples": tuned.samples, "epochs": tuned.epochs,
+                                     "val_accuracy_before": tuned.val_accuracy_before,
+                                     "val_accuracy_after": tuned.val_accuracy_after, "seconds": tuned.seconds}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", type=int, default=32)
@@ -93,6 +123,7 @@ def main() -> None:
     p.add_argument("--train", type=int, default=1000, help="fine-tuning images")
     p.add_argument("--val", type=int, default=500, help="held-out images")
     p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--run", type=Path, help="a model directory trained by configs/cpu-demo.yaml")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,11 +131,14 @@ def main() -> None:
         exports = export_all(folder, a.size)
         latency = predict_latency(folder / "revnext.onnx", folder, a.size, a.repeats)
         tuned = finetune(folder / "revnext.onnx", folder, a.size, a.train, a.val, a.epochs)
+        run = trained_run(a.run, folder, a.train, a.epochs) if a.run else None
     result = {
         "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "cpu": platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "size": a.size, "exports": exports,
         "predict_revnext": latency, "finetune_head_revnext": tuned,
     }
+    if run is not None:
+        result["trained_run"] = run
     write_json(result, a.out)
 
 
