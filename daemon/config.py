@@ -1,0 +1,278 @@
+"""The daemon's configuration: a YAML file read into frozen dataclasses.
+
+Every key but ``data_dir`` is optional. An unknown key or a wrong type is one error that names the
+key's path and the type it expects (``training.epochs: expected int, got str 'ten'``); values out of
+range are caught in each section's ``__post_init__``. Relative paths in a file are taken relative to
+the file's folder, so a unit file can start the daemon from anywhere.
+
+Start-up order (each step raises before the next touches anything)::
+
+    config = load_config(path)   # keys, types, ranges
+    validate_paths(config)       # inbox is a folder, data directory writable: nothing is created
+    # the trainer's check that the memory cap fits the model belongs here, once the trainer
+    # exposes it: a function of (config.training, config.image_size) that raises ConfigError
+    lock = DataDirLock(config.layout.root).acquire()
+    prepare(config.layout, config.inbox_path)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from edgerev.config import ConfigError, check, from_dict, load_yaml
+from edgerev_daemon.layout import Layout
+
+SUPPORTED_EXTENSIONS = (".png", ".jpg", ".jpeg")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _bytes(value: int | str | None, key: str) -> int | None:
+    """A size in bytes from an int or a string such as ``"400MiB"``."""
+    if value is None:
+        return None
+    from edgerev.memory.planner import parse_bytes
+
+    try:
+        n = value if isinstance(value, int) else parse_bytes(value)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    check(n >= 1, key, f"must be at least 1 byte, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What an inbox file may be before it is decoded.
+
+    ``max_file_size``: bytes, or a size such as ``"50MiB"``. ``max_pixels``: width times height, read
+    from the file's header before any pixel is decoded (a decompression bomb is refused there;
+    Pillow's own hard limit of about 179 M pixels applies on top). ``extensions``: accepted endings,
+    a subset of ``.png``, ``.jpg``, ``.jpeg``.
+    """
+
+    max_file_size: int | str = "50MiB"
+    max_pixels: int = 50_000_000
+    extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS
+
+    def __post_init__(self) -> None:
+        _bytes(self.max_file_size, "max_file_size")
+        check(self.max_pixels >= 1, "max_pixels", f"must be at least 1, got {self.max_pixels}")
+        exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in self.extensions)
+        check(len(exts) > 0, "extensions", "must name at least one extension")
+        for e in exts:
+            check(e in SUPPORTED_EXTENSIONS, "extensions", f"{e!r} is not supported; choose from "
+                  f"{', '.join(SUPPORTED_EXTENSIONS)}")
+        object.__setattr__(self, "extensions", exts)
+
+    @property
+    def max_file_bytes(self) -> int:
+        return _bytes(self.max_file_size, "max_file_size")
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """``batch_files``: files recorded per database transaction. ``settle_seconds``: a file whose
+    modification time is more recent than this is left for the next scan (it may still be copied)."""
+
+    batch_files: int = 256
+    settle_seconds: float = 2.0
+
+    def __post_init__(self) -> None:
+        check(self.batch_files >= 1, "batch_files", f"must be at least 1, got {self.batch_files}")
+        check(self.settle_seconds >= 0, "settle_seconds", f"must be >= 0, got {self.settle_seconds}")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """A fine-tuning job starts when ``min_new_samples`` samples arrived since the last job, or when
+    ``max_interval_seconds`` passed since it and at least one new sample arrived."""
+
+    min_new_samples: int = 200
+    max_interval_seconds: float = 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        check(self.min_new_samples >= 1, "min_new_samples", f"must be at least 1, got {self.min_new_samples}")
+        check(self.max_interval_seconds > 0, "max_interval_seconds",
+              f"must be positive, got {self.max_interval_seconds}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """One fine-tuning job; the names follow the trainer's recipe (``edgerev.train.config``).
+
+    ``arch``, ``model_args``: the registry model and its overrides (``num_classes`` comes from the
+    labels). ``replay``: samples of earlier data mixed into each job. ``distill``, ``temperature``:
+    the distillation loss from the current model on old classes. ``memory_budget``: the hard cap on
+    training memory (bytes or ``"400MiB"``; null: none).
+    """
+
+    arch: str = "revnext"
+    model_args: dict = field(default_factory=dict)
+    epochs: int = 3
+    batch: int = 64
+    lr: float = 0.05
+    replay: int = 2000
+    distill: float = 1.0
+    temperature: float = 2.0
+    memory_budget: int | str | None = None
+
+    def __post_init__(self) -> None:
+        from edgerev.models import list_models
+
+        check(self.arch in list_models(), "arch",
+              f"unknown architecture {self.arch!r}; choose from {', '.join(list_models())}")
+        check("num_classes" not in self.model_args, "model_args.num_classes", "set by the labels, not here")
+        for name in ("epochs", "batch"):
+            check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
+        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        check(self.replay >= 0, "replay", f"must be >= 0, got {self.replay}")
+        check(self.distill >= 0, "distill", f"must be >= 0, got {self.distill}")
+        check(self.temperature > 0, "temperature", f"must be positive, got {self.temperature}")
+        _bytes(self.memory_budget, "memory_budget")
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return _bytes(self.memory_budget, "memory_budget")
+
+
+@dataclass(frozen=True)
+class PromotionConfig:
+    """``tolerance``: how much held-out accuracy on old classes a candidate may lose (0.02: two
+    points) and still be promoted. ``keep_last``: version directories kept on disk."""
+
+    tolerance: float = 0.02
+    keep_last: int = 5
+
+    def __post_init__(self) -> None:
+        check(0.0 <= self.tolerance <= 1.0, "tolerance", f"is a fraction of accuracy in [0, 1], got {self.tolerance}")
+        check(self.keep_last >= 1, "keep_last", f"must be at least 1, got {self.keep_last}")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The optional read-only status page; off unless ``enabled``, and never off the loopback."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 9745
+
+    def __post_init__(self) -> None:
+        check(self.host in LOOPBACK_HOSTS, "host",
+              f"must be a loopback address ({', '.join(LOOPBACK_HOSTS)}), got {self.host!r}")
+        check(1 <= self.port <= 65535, "port", f"must lie in 1..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """The whole daemon.
+
+    ``data_dir``: everything the daemon writes (see :mod:`edgerev_daemon.layout`). ``inbox``: where
+    images are dropped (default ``data_dir/inbox``). ``image_size``: the model's input; every stored
+    image is normalized to it once, at ingest. ``heldout_fraction``: share of samples held out for
+    evaluation, chosen by each sample's hash (see :func:`edgerev_daemon.store.split_of`).
+    """
+
+    data_dir: str
+    inbox: str | None = None
+    image_size: int = 32
+    heldout_fraction: float = 0.1
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    promotion: PromotionConfig = field(default_factory=PromotionConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    def __post_init__(self) -> None:
+        check(self.data_dir.strip() != "", "data_dir", "must name a directory")
+        check(self.inbox is None or self.inbox.strip() != "", "inbox", "must name a directory (or be left out)")
+        check(4 <= self.image_size <= 1024, "image_size", f"must lie in 4..1024, got {self.image_size}")
+        check(0.0 < self.heldout_fraction < 1.0, "heldout_fraction",
+              f"must lie strictly between 0 and 1, got {self.heldout_fraction}")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(Path(self.data_dir))
+
+    @property
+    def inbox_path(self) -> Path:
+        return Path(self.inbox) if self.inbox is not None else self.layout.default_inbox
+
+
+def config_from_dict(data: dict, base: str | Path | None = None) -> DaemonConfig:
+    """Validate ``data`` (a parsed YAML mapping); relative paths are taken relative to ``base``."""
+    cfg = from_dict(DaemonConfig, data)
+    base = Path(base) if base is not None else Path.cwd()
+
+    def absolute(p: str) -> str:
+        path = Path(p).expanduser()
+        return str(path if path.is_absolute() else (base / path).absolute())
+
+    return replace(cfg, data_dir=absolute(cfg.data_dir), inbox=None if cfg.inbox is None else absolute(cfg.inbox))
+
+
+def load_config(path: str | Path) -> DaemonConfig:
+    """Read and validate a daemon config file (``yaml.safe_load``)."""
+    path = Path(path)
+    return config_from_dict(load_yaml(path), base=path.absolute().parent)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _probe_write(folder: Path, key: str, what: str) -> None:
+    """Create and remove a file in ``folder``: the only test of write access that root, ACLs,
+    read-only mounts and sandboxes (systemd's ``ProtectSystem``) all answer truthfully."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".edgerev-probe-", dir=folder)
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot write in {what} {folder} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def _writable_dir(path: Path, key: str) -> None:
+    """``path`` is a writable folder, or does not exist yet and can be created."""
+    if path.exists():
+        check(path.is_dir(), key, f"{path} exists and is not a directory")
+        _probe_write(path, key, "directory")
+        return
+    parent = _nearest_existing(path.parent)
+    check(parent.is_dir(), key, f"cannot create {path}: {parent} is not a directory")
+    _probe_write(parent, key, f"{path}'s nearest existing parent")
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def validate_paths(config: DaemonConfig) -> None:
+    """Check the data directory and the inbox before anything is created, locked or written.
+
+    Raises:
+        ConfigError: the inbox exists and is not a directory; the data directory (or the folder it
+            would be created in) is not writable; the inbox and the data directory overlap in a way
+            that would make the daemon ingest its own files.
+    """
+    layout = config.layout
+    root = layout.root.resolve()
+    inbox = config.inbox_path.resolve()
+    _writable_dir(layout.root, "data_dir")
+    for d in layout.managed_dirs():
+        check(not d.exists() or d.is_dir(), "data_dir", f"{d} exists and is not a directory")
+    if config.inbox_path.exists():
+        check(config.inbox_path.is_dir(), "inbox", f"{config.inbox_path} exists and is not a directory")
+    check(inbox != root, "inbox", f"must not be the data directory itself ({root})")
+    check(not _inside(root, inbox), "inbox", f"{inbox} contains the data directory {root}")
+    for d in layout.managed_dirs():
+        check(not _inside(inbox, d.resolve()), "inbox", f"{inbox} lies inside the daemon's own {d}")
+    # files are removed from the inbox once stored: it must be writable too
+    _writable_dir(config.inbox_path, "inbox")

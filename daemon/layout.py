@@ -1,0 +1,75 @@
+"""Where the daemon keeps things inside its data directory.
+
+```
+DATA_DIR/
+  daemon.lock          single-instance lock (flock), holds the owner's pid
+  store.sqlite         the SQLite store (with -wal and -shm beside it)
+  blobs/ab/cdef...png  normalized images, named by the SHA-256 of the file that was dropped
+  quarantine/          rejected files, each with NAME.reason.json beside it
+  inbox/               default inbox (the config may put it elsewhere)
+```
+
+Everything the daemon writes stays under ``DATA_DIR`` (the inbox aside, which it only reads and
+empties), so a service sandbox needs exactly one writable path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgerev.atomic import fsync_dir
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths inside one data directory."""
+
+    root: Path
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "daemon.lock"
+
+    @property
+    def database(self) -> Path:
+        return self.root / "store.sqlite"
+
+    @property
+    def blobs(self) -> Path:
+        return self.root / "blobs"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+    @property
+    def default_inbox(self) -> Path:
+        return self.root / "inbox"
+
+    def managed_dirs(self) -> tuple[Path, ...]:
+        """The folders the daemon creates and owns (an inbox must never lie inside one)."""
+        return (self.blobs, self.quarantine)
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` that makes every folder it creates durable (fsyncs each new folder's parent)."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            continue
+        fsync_dir(d.parent)
+
+
+def prepare(layout: Layout, inbox: Path) -> None:
+    """Create the data directory's folders and the inbox (call after the paths were validated)."""
+    make_dirs(layout.root)
+    for d in (*layout.managed_dirs(), inbox):
+        make_dirs(d)

@@ -1,0 +1,118 @@
+"""The store's schema as an ordered list of migrations.
+
+Migration ``n`` turns a version ``n - 1`` database into version ``n``. :func:`migrate` applies the
+missing ones in a single transaction when the store opens and records each in ``schema_version``, so
+a crash halfway leaves the database at its old version, never between two. A migration is a tuple of
+single statements (``executescript`` would commit on its own and break that promise). Never edit a
+released migration: append a new one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from edgerev_daemon.errors import StoreError
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 1: samples, labels, ingest batches, jobs, model versions, events, settings
+    (
+        """CREATE TABLE meta (
+            key TEXT PRIMARY KEY,
+            value TEXT NOT NULL
+        )""",
+        """CREATE TABLE labels (
+            id INTEGER PRIMARY KEY,
+            name TEXT NOT NULL UNIQUE,
+            added_at REAL NOT NULL
+        )""",
+        """CREATE TABLE ingest_batches (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            at REAL NOT NULL,
+            accepted INTEGER NOT NULL,
+            duplicates INTEGER NOT NULL,
+            quarantined INTEGER NOT NULL,
+            refused INTEGER NOT NULL
+        )""",
+        """CREATE TABLE samples (
+            sha256 TEXT PRIMARY KEY CHECK (length(sha256) = 64),
+            label_id INTEGER NOT NULL REFERENCES labels(id),
+            split TEXT NOT NULL CHECK (split IN ('train', 'heldout')),
+            width INTEGER NOT NULL CHECK (width > 0),
+            height INTEGER NOT NULL CHECK (height > 0),
+            blob_sha256 TEXT NOT NULL CHECK (length(blob_sha256) = 64),
+            source TEXT NOT NULL,
+            added_at REAL NOT NULL,
+            batch_id INTEGER NOT NULL REFERENCES ingest_batches(id)
+        )""",
+        "CREATE INDEX samples_batch ON samples(batch_id)",
+        "CREATE INDEX samples_label ON samples(label_id)",
+        """CREATE TABLE jobs (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            state TEXT NOT NULL CHECK (state IN ('queued', 'running', 'done', 'failed')),
+            reason TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            started_at REAL,
+            finished_at REAL,
+            data_batch_id INTEGER NOT NULL,
+            checkpoint_dir TEXT,
+            error TEXT
+        )""",
+        # at most one job queued or running, whatever the code above it does
+        "CREATE UNIQUE INDEX jobs_one_active ON jobs((0)) WHERE state IN ('queued', 'running')",
+        """CREATE TABLE versions (
+            id TEXT PRIMARY KEY CHECK (id GLOB 'v[0-9][0-9][0-9][0-9]*'),
+            number INTEGER NOT NULL UNIQUE,
+            created_at REAL NOT NULL,
+            job_id INTEGER REFERENCES jobs(id),
+            parent_id TEXT REFERENCES versions(id),
+            promoted INTEGER NOT NULL DEFAULT 0 CHECK (promoted IN (0, 1)),
+            metrics TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(metrics)),
+            reason TEXT NOT NULL DEFAULT ''
+        )""",
+        """CREATE TABLE events (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            at REAL NOT NULL,
+            kind TEXT NOT NULL,
+            message TEXT NOT NULL CHECK (json_valid(message))
+        )""",
+        "CREATE INDEX events_kind ON events(kind, id)",
+    ),
+)
+
+LATEST = len(MIGRATIONS)
+
+
+def current_version(conn: sqlite3.Connection) -> int:
+    """The database's schema version (0: empty)."""
+    exists = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'").fetchone()
+    if not exists:
+        return 0
+    return conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
+
+
+def migrate(conn: sqlite3.Connection, now: float, where: str) -> int:
+    """Bring the database to :data:`LATEST` in one transaction; returns the version it was at.
+
+    ``conn`` must be in autocommit mode (``isolation_level=None``): the transaction is explicit.
+
+    Raises:
+        StoreError: the database is newer than this code.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_version "
+                     "(version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+        old = current_version(conn)
+        if old > LATEST:
+            raise StoreError(f"{where} has schema version {old}, newer than this edgerev understands ({LATEST}); "
+                             "upgrade edgerev or use another data directory")
+        for version in range(old + 1, LATEST + 1):
+            for statement in MIGRATIONS[version - 1]:
+                conn.execute(statement)
+            conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (version, now))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return old

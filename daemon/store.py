@@ -1,0 +1,398 @@
+"""The daemon's SQLite store: samples, labels, ingest batches, jobs, model versions and events.
+
+Connection settings, and why:
+
+- ``journal_mode=WAL``: readers (``status``, the HTTP page) never block the writer, nor it them.
+- ``synchronous=FULL``: the write-ahead log is fsynced at every commit. Ingest deletes a file from
+  the inbox right after the commit that records it; with ``NORMAL`` a power cut could lose that
+  commit while the deletion survives, losing the image. One fsync per batch of files costs little.
+- ``busy_timeout``: a second connection (a ``status`` command) waits instead of failing at once.
+- ``foreign_keys=ON``: a sample cannot name a label or batch that does not exist.
+- Autocommit mode (``isolation_level=None``) and explicit ``BEGIN IMMEDIATE`` transactions that roll
+  back on any exception (:meth:`Store.transaction`): the write lock is taken at the start of a
+  transaction, so it never fails halfway with ``SQLITE_BUSY`` on upgrade.
+
+Times are given by an injected ``clock`` (seconds since the epoch) so tests drive them. The order in
+which samples arrived is the ingest batch id (monotonic), never a time: a device without a real-time
+clock may jump back.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from edgerev_daemon.errors import StoreError
+from edgerev_daemon.records import (
+    JOB_TRANSITIONS,
+    Event,
+    EventKind,
+    Job,
+    JobState,
+    NewSample,
+    Sample,
+    Split,
+    Version,
+    dumps,
+)
+from edgerev_daemon.schema import migrate
+
+
+def split_of(sha256: str, heldout_fraction: float) -> Split:
+    """The split of a sample, a pure function of its hash: the first 4 bytes as an integer, modulo
+    1000, against the held-out share in thousandths.
+
+    The split is computed once, at ingest, and stored: changing ``heldout_fraction`` later applies to
+    new samples only, so no sample a model trained on ever moves into the held-out set.
+    """
+    return Split.HELDOUT if int(sha256[:8], 16) % 1000 < round(heldout_fraction * 1000) else Split.TRAIN
+
+
+class Store:
+    """One connection to ``store.sqlite``, migrated to the latest schema when opened.
+
+    Args:
+        path: the database file (created if missing).
+        clock: seconds since the epoch, for the ``*_at`` columns.
+        busy_timeout: seconds to wait for another connection's write lock.
+    """
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time, busy_timeout: float = 10.0) -> None:
+        self.path = Path(path)
+        self.clock = clock
+        self._conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None)
+        try:
+            self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise StoreError(f"{self.path}: SQLite refused write-ahead logging (journal mode {mode})")
+            self._conn.execute("PRAGMA synchronous = FULL")
+            self._conn.execute("PRAGMA foreign_keys = ON")
+            migrate(self._conn, clock(), str(self.path))
+        except sqlite3.DatabaseError as e:
+            self._conn.close()
+            raise StoreError(f"cannot open the store {self.path}: {e}") from None
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """``BEGIN IMMEDIATE`` ... ``COMMIT``, or ``ROLLBACK`` and re-raise on any exception."""
+        if self._conn.in_transaction:
+            raise RuntimeError("transactions do not nest")
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+            self._conn.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:  # a failed COMMIT (disk full) leaves it open too
+                self._conn.execute("ROLLBACK")
+            raise
+
+    def _one(self, sql: str, args: Sequence = ()) -> tuple | None:
+        return self._conn.execute(sql, args).fetchone()
+
+    # settings ---------------------------------------------------------------------------------------
+
+    def check_image_size(self, size: int) -> None:
+        """Record the normalization size on first use; refuse another size later.
+
+        Raises:
+            StoreError: the stored images were normalized to another size.
+        """
+        with self.transaction() as c:
+            row = c.execute("SELECT value FROM meta WHERE key = 'image_size'").fetchone()
+            if row is None:
+                c.execute("INSERT INTO meta (key, value) VALUES ('image_size', ?)", (str(size),))
+            elif int(row[0]) != size:
+                raise StoreError(f"{self.path}: the stored images are {row[0]}x{row[0]}, the config asks for "
+                                 f"image_size {size}; keep {row[0]} or start a new data directory")
+
+    # samples ----------------------------------------------------------------------------------------
+
+    _SAMPLE = ("SELECT s.sha256, l.name, s.split, s.width, s.height, s.blob_sha256, s.source, s.added_at, s.batch_id "
+               "FROM samples s JOIN labels l ON l.id = s.label_id")
+
+    @staticmethod
+    def _sample(row: tuple) -> Sample:
+        return Sample(row[0], row[1], Split(row[2]), *row[3:])
+
+    def get_sample(self, sha256: str) -> Sample | None:
+        row = self._one(self._SAMPLE + " WHERE s.sha256 = ?", (sha256,))
+        return None if row is None else self._sample(row)
+
+    def has_source(self, source: str) -> bool:
+        """Whether a sample was stored from this inbox path (after a crash, to tell a file already
+        recorded and removed from one that never existed)."""
+        return self._one("SELECT 1 FROM samples WHERE source = ? LIMIT 1", (source,)) is not None
+
+    def record_batch(self, samples: Sequence[NewSample], events: Sequence[tuple[EventKind, dict]],
+                     heldout_fraction: float, duplicates: int = 0, quarantined: int = 0, refused: int = 0) -> int:
+        """Record one ingest batch, its samples (new labels too) and its events in one transaction.
+
+        Returns:
+            The batch id.
+
+        Raises:
+            sqlite3.IntegrityError: a sample is already stored (nothing of the batch is recorded).
+        """
+        now = self.clock()
+        with self.transaction() as c:
+            batch = c.execute("INSERT INTO ingest_batches (at, accepted, duplicates, quarantined, refused) "
+                              "VALUES (?, ?, ?, ?, ?)", (now, len(samples), duplicates, quarantined, refused)).lastrowid
+            label_ids: dict[str, int] = {}
+            for s in samples:
+                if s.label not in label_ids:
+                    c.execute("INSERT OR IGNORE INTO labels (name, added_at) VALUES (?, ?)", (s.label, now))
+                    label_ids[s.label] = c.execute("SELECT id FROM labels WHERE name = ?", (s.label,)).fetchone()[0]
+            c.executemany(
+                "INSERT INTO samples (sha256, label_id, split, width, height, blob_sha256, source, added_at, batch_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(s.sha256, label_ids[s.label], split_of(s.sha256, heldout_fraction).value, s.width, s.height,
+                  s.blob_sha256, s.source, now, batch) for s in samples])
+            c.executemany("INSERT INTO events (at, kind, message) VALUES (?, ?, ?)",
+                          [(now, EventKind(k).value, dumps(m)) for k, m in events])
+        return batch
+
+    def labels(self) -> list[str]:
+        """Label names in the order they first arrived: a label's index never changes, so a model's
+        head grows at the end when a new class appears."""
+        return [r[0] for r in self._conn.execute("SELECT name FROM labels ORDER BY id")]
+
+    def _filter(self, split: Split | None, after_batch: int | None, upto_batch: int | None) -> tuple[str, list]:
+        where, args = [], []
+        if split is not None:
+            where.append("s.split = ?")
+            args.append(Split(split).value)
+        if after_batch is not None:
+            where.append("s.batch_id > ?")
+            args.append(after_batch)
+        if upto_batch is not None:
+            where.append("s.batch_id <= ?")
+            args.append(upto_batch)
+        return (" WHERE " + " AND ".join(where)) if where else "", args
+
+    def count_samples(self, split: Split | None = None, after_batch: int | None = None,
+                      upto_batch: int | None = None) -> int:
+        """Samples in ``split``, from batches in ``(after_batch, upto_batch]``."""
+        where, args = self._filter(split, after_batch, upto_batch)
+        return self._one("SELECT COUNT(*) FROM samples s" + where, args)[0]
+
+    def samples(self, split: Split | None = None, after_batch: int | None = None,
+                upto_batch: int | None = None) -> list[Sample]:
+        """Samples in ``split``, from batches in ``(after_batch, upto_batch]``, in arrival order."""
+        where, args = self._filter(split, after_batch, upto_batch)
+        rows = self._conn.execute(self._SAMPLE + where + " ORDER BY s.batch_id, s.sha256", args)
+        return [self._sample(r) for r in rows]
+
+    def blob_hashes(self) -> dict[str, str]:
+        """``{sample sha256: blob sha256}`` of every sample (for the consistency check)."""
+        return dict(self._conn.execute("SELECT sha256, blob_sha256 FROM samples"))
+
+    def last_batch_id(self) -> int:
+        """The latest ingest batch (0: none yet)."""
+        return self._one("SELECT COALESCE(MAX(id), 0) FROM ingest_batches")[0]
+
+    # jobs -------------------------------------------------------------------------------------------
+
+    _JOB = ("SELECT id, state, reason, created_at, started_at, finished_at, data_batch_id, checkpoint_dir, error "
+            "FROM jobs")
+
+    @staticmethod
+    def _job(row: tuple) -> Job:
+        return Job(row[0], JobState(row[1]), *row[2:])
+
+    def create_job(self, reason: str, checkpoint_dir: str | None = None) -> Job:
+        """Queue a job over every sample recorded so far.
+
+        Raises:
+            StoreError: a job is already queued or running (one job at a time).
+        """
+        with self.transaction() as c:
+            active = c.execute("SELECT id, state FROM jobs WHERE state IN ('queued', 'running')").fetchone()
+            if active:
+                raise StoreError(f"job {active[0]} is still {active[1]}; one job at a time")
+            batch = c.execute("SELECT COALESCE(MAX(id), 0) FROM ingest_batches").fetchone()[0]
+            job_id = c.execute("INSERT INTO jobs (state, reason, created_at, data_batch_id, checkpoint_dir) "
+                               "VALUES ('queued', ?, ?, ?, ?)", (reason, self.clock(), batch, checkpoint_dir)).lastrowid
+            self._event(c, EventKind.JOB, {"job": job_id, "state": "queued", "reason": reason})
+        return self.get_job(job_id)
+
+    def set_job_state(self, job_id: int, state: JobState, error: str | None = None,
+                      checkpoint_dir: str | None = None) -> Job:
+        """Move a job along :data:`~edgerev_daemon.records.JOB_TRANSITIONS` (and record an event).
+
+        Raises:
+            StoreError: no such job, or the change is not allowed (``done`` and ``failed`` are final).
+        """
+        state = JobState(state)
+        now = self.clock()
+        with self.transaction() as c:
+            row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no job {job_id}")
+            old = JobState(row[0])
+            if state not in JOB_TRANSITIONS[old]:
+                raise StoreError(f"job {job_id} cannot go from {old.value} to {state.value}")
+            sets, args = ["state = ?"], [state.value]
+            if state is JobState.RUNNING:
+                sets.append("started_at = COALESCE(started_at, ?)")
+                args.append(now)
+            if state in (JobState.DONE, JobState.FAILED):
+                sets.append("finished_at = ?")
+                args.append(now)
+            if error is not None:
+                sets.append("error = ?")
+                args.append(error)
+            if checkpoint_dir is not None:
+                sets.append("checkpoint_dir = ?")
+                args.append(checkpoint_dir)
+            c.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))
+            message = {"job": job_id, "state": state.value} | ({"error": error} if error is not None else {})
+            self._event(c, EventKind.JOB, message)
+        return self.get_job(job_id)
+
+    def get_job(self, job_id: int) -> Job | None:
+        row = self._one(self._JOB + " WHERE id = ?", (job_id,))
+        return None if row is None else self._job(row)
+
+    def active_job(self) -> Job | None:
+        """The job queued or running, if any (after a crash: the one to resume)."""
+        row = self._one(self._JOB + " WHERE state IN ('queued', 'running')")
+        return None if row is None else self._job(row)
+
+    def last_job(self, state: JobState | None = None) -> Job | None:
+        """The most recent job (in ``state`` when given)."""
+        where, args = (" WHERE state = ?", (JobState(state).value,)) if state is not None else ("", ())
+        row = self._one(self._JOB + where + " ORDER BY id DESC LIMIT 1", args)
+        return None if row is None else self._job(row)
+
+    def jobs(self, limit: int = 20) -> list[Job]:
+        """The latest ``limit`` jobs, newest first."""
+        return [self._job(r) for r in self._conn.execute(self._JOB + " ORDER BY id DESC LIMIT ?", (limit,))]
+
+    def new_samples_since_last_job(self) -> int:
+        """Samples recorded after the data of the last finished (done) job: what the schedule counts."""
+        job = self.last_job(JobState.DONE)
+        return self.count_samples(after_batch=job.data_batch_id if job else 0)
+
+    # versions ---------------------------------------------------------------------------------------
+
+    _VERSION = "SELECT id, created_at, job_id, parent_id, promoted, metrics, reason FROM versions"
+
+    @staticmethod
+    def _version(row: tuple) -> Version:
+        return Version(row[0], row[1], row[2], row[3], bool(row[4]), json.loads(row[5]), row[6])
+
+    def add_version(self, job_id: int | None = None, parent_id: str | None = None, promoted: bool = False,
+                    metrics: dict | None = None, reason: str = "") -> Version:
+        """Allocate the next version id (``v0001``, ``v0002``, ...) and record it."""
+        with self.transaction() as c:
+            number = c.execute("SELECT COALESCE(MAX(number), 0) + 1 FROM versions").fetchone()[0]
+            vid = f"v{number:04d}"
+            c.execute("INSERT INTO versions (id, number, created_at, job_id, parent_id, promoted, metrics, reason) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                      (vid, number, self.clock(), job_id, parent_id, int(promoted), dumps(metrics or {}), reason))
+            self._event(c, EventKind.VERSION, {"version": vid, "promoted": promoted, "reason": reason})
+        return self.get_version(vid)
+
+    def update_version(self, version_id: str, promoted: bool | None = None, metrics: dict | None = None,
+                       reason: str | None = None) -> Version:
+        """Record the promotion decision (or new metrics) of a version.
+
+        Raises:
+            StoreError: no such version.
+        """
+        with self.transaction() as c:
+            if c.execute("SELECT 1 FROM versions WHERE id = ?", (version_id,)).fetchone() is None:
+                raise StoreError(f"no model version {version_id}")
+            if promoted is not None:
+                c.execute("UPDATE versions SET promoted = ? WHERE id = ?", (int(promoted), version_id))
+            if metrics is not None:
+                c.execute("UPDATE versions SET metrics = ? WHERE id = ?", (dumps(metrics), version_id))
+            if reason is not None:
+                c.execute("UPDATE versions SET reason = ? WHERE id = ?", (reason, version_id))
+            if promoted is not None or reason is not None:
+                row = c.execute("SELECT promoted, reason FROM versions WHERE id = ?", (version_id,)).fetchone()
+                self._event(c, EventKind.VERSION, {"version": version_id, "promoted": bool(row[0]), "reason": row[1]})
+        return self.get_version(version_id)
+
+    def get_version(self, version_id: str) -> Version | None:
+        row = self._one(self._VERSION + " WHERE id = ?", (version_id,))
+        return None if row is None else self._version(row)
+
+    def versions(self, promoted_only: bool = False) -> list[Version]:
+        """All versions, oldest first."""
+        where = " WHERE promoted = 1" if promoted_only else ""
+        return [self._version(r) for r in self._conn.execute(self._VERSION + where + " ORDER BY number")]
+
+    # events -----------------------------------------------------------------------------------------
+
+    def _event(self, c: sqlite3.Connection, kind: EventKind, message: dict) -> int:
+        return c.execute("INSERT INTO events (at, kind, message) VALUES (?, ?, ?)",
+                         (self.clock(), EventKind(kind).value, dumps(message))).lastrowid
+
+    def add_event(self, kind: EventKind, message: dict) -> int:
+        """Record an event in a transaction of its own; returns its id."""
+        with self.transaction() as c:
+            return self._event(c, kind, message)
+
+    def events(self, kind: EventKind | None = None, after_id: int = 0, limit: int = 100) -> list[Event]:
+        """Events after ``after_id`` (of ``kind`` when given), oldest first, at most ``limit``."""
+        sql, args = "SELECT id, at, kind, message FROM events WHERE id > ?", [after_id]
+        if kind is not None:
+            sql += " AND kind = ?"
+            args.append(EventKind(kind).value)
+        rows = self._conn.execute(sql + " ORDER BY id LIMIT ?", (*args, limit))
+        return [Event(r[0], r[1], EventKind(r[2]), json.loads(r[3])) for r in rows]
+
+    def quarantined_source(self, source: str) -> bool:
+        """Whether a file from this inbox path was quarantined (see :meth:`has_source`)."""
+        row = self._one("SELECT 1 FROM events WHERE kind = 'quarantine' AND json_extract(message, '$.source') = ? "
+                        "LIMIT 1", (source,))
+        return row is not None
+
+    def duplicate_recorded(self, sha256: str, source: str) -> bool:
+        """Whether a duplicate event for this file (hash and inbox path) is recorded (see :meth:`has_source`)."""
+        row = self._one("SELECT 1 FROM events WHERE kind = 'duplicate' AND json_extract(message, '$.sha256') = ? "
+                        "AND json_extract(message, '$.source') = ? LIMIT 1", (sha256, source))
+        return row is not None
+
+    def prune_events(self, keep: int) -> int:
+        """Delete all but the latest ``keep`` events; returns how many went."""
+        with self.transaction() as c:
+            if keep <= 0:
+                return c.execute("DELETE FROM events").rowcount
+            return c.execute("DELETE FROM events WHERE id < (SELECT MIN(id) FROM "
+                             "(SELECT id FROM events ORDER BY id DESC LIMIT ?))", (keep,)).rowcount
+
+    # health -----------------------------------------------------------------------------------------
+
+    def integrity_problems(self) -> list[str]:
+        """``PRAGMA integrity_check`` and ``foreign_key_check`` findings (empty: healthy)."""
+        out = [r[0] for r in self._conn.execute("PRAGMA integrity_check") if r[0] != "ok"]
+        for table, rowid, parent, _ in self._conn.execute("PRAGMA foreign_key_check"):
+            out.append(f"{table} row {rowid} names a missing {parent} row")
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Rows per table, and samples per split (for ``status``)."""
+        out = {t: self._one(f"SELECT COUNT(*) FROM {t}")[0]
+               for t in ("samples", "labels", "ingest_batches", "jobs", "versions", "events")}
+        for split in Split:
+            out[f"samples_{split.value}"] = self.count_samples(split)
+        return out

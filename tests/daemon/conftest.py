@@ -1,0 +1,108 @@
+"""Fixtures of the daemon tests: a config and a data directory in ``tmp_path``, image files, a clock."""
+
+from __future__ import annotations
+
+import io
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgerev_daemon import DaemonConfig, DataDirLock, Store, config_from_dict, prepare, validate_paths
+from edgerev_daemon.blobs import BlobStore
+
+
+class Clock:
+    """A clock the test moves by hand; it starts a day ahead of the real one, so files the test has
+    just written look settled (their modification times are real)."""
+
+    def __init__(self, now: float | None = None) -> None:
+        self.now = time.time() + 86400.0 if now is None else now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def image_bytes(seed: int, size: tuple[int, int] = (32, 32), fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    """A random image (distinct for each seed) encoded as ``fmt``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert(mode)
+    out = io.BytesIO()
+    im.save(out, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def bomb_png(width: int = 30000, height: int = 30000) -> bytes:
+    """A valid PNG header claiming ``width x height`` pixels, followed by a few bytes of pixel data:
+    tiny on disk, gigabytes once decoded."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" * 4096)
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b"")
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+@dataclass
+class DataDir:
+    """A started daemon's data side: config, lock held, folders made, store open."""
+
+    config: DaemonConfig
+    store: Store
+    blobs: BlobStore
+    clock: Clock
+    lock: DataDirLock
+
+    @property
+    def inbox(self) -> Path:
+        return self.config.inbox_path
+
+    @property
+    def quarantine(self) -> Path:
+        return self.config.layout.quarantine
+
+    def drop(self, rel: str, data: bytes) -> Path:
+        return write(self.inbox / rel, data)
+
+
+def make_config(tmp_path: Path, **overrides) -> DaemonConfig:
+    data = {"data_dir": str(tmp_path / "data"), "ingest": {"settle_seconds": 0}}
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return config_from_dict(data)
+
+
+def open_data_dir(config: DaemonConfig, clock: Clock | None = None) -> DataDir:
+    clock = clock or Clock()
+    validate_paths(config)
+    lock = DataDirLock(config.layout.root).acquire()
+    prepare(config.layout, config.inbox_path)
+    return DataDir(config, Store(config.layout.database, clock=clock), BlobStore(config.layout.blobs), clock, lock)
+
+
+@pytest.fixture
+def datadir(tmp_path):
+    d = open_data_dir(make_config(tmp_path))
+    yield d
+    d.store.close()
+    d.lock.release()

@@ -1,0 +1,151 @@
+"""The daemon's config: every key and type checked with an error that names it; paths checked at start
+before anything is created."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgerev.config import ConfigError, to_dict
+from edgerev_daemon import config_from_dict, load_config, validate_paths
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"data_dir": "d", "trainig": {}}, "trainig: unknown key; expected one of data_dir, inbox"),
+    ({"data_dir": "d", "training": {"epochs": "ten"}}, "training.epochs: expected int, got str 'ten'"),
+    ({"data_dir": "d", "training": {"epoch": 3}}, "training.epoch: unknown key"),
+    ({"data_dir": "d", "training": {"lr": "fast"}}, "training.lr: expected float, got str 'fast'"),
+    ({"data_dir": "d", "training": {"arch": "vgg"}}, "training.arch: unknown architecture 'vgg'"),
+    ({"data_dir": "d", "training": {"memory_budget": "lots"}}, "training.memory_budget: cannot read 'lots'"),
+    ({"data_dir": "d", "training": {"memory_budget": [1]}},
+     "training.memory_budget: expected int or str or null, got list [1]"),
+    ({"data_dir": "d", "training": {"model_args": {"num_classes": 3}}}, "training.model_args.num_classes"),
+    ({"data_dir": "d", "limits": {"max_pixels": "many"}}, "limits.max_pixels: expected int, got str 'many'"),
+    ({"data_dir": "d", "limits": {"extensions": [".gif"]}}, "limits.extensions: '.gif' is not supported"),
+    ({"data_dir": "d", "limits": {"max_file_size": "0MiB"}}, "limits.max_file_size:"),
+    ({"data_dir": "d", "http": {"host": "0.0.0.0"}}, "http.host: must be a loopback address"),
+    ({"data_dir": "d", "http": {"port": 70000}}, "http.port: must lie in 1..65535"),
+    ({"data_dir": "d", "http": {"enabled": "yes"}}, "http.enabled: expected bool, got str 'yes'"),
+    ({"data_dir": "d", "heldout_fraction": 1.0}, "heldout_fraction: must lie strictly between 0 and 1"),
+    ({"data_dir": "d", "image_size": 2}, "image_size: must lie in 4..1024"),
+    ({"data_dir": "d", "schedule": {"min_new_samples": 0}}, "schedule.min_new_samples: must be at least 1"),
+    ({"data_dir": "d", "promotion": {"tolerance": 5}}, "promotion.tolerance: is a fraction of accuracy"),
+    ({"data_dir": "d", "promotion": {"keep_last": 0}}, "promotion.keep_last: must be at least 1"),
+    ({"data_dir": "d", "log_level": "LOUD"}, "log_level: expected one of 'DEBUG'"),
+    ({"data_dir": 5}, "data_dir: expected str, got int 5"),
+    ({"inbox": "x"}, "missing required key 'data_dir'"),
+    ({"data_dir": "d", "ingest": []}, "ingest: expected a mapping, got list []"),
+])
+def test_bad_keys_and_types_are_named(data, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    assert message in str(e.value), str(e.value)
+
+
+def test_defaults_and_derived_values(tmp_path):
+    cfg = config_from_dict({"data_dir": "d", "limits": {"max_file_size": "2MiB", "extensions": ["PNG"]},
+                            "training": {"memory_budget": "400MiB"}}, base=tmp_path)
+    assert cfg.data_dir == str(tmp_path / "d") and cfg.inbox_path == tmp_path / "d" / "inbox"
+    assert cfg.limits.max_file_bytes == 2 * 2**20 and cfg.limits.extensions == (".png",)
+    assert cfg.training.memory_budget_bytes == 400 * 2**20
+    assert not cfg.http.enabled and cfg.http.host == "127.0.0.1"
+    assert config_from_dict({"data_dir": "d"}).training.memory_budget_bytes is None
+
+
+def test_file_paths_are_relative_to_the_config_file(tmp_path):
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    (folder / "daemon.yaml").write_text(yaml.safe_dump({"data_dir": "../var", "inbox": "/srv/inbox",
+                                                        "training": {"epochs": 2}}))
+    cfg = load_config(folder / "daemon.yaml")
+    assert Path(cfg.data_dir) == (folder / "../var").absolute() and cfg.inbox == "/srv/inbox"
+    assert cfg.training.epochs == 2
+    # the resolved config reads back to the same value
+    assert config_from_dict(to_dict(cfg)) == cfg
+
+
+def test_unreadable_yaml_is_one_error(tmp_path):
+    (tmp_path / "bad.yaml").write_text("data_dir: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_validate_paths_touches_nothing(tmp_path):
+    cfg = config_from_dict({"data_dir": str(tmp_path / "a" / "data")})
+    validate_paths(cfg)
+    assert _tree(tmp_path) == []  # neither the data directory nor the inbox was created
+
+
+def test_inbox_that_is_a_file_is_refused_before_anything_is_created(tmp_path):
+    (tmp_path / "inbox").write_text("not a folder")
+    cfg = config_from_dict({"data_dir": str(tmp_path / "data"), "inbox": str(tmp_path / "inbox")})
+    with pytest.raises(ConfigError, match=r"^inbox: .*inbox exists and is not a directory"):
+        validate_paths(cfg)
+    assert _tree(tmp_path) == ["inbox"]
+
+
+def test_data_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "data").write_text("x")
+    with pytest.raises(ConfigError, match="data_dir: .* exists and is not a directory"):
+        validate_paths(config_from_dict({"data_dir": str(tmp_path / "data")}))
+
+
+@pytest.mark.parametrize("inbox, message", [
+    ("data", "must not be the data directory itself"),
+    (".", "contains the data directory"),
+    ("data/blobs/x", "lies inside the daemon's own"),
+])
+def test_inbox_overlapping_the_data_dir_is_refused(tmp_path, inbox, message):
+    cfg = config_from_dict({"data_dir": "data", "inbox": inbox}, base=tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        validate_paths(cfg)
+
+
+def _writes_despite_mode(folder: Path) -> bool:
+    """Whether this process can write in ``folder`` although its mode forbids it (root can)."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder)
+    except PermissionError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
+@pytest.mark.parametrize("where", ["data_dir", "parent"])
+def test_unwritable_data_dir_is_refused(tmp_path, where):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    target = parent / "data"
+    if where == "data_dir":
+        target.mkdir()
+    locked = target if where == "data_dir" else parent
+    locked.chmod(0o555)
+    try:
+        if _writes_despite_mode(locked):
+            pytest.skip("running as root: a read-only mode does not stop writes here")
+        with pytest.raises(ConfigError, match="data_dir: cannot write in"):
+            validate_paths(config_from_dict({"data_dir": str(target), "inbox": str(tmp_path / "inbox")}))
+    finally:
+        locked.chmod(0o755)
+
+
+def test_write_probe_is_real(tmp_path, monkeypatch):
+    """The check writes a file rather than trusting mode bits (which say nothing about read-only
+    mounts, ACLs or a sandbox): a refused write is refused whoever runs it, root included."""
+    def refuse(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(ConfigError, match=r"data_dir: cannot write in directory .* \(Read-only file system\)"):
+        validate_paths(config_from_dict({"data_dir": str(tmp_path)}))
