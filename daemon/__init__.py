@@ -1,13 +1,15 @@
 """edgerev's on-device service (installed as ``edgerev_daemon``; the folder is ``daemon/``).
 
-Built so far: the configuration, the single-instance lock, and the SQLite store with its
-content-addressed image blobs. Ingest, the service loop, fine-tuning jobs, promotion and the CLI
-build on them.
+Built so far: the configuration, the single-instance lock, the SQLite store with its content-addressed
+image blobs, ingest of the inbox with quarantine, and the consistency check. The service loop,
+fine-tuning jobs, promotion and the CLI build on them.
 """
 
 from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.check import CheckReport, check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, config_from_dict, load_config, validate_paths
 from edgerev_daemon.errors import DaemonError, LockError, StoreError
+from edgerev_daemon.ingest import IngestReport, ingest_inbox
 from edgerev_daemon.layout import Layout, prepare
 from edgerev_daemon.lock import DataDirLock
 from edgerev_daemon.records import Event, EventKind, Job, JobState, Sample, Split, Version
@@ -15,11 +17,13 @@ from edgerev_daemon.store import Store, split_of
 
 __all__ = [
     "BlobStore",
+    "CheckReport",
     "DaemonConfig",
     "DaemonError",
     "DataDirLock",
     "Event",
     "EventKind",
+    "IngestReport",
     "Job",
     "JobState",
     "Layout",
@@ -29,9 +33,12 @@ __all__ = [
     "Store",
     "StoreError",
     "Version",
+    "check_consistency",
     "config_from_dict",
+    "ingest_inbox",
     "load_config",
     "prepare",
+    "remove_garbage",
     "split_of",
     "validate_paths",
 ]

@@ -1,0 +1,320 @@
+"""Ingest: inbox files to stored samples, in batches, safe against a crash at any instant.
+
+For each batch of at most ``ingest.batch_files`` files (see :mod:`edgerev_daemon.inbox` for what a
+scan finds):
+
+1. Examine each file: a symbolic link or anything but a regular file, a label that is not a valid
+   name, an extension not allowed, an empty file or one above ``limits.max_file_size`` is
+   quarantined at once; otherwise its bytes are read and hashed (SHA-256).
+2. A hash already stored (or seen earlier in the batch) is a *duplicate*: not stored again, recorded
+   as a duplicate event, removed from the inbox in step 6. When the stored copy came from the same
+   inbox path, or this path's duplicate event is already recorded, the file is a *leftover* of a
+   crash between steps 5 and 6: removed, no second event.
+3. The rest are validated and normalized (:mod:`edgerev_daemon.images`); a decompression bomb or a
+   file that does not decode is quarantined.
+4. Each normalized image is written as blob ``blobs/<hash>`` (temporary file, rename); then the
+   batch's blobs are made durable at once (:meth:`~edgerev_daemon.blobs.BlobStore.sync`).
+5. One transaction records the batch, its samples, new labels and the batch's events; the commit is
+   durable when it returns (``synchronous=FULL``).
+6. Only then are the batch's stored, duplicate and leftover files deleted from the inbox (each only
+   if it is still the very file that was read: same inode, size and modification time).
+
+Why a crash (``kill -9``, power cut) at any instant loses no file and records none twice:
+
+- Before the commit of step 5, nothing is recorded and no inbox file of the batch was deleted: the
+  next scan finds every file again. Blobs written in step 4 are rewritten with the same bytes (the
+  key is the hash of the file, the normalization is deterministic); a blob whose file has since
+  vanished from the inbox is an orphan, harmless, reported and removable by the consistency check.
+- The commit is atomic: all the batch's rows or none.
+- After the commit, a file not yet deleted is found again by the next scan; its hash is stored, from
+  the same path, so step 2 deletes it as a leftover. The sample is recorded exactly once (its hash is
+  the primary key), and never points at a missing or torn blob (step 4's sync comes first).
+- A quarantined file is moved (one rename) before its event is committed: a crash between the two
+  leaves it safe in ``quarantine/`` with its reason file, and only the event row missing.
+- A manifest is deleted only after every file it listed was stored, found a duplicate or
+  quarantined; re-read after a crash, its entries whose files are gone are recognized (stored, or
+  quarantined with an event or a reason file, from that path) and skipped.
+
+Errors that are not the file's fault (disk full while writing a blob, the database unwritable)
+propagate: the batch is abandoned as if the process had crashed, and the files wait in the inbox.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.images import ImageRejected, normalize
+from edgerev_daemon.inbox import LABEL_RULE, Candidate, Scan, scan_inbox, valid_label
+from edgerev_daemon.quarantine import quarantine, quarantined_from
+from edgerev_daemon.records import EventKind, NewSample, Sample
+from edgerev_daemon.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IngestReport:
+    """What one :func:`ingest_inbox` call did; ``quarantined``, ``refused`` and ``stuck`` hold
+    ``(inbox path, reason)`` pairs; ``stopped``: the call ended early, files wait for the next."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    leftovers: int = 0
+    quarantined: list[tuple[str, str]] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    stuck: list[tuple[str, str]] = field(default_factory=list)  # could not be moved or deleted: retried later
+    unsettled: int = 0
+    batches: int = 0
+    stopped: bool = False
+    seconds: float = 0.0
+
+    @property
+    def images_per_second(self) -> float:
+        return self.accepted / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"accepted": self.accepted, "duplicates": self.duplicates, "leftovers": self.leftovers,
+                "quarantined": [list(q) for q in self.quarantined], "refused": [list(r) for r in self.refused],
+                "stuck": [list(s) for s in self.stuck], "unsettled": self.unsettled, "batches": self.batches,
+                "stopped": self.stopped, "seconds": round(self.seconds, 4)}
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A file read to the end: its bytes, hash, and the identity it had when read."""
+
+    data: bytes
+    sha256: str
+    identity: tuple[int, int, int, int]
+
+
+class _Batch:
+    """One transaction's worth of outcomes."""
+
+    def __init__(self) -> None:
+        self.samples: list[NewSample] = []
+        self.events: list[tuple[EventKind, dict]] = []
+        self.remove: list[tuple[Candidate, tuple[int, int, int, int]]] = []
+        self.seen: dict[str, Candidate] = {}
+        self.duplicates = self.quarantined = self.refused = 0
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _remove_if_same(path: Path, identity: tuple[int, int, int, int]) -> None:
+    """Delete ``path`` if it is still the file that was read; a file replaced since then (same name,
+    new content) stays for the next scan."""
+    try:
+        if _identity(path.lstat()) == identity:
+            path.unlink()
+        else:
+            log.info("%s changed while it was ingested; it stays for the next scan", path)
+    except FileNotFoundError:
+        pass
+
+
+def _read(c: Candidate, max_bytes: int) -> _Read:
+    """Read a regular file without following a link; raises :class:`ImageRejected` for a file that
+    may not be read, ``FileNotFoundError`` for one that vanished."""
+    try:
+        fd = os.open(c.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        if os.path.islink(c.path):
+            raise ImageRejected("symbolic link (not followed)") from None
+        raise ImageRejected(f"cannot read: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageRejected("not a regular file")
+        if st.st_size == 0:
+            raise ImageRejected("empty file (0 bytes)")
+        if st.st_size > max_bytes:
+            raise ImageRejected(f"{st.st_size} bytes, above limits.max_file_size ({max_bytes})")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ImageRejected(f"grew above limits.max_file_size ({max_bytes}) while read")
+    return _Read(data, hashlib.sha256(data).hexdigest(), _identity(st))
+
+
+def _precheck(c: Candidate, extensions: tuple[str, ...]) -> str | None:
+    """Why ``c`` is refused before it is opened, or ``None``."""
+    try:
+        st = c.path.lstat()
+    except FileNotFoundError:
+        return None  # vanished; _read says so
+    if stat.S_ISLNK(st.st_mode):
+        return "symbolic link (not followed)"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if c.label is None:
+        return "not in a label folder: drop images into inbox/<label>/"
+    if not valid_label(c.label):
+        return f"label {c.label!r} is not a valid name ({LABEL_RULE})"
+    suffix = c.path.suffix.lower()
+    if suffix not in extensions:
+        return f"extension {suffix or '(none)'!r} not allowed (limits.extensions: {', '.join(extensions)})"
+    return None
+
+
+class _Ingest:
+    def __init__(self, config: DaemonConfig, store: Store, clock: Callable[[], float]) -> None:
+        self.config, self.store, self.clock = config, store, clock
+        self.layout = config.layout
+        self.blobs = BlobStore(self.layout.blobs)
+        self.max_bytes = config.limits.max_file_bytes
+        self.report = IngestReport()
+
+    def _quarantine(self, batch: _Batch, c: Candidate, reason: str) -> bool:
+        try:
+            dst = quarantine(c.path, self.layout.quarantine, reason, c.source, self.clock())
+        except FileNotFoundError:
+            return True  # vanished before it could be moved: nothing left to handle
+        except OSError as e:
+            log.warning("cannot quarantine %s (%s): %s", c.source, reason, e)
+            self.report.stuck.append((c.source, f"{reason}; could not be moved: {e.strerror or e}"))
+            return False
+        log.warning("quarantined %s: %s", c.source, reason)
+        batch.events.append((EventKind.QUARANTINE, {"source": c.source, "reason": reason,
+                                                    "moved_to": dst.relative_to(self.layout.root).as_posix()}))
+        batch.quarantined += 1
+        self.report.quarantined.append((c.source, reason))
+        return True
+
+    def _leftover(self, first: Candidate | Sample, c: Candidate, sha256: str) -> bool:
+        """Whether ``c`` is a file an earlier batch recorded (as a sample or a duplicate) but a crash
+        kept from being removed."""
+        if isinstance(first, Candidate):  # seen earlier in this very batch: a true duplicate
+            return False
+        return first.source == c.source or self.store.duplicate_recorded(sha256, c.source)
+
+    def examine(self, batch: _Batch, c: Candidate) -> bool:
+        """Handle one file up to the commit; ``False`` when it is left in the inbox unresolved."""
+        why = _precheck(c, self.config.limits.extensions)
+        if why is not None:
+            return self._quarantine(batch, c, why)
+        try:
+            got = _read(c, self.max_bytes)
+        except FileNotFoundError:
+            return True
+        except ImageRejected as e:
+            return self._quarantine(batch, c, e.reason)
+        first = batch.seen.get(got.sha256) or self.store.get_sample(got.sha256)
+        if first is not None:
+            if self._leftover(first, c, got.sha256):
+                self.report.leftovers += 1
+            else:
+                batch.duplicates += 1
+                self.report.duplicates += 1
+                batch.events.append((EventKind.DUPLICATE, {
+                    "source": c.source, "sha256": got.sha256, "existing": first.source, "label": c.label,
+                    "existing_label": first.label, "label_conflict": c.label != first.label}))
+            batch.remove.append((c, got.identity))
+            return True
+        try:
+            img = normalize(got.data, self.config.image_size, self.config.limits.max_pixels)
+        except ImageRejected as e:
+            return self._quarantine(batch, c, e.reason)
+        self.blobs.write(got.sha256, img.png)
+        batch.samples.append(NewSample(got.sha256, c.label, img.width, img.height,
+                                       hashlib.sha256(img.png).hexdigest(), c.source))
+        batch.seen[got.sha256] = c
+        batch.remove.append((c, got.identity))
+        return True
+
+    def commit(self, batch: _Batch) -> None:
+        if batch.samples or batch.events:  # a batch of leftovers only has nothing to record
+            self.blobs.sync()
+            self.store.record_batch(batch.samples, batch.events, self.config.heldout_fraction,
+                                    duplicates=batch.duplicates, quarantined=batch.quarantined, refused=batch.refused)
+            self.report.batches += 1
+            self.report.accepted += len(batch.samples)
+        for c, identity in batch.remove:
+            try:
+                _remove_if_same(c.path, identity)
+            except OSError as e:
+                self.report.stuck.append((c.source, f"stored, but could not be removed: {e.strerror or e}"))
+
+    def run(self, scan: Scan, stop: Callable[[], bool]) -> None:
+        """Ingest everything the scan found, or stop between two batches when ``stop()`` says so."""
+        size = self.config.ingest.batch_files
+        batch = _Batch()
+        for r in scan.refusals:
+            where = f"{r.manifest}:{r.line}"
+            log.warning("refused %s (%s): %s", where, r.path, r.reason)
+            batch.events.append((EventKind.REFUSED, {"manifest": r.manifest, "line": r.line, "path": r.path,
+                                                     "reason": r.reason}))
+            batch.refused += 1
+            self.report.refused.append((where, r.reason))
+        for c, reason in scan.bad_manifests:
+            self._quarantine(batch, c, reason)
+        open_manifests = {name: 0 for name in scan.manifests}
+        for c in scan.candidates:
+            if c.manifest is not None:
+                open_manifests[c.manifest] += 1
+        pending: list[Candidate] = []
+        for i, c in enumerate(scan.candidates):
+            if i and i % size == 0:
+                self._finish(batch, pending, open_manifests, scan)
+                batch, pending = _Batch(), []
+                if stop():
+                    self.report.stopped = True
+                    return
+            if self.examine(batch, c):
+                pending.append(c)
+        self._finish(batch, pending, open_manifests, scan)
+
+    def _finish(self, batch: _Batch, handled: list[Candidate], open_manifests: dict[str, int], scan: Scan) -> None:
+        self.commit(batch)
+        for c in handled:
+            if c.manifest is not None:
+                open_manifests[c.manifest] -= 1
+        for name in [n for n, left in open_manifests.items() if left == 0]:
+            path, st = scan.manifests[name]
+            try:
+                _remove_if_same(path, _identity(st))
+            except OSError as e:
+                self.report.stuck.append((name, f"manifest done, but could not be removed: {e.strerror or e}"))
+            del open_manifests[name]
+
+
+def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] = time.time,
+                 stop: Callable[[], bool] = lambda: False) -> IngestReport:
+    """Ingest what waits in the inbox (the caller holds the data directory's lock).
+
+    Args:
+        clock: the current time (for the settle check and the recorded times).
+        stop: asked between batches; ``True`` ends the call early (the rest waits for the next).
+
+    Raises:
+        StoreError: the store holds images of another size than ``config.image_size``.
+        OSError: the data directory cannot be written (disk full): the current batch is abandoned.
+    """
+    started = time.perf_counter()
+    store.check_image_size(config.image_size)
+    def seen(source: str) -> bool:
+        return (store.has_source(source) or store.quarantined_source(source)
+                or quarantined_from(config.layout.quarantine, source))
+
+    scan = scan_inbox(config.inbox_path, clock(), config.ingest.settle_seconds, config.limits.max_file_bytes, seen)
+    job = _Ingest(config, store, clock)
+    job.report.unsettled = scan.unsettled
+    job.run(scan, stop)
+    job.report.seconds = time.perf_counter() - started
+    r = job.report
+    if r.accepted or r.duplicates or r.quarantined or r.refused or r.leftovers:
+        log.info("ingest: %d stored, %d duplicates, %d quarantined, %d refused, %d leftovers in %.2fs",
+                 r.accepted, r.duplicates, len(r.quarantined), len(r.refused), r.leftovers, r.seconds)
+    return r
