@@ -107,7 +107,7 @@ class TrainingConfig:
     ``arch``, ``model_args``: the registry model and its overrides (``num_classes`` comes from the
     labels). ``replay``: samples of earlier data mixed into each job. ``distill``, ``temperature``:
     the distillation loss from the current model on old classes. ``memory_budget``: the hard cap on
-    training memory (bytes or ``"400MiB"``; null: none).
+    training memory (bytes or ``"400MiB"``; null: none). ``device``: where jobs train.
     """
 
     arch: str = "revnext"
@@ -119,6 +119,7 @@ class TrainingConfig:
     distill: float = 1.0
     temperature: float = 2.0
     memory_budget: int | str | None = None
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
 
     def __post_init__(self) -> None:
         from edgerev.models import list_models

@@ -286,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     t.set_defaults(fn=cmd_train)
 
+    from edgerev_daemon.cli import add_parser as add_daemon_parser
+
+    add_daemon_parser(sub)
+
     e = sub.add_parser("export", help="export a model directory to ONNX, verified with ONNX Runtime",
                        description="Export the model directory RUN (model.json + model.safetensors) to ONNX with a "
                                    "dynamic batch (opset <= 21, IR <= 10), check its logits against PyTorch with "
@@ -335,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
-        print(f"edgerev {args.command}: error: {e}", file=sys.stderr)
+        command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None)) if c)
+        print(f"edgerev {command}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -204,7 +204,7 @@ def _export(model: nn.Module, example: torch.Tensor, opset: int | None, exporter
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """Hide the exporters' chatter (tracer warnings, 'torchvision is not installed', deprecation)."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript", "onnx_ir")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)

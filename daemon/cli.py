@@ -1,0 +1,177 @@
+"""``edgerev daemon ...``: run, once, status, rollback, check, demo (thin: parse, build, call, print)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+# syslog priorities: journald reads a "<N>" prefix on each line of a service's stderr
+_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+
+class _JournalFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{_PRIORITY.get(record.levelno, 6)}>{record.name}: {record.getMessage()}"
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """Log lines to stderr: with syslog priority prefixes under systemd (journald adds the time), with
+    a time stamp on a terminal."""
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):
+        handler.setFormatter(_JournalFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("onnx_ir", "onnxscript", "torch.onnx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _config(args: argparse.Namespace):
+    from edgerev_daemon.config import load_config
+
+    return load_config(args.config)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from edgerev_daemon.service import Daemon
+
+    config = _config(args)
+    setup_logging(config.log_level)
+    with Daemon(config, config_path=args.config) as daemon:
+        signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop())
+        signal.signal(signal.SIGINT, lambda s, f: daemon.request_stop())
+        signal.signal(signal.SIGHUP, lambda s, f: daemon.request_reload())
+        server = _http(daemon)
+        try:
+            daemon.serve(poll_seconds=args.poll)
+        finally:
+            if server is not None:
+                server.stop()
+    return 0
+
+
+def _http(daemon):
+    if not daemon.config.http.enabled:
+        return None
+    from edgerev_daemon.http import StatusServer
+
+    server = StatusServer(daemon.config)
+    server.start()
+    logging.getLogger("edgerev.daemon").info("status page on http://%s:%d/", daemon.config.http.host, server.port)
+    return server
+
+
+def cmd_once(args: argparse.Namespace) -> int:
+    from edgerev_daemon.service import Daemon
+
+    config = _config(args)
+    setup_logging(config.log_level if not args.json else "WARNING")
+    with Daemon(config, config_path=args.config) as daemon:
+        signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop())
+        report = daemon.cycle()
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        i = report.ingest
+        print(f"ingest: {i['accepted']} stored, {i['duplicates']} duplicates, {len(i['quarantined'])} quarantined, "
+              f"{len(i['refused'])} refused")
+        print(f"job: {json.dumps(report.job)}" if report.job else f"no job due ({report.due or 'not enough new data'})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from edgerev_daemon.status import format_status, status
+
+    s = status(_config(args), events=args.events)
+    print(json.dumps(s, indent=2) if args.json else format_status(s))
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from edgerev_daemon.service import Daemon
+
+    config = _config(args)
+    setup_logging(config.log_level)
+    with Daemon(config, config_path=args.config) as daemon:
+        before = daemon.registry.current()
+        to = daemon.rollback(args.to)
+    if args.json:
+        print(json.dumps({"from": before, "to": to}))
+    else:
+        print(f"current: {to} (was {before})")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from edgerev_daemon.blobs import BlobStore
+    from edgerev_daemon.check import check_consistency
+    from edgerev_daemon.errors import DaemonError
+    from edgerev_daemon.store import Store
+
+    config = _config(args)
+    if not config.layout.database.is_file():
+        raise DaemonError(f"{config.data_dir} holds no store yet")
+    with Store(config.layout.database) as store:
+        report = check_consistency(store, BlobStore(config.layout.blobs), verify=True)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(f"{report.samples} samples, {report.blobs} blobs: " + ("consistent" if report.ok else "INCONSISTENT"))
+        for name in ("missing", "corrupt", "orphans", "database"):
+            values = getattr(report, name)
+            if values:
+                print(f"  {name}: {len(values)} ({', '.join(map(str, values[:3]))}{' ...' if len(values) > 3 else ''})")
+    return 0 if report.ok else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from edgerev_daemon.demo import run_demo
+
+    setup_logging("WARNING")
+    return run_demo(Path(args.dir), images=args.images)
+
+
+def add_parser(sub) -> None:
+    """Register ``daemon`` and its subcommands on the ``edgerev`` parser's subparsers."""
+    d = sub.add_parser("daemon", help="the on-device service: ingest, retrain under the cap, promote, export",
+                       description="The service a device runs: watches the inbox, stores images, fine-tunes the "
+                                   "current model when enough new data arrived, promotes it if it is better, and "
+                                   "exports every promoted version to ONNX.")
+    dsub = d.add_subparsers(dest="daemon_command", required=True, metavar="SUBCOMMAND")
+
+    def with_config(p):
+        p.add_argument("--config", required=True, help="the daemon's YAML config (see configs/daemon/)")
+        return p
+
+    r = with_config(dsub.add_parser("run", help="long-running service (SIGTERM: stop at a step boundary; "
+                                               "SIGHUP: reload the config)"))
+    r.add_argument("--poll", type=float, default=5.0, help="seconds between inbox scans (default 5)")
+    r.set_defaults(fn=cmd_run)
+    o = with_config(dsub.add_parser("once", help="one full cycle (ingest, train if due, evaluate, promote, "
+                                                 "export), then exit"))
+    o.add_argument("--json", action="store_true", help="print the cycle's report as JSON")
+    o.set_defaults(fn=cmd_once)
+    s = with_config(dsub.add_parser("status", help="samples, labels, the model in service, versions, jobs"))
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--events", type=int, default=10, help="recent events to include (default 10)")
+    s.set_defaults(fn=cmd_status)
+    b = with_config(dsub.add_parser("rollback", help="put an earlier version back in service (stop the daemon "
+                                                     "first)"))
+    b.add_argument("--to", help="version (default: the promoted version before the current one)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(fn=cmd_rollback)
+    c = with_config(dsub.add_parser("check", help="consistency of the store and the blob files (exit 1 if not)"))
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c.set_defaults(fn=cmd_check)
+    m = dsub.add_parser("demo", help="generate images into an inbox and run one cycle on embedded defaults")
+    m.add_argument("--dir", default="runs/daemon-demo", help="data directory of the demo (default runs/daemon-demo)")
+    m.add_argument("--images", type=int, default=600, help="generated images dropped into the inbox (default 600)")
+    m.set_defaults(fn=cmd_demo)

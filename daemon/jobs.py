@@ -1,0 +1,151 @@
+"""A fine-tuning job: the store's samples in, a trained candidate model directory out.
+
+A job sees the samples of every ingest batch up to its ``data_batch_id`` (fixed when it is created),
+so a job resumed after a crash trains on exactly the data it started with. It runs the trainer
+(:func:`edgerev.train.trainer.train`) in ``DATA_DIR/jobs/<id>/``:
+
+- with no model in service, from scratch on every training sample;
+- otherwise from the current version (``model.init``): on the samples that arrived after that
+  version's data, plus the replay sample kept beside it and distillation from it on the old classes,
+  the head growing for new labels.
+
+The trainer checkpoints as it goes; :func:`run_job` resumes from the checkpoint when one exists.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgerev.config import from_dict
+from edgerev.train.data import decode_image
+from edgerev.train.labeled import LabeledImages
+from edgerev.train.state import has_checkpoint
+from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.records import Job, Sample, Split
+from edgerev_daemon.store import Store
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    status: str  # "trained", "stopped", "skipped"
+    run_dir: Path
+    reason: str = ""
+    summary: dict | None = None
+
+
+def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[str]) -> LabeledImages:
+    """Decode the normalized blobs of ``samples`` into memory; labels index ``classes``."""
+    classes = tuple(classes)
+    if not samples:
+        return LabeledImages(torch.zeros(0, 3, 1, 1, dtype=torch.uint8), torch.zeros(0, dtype=torch.long), classes)
+    images = torch.stack([decode_image(blobs.path(s.sha256)) for s in samples])
+    labels = torch.tensor([classes.index(s.label) for s in samples], dtype=torch.long)
+    return LabeledImages(images, labels, classes)
+
+
+def recipe(config: DaemonConfig, init: Path | None) -> dict:
+    """The trainer's recipe for one job (as a dict: the daemon's training section, translated)."""
+    t = config.training
+    return {
+        "model": {"arch": t.arch, "args": dict(t.model_args), "init": str(init) if init else None},
+        "data": {"size": config.image_size, "val_fraction": 0.1},
+        "augment": {"pad": max(1, config.image_size // 16), "flip": 0.0, "cutout": 0},
+        "optim": {"lr": t.lr},
+        "train": {"epochs": t.epochs, "batch": t.batch, "checkpoint_every": 20, "log_every": 10},
+        "memory": {"budget": None if t.memory_budget is None else str(t.memory_budget_bytes)},
+        "continual": {"replay": t.replay, "distill": t.distill if init else 0.0, "temperature": t.temperature},
+        "device": t.device,
+    }
+
+
+def job_dir(config: DaemonConfig, job: Job) -> Path:
+    return config.layout.root / "jobs" / f"job-{job.id:05d}"
+
+
+def job_data(store: Store, blobs: BlobStore, job: Job, base_batch: int) -> tuple[LabeledImages, LabeledImages]:
+    """(training samples new since ``base_batch``, held-out samples) up to the job's data."""
+    classes = store.labels()
+    train = store.samples(Split.TRAIN, after_batch=base_batch, upto_batch=job.data_batch_id)
+    held = store.samples(Split.HELDOUT, upto_batch=job.data_batch_id)
+    return load_samples(train, blobs, classes), load_samples(held, blobs, classes)
+
+
+def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, current: Path | None,
+            base_batch: int, stop: Callable[[], bool]) -> JobOutcome:
+    """Train (or resume) ``job``'s candidate from ``current`` (a version directory, or None).
+
+    Args:
+        base_batch: the last ingest batch the current version was trained on (0: none).
+        stop: polled after every training step; the job checkpoints and returns ``"stopped"``.
+    """
+    from edgerev.train.config import RunConfig
+    from edgerev.train.trainer import train
+
+    out = job_dir(config, job)
+    train_new, held = job_data(store, blobs, job, base_batch)
+    if len(train_new) == 0:
+        return JobOutcome("skipped", out, "no new training sample (every new sample is held out)")
+    present = train_new.present() if current is None else ()
+    if current is None and len(present) < 2:
+        return JobOutcome("skipped", out, f"a first model needs two labels, the store has {list(present)}")
+    val = held if len(held) else None
+    resume = has_checkpoint(out)
+    if not resume and out.exists():
+        shutil.rmtree(out)  # killed before its first checkpoint: start the job again
+    cfg = from_dict(RunConfig, recipe(config, current))
+    if val is not None and current is not None:
+        # the held-out samples of labels the candidate will know; a label seen only in held-out is left out
+        known = tuple(dict.fromkeys([*_classes_of(current), *train_new.present()]))
+        val = val.restrict([c for c in val.classes if c in known])
+    elif val is not None:
+        val = val.restrict(train_new.present())
+    result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False,
+                   data=(train_new, val if val is not None and len(val) else None))
+    if result.status == "stopped":
+        return JobOutcome("stopped", out, f"stopped at step {result.step} of {result.total_steps}")
+    return JobOutcome("trained", out, "", result.summary)
+
+
+def _classes_of(model_dir: Path) -> tuple[str, ...]:
+    from edgerev.train.checkpoint import read_info
+
+    return read_info(model_dir)[0].classes
+
+
+def check_training(config: DaemonConfig) -> None:
+    """Refuse, at start, a model that cannot take ``image_size``, or a memory cap too small to train it.
+
+    The floor is the exact peak (fake tensors, nothing allocated) of one step at batch 1 in the
+    model's least-memory modes, plus the optimizer's momentum: what no plan can go below.
+
+    Raises:
+        ConfigError: the model cannot take the image size, or ``training.memory_budget`` is below
+            that floor (the message names it).
+    """
+    from edgerev.config import ConfigError
+    from edgerev.memory.autoplan import fake_step_peak, is_plain, minimal_modes, minimal_segments
+    from edgerev.models import create_model
+
+    t = config.training
+    try:
+        model = create_model(t.arch, **t.model_args, num_classes=2)
+        model.check_input(torch.zeros(1, model.in_channels, config.image_size, config.image_size))
+    except ValueError as e:
+        raise ConfigError(f"training: {e} (image_size {config.image_size})") from None
+    budget = t.memory_budget_bytes
+    if budget is None:
+        return
+    if is_plain(model):
+        floor = minimal_segments(model, config.image_size)[1]
+    else:
+        floor = fake_step_peak(model, minimal_modes(model), 1, config.image_size)
+    floor += sum(p.numel() * p.element_size() for p in model.parameters())  # SGD momentum
+    if budget < floor:
+        raise ConfigError(f"training.memory_budget: {budget:,} bytes is too small to train {t.arch} at "
+                          f"{config.image_size}x{config.image_size}; the smallest cap that fits is {floor:,} bytes")

@@ -1,0 +1,147 @@
+"""Model versions on disk: complete directories, and a ``current`` link switched atomically.
+
+```
+DATA_DIR/versions/v0001/   model.safetensors, model.json, model.onnx, replay.safetensors,
+                           config.yaml, metrics.json
+DATA_DIR/versions/.v0002.partial/   a version being written (removed at start-up if a crash left it)
+DATA_DIR/current -> versions/v0001
+```
+
+A version directory is written under a hidden ``.partial`` name, every file fsynced, then renamed to
+its final name and the parent fsynced: a directory named ``vNNNN`` is always complete. ``current`` is
+a relative symbolic link, replaced by renaming a new link over it (``rename(2)`` is atomic), so a
+reader, or a daemon restarted after a power cut, finds either the old version or the new one in
+service, never a half-written one. A version is only linked after its directory is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from edgerev.atomic import fsync_dir
+from edgerev.errors import EdgerevError
+
+VERSION_RE = re.compile(r"v\d{4,}")
+REQUIRED = ("model.safetensors", "model.json", "model.onnx")
+
+
+class RegistryError(EdgerevError):
+    """A version is missing or incomplete, or the registry cannot be changed as asked."""
+
+
+class Registry:
+    """The version directories and the ``current`` link under ``root`` (the data directory)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.versions_dir = self.root / "versions"
+        self.link = self.root / "current"
+
+    def path(self, version: str) -> Path:
+        if not VERSION_RE.fullmatch(version):
+            raise RegistryError(f"{version!r} is not a version name (v0001, v0002, ...)")
+        return self.versions_dir / version
+
+    def versions(self) -> list[str]:
+        """Complete version directories, oldest first."""
+        if not self.versions_dir.is_dir():
+            return []
+        names = [p.name for p in self.versions_dir.iterdir() if p.is_dir() and VERSION_RE.fullmatch(p.name)]
+        return sorted(names, key=lambda n: int(n[1:]))
+
+    def current(self) -> str | None:
+        """The version in service, or None before the first promotion."""
+        try:
+            target = os.readlink(self.link)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RegistryError(f"{self.link} is not a link to a version: {e}") from None
+        name = Path(target).name
+        if not VERSION_RE.fullmatch(name) or not (self.versions_dir / name).is_dir():
+            raise RegistryError(f"{self.link} points to {target!r}, which is not a version directory")
+        return name
+
+    def current_path(self) -> Path | None:
+        v = self.current()
+        return None if v is None else self.path(v)
+
+    def write(self, version: str, files: Mapping[str, Path | bytes]) -> Path:
+        """Write a complete version directory from ``files`` (name -> source file or bytes).
+
+        Raises:
+            RegistryError: the version exists, or a required file is missing.
+            OSError: the disk is full or not writable; nothing named ``version`` is left behind.
+        """
+        final = self.path(version)
+        if final.exists():
+            raise RegistryError(f"version {version} already exists")
+        missing = [n for n in REQUIRED if n not in files]
+        if missing:
+            raise RegistryError(f"version {version} lacks {', '.join(missing)}")
+        self.versions_dir.mkdir(parents=True, exist_ok=True)
+        partial = self.versions_dir / f".{version}.partial"
+        if partial.exists():
+            shutil.rmtree(partial)
+        try:
+            partial.mkdir()
+            for name, src in files.items():
+                if Path(name).name != name:
+                    raise RegistryError(f"a version file must be a plain name, got {name!r}")
+                data = src if isinstance(src, bytes) else Path(src).read_bytes()
+                with open(partial / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            fsync_dir(partial)
+            os.rename(partial, final)
+            fsync_dir(self.versions_dir)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        return final
+
+    def switch(self, version: str) -> None:
+        """Make ``version`` current (atomically); it must be a complete directory."""
+        target = self.path(version)
+        missing = [n for n in REQUIRED if not (target / n).is_file()]
+        if not target.is_dir() or missing:
+            raise RegistryError(f"version {version} is not a complete version directory")
+        tmp = self.root / f".current.tmp-{os.getpid()}"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(os.path.join("versions", version), tmp)
+        try:
+            os.replace(tmp, self.link)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.root)
+
+    def prune(self, keep: int, protect: set[str] = frozenset()) -> list[str]:
+        """Delete the oldest version directories beyond the last ``keep``; never the current one or
+        those in ``protect``. Returns the deleted names."""
+        current = self.current()
+        names = self.versions()
+        doomed = [n for n in names[: max(0, len(names) - keep)] if n != current and n not in protect]
+        for n in doomed:
+            shutil.rmtree(self.versions_dir / n)
+        if doomed:
+            fsync_dir(self.versions_dir)
+        return doomed
+
+    def recover(self) -> list[str]:
+        """Remove what a crash left: partial version directories and temporary links. Returns them."""
+        removed = []
+        if self.versions_dir.is_dir():
+            for p in self.versions_dir.glob(".*.partial"):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        for p in self.root.glob(".current.tmp-*"):
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+        return removed

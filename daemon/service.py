@@ -1,0 +1,296 @@
+"""The service: one cycle is ingest, then (when due) train, evaluate, promote or keep, export.
+
+:class:`Daemon` owns the data directory for its lifetime (the single-instance lock). Opening it
+repairs what a crash can leave: partial version directories and temporary links, orphan blobs, a
+``current`` link the store had not yet recorded, a job that was running (queued again, so it
+resumes from its checkpoint). :meth:`Daemon.cycle` takes the time as an argument (huey's
+``loop(now)``): tests drive the schedule instead of sleeping. :meth:`Daemon.serve` is the
+long-running loop of ``edgerev daemon run``.
+
+Every step that changes state is safe to interrupt (kill -9, power cut) and to run again:
+
+- ingest records a file before removing it (see :mod:`edgerev_daemon.ingest`);
+- a job trains in ``jobs/<id>/`` with checkpoints and is resumed, not restarted;
+- the promotion decision is recorded (a version row) before the version directory is written, the
+  directory is complete before ``current`` switches, and a job is only marked done after that, so a
+  restart finishes a promotion it finds half done instead of deciding again.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgerev.errors import EdgerevError
+from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.check import check_consistency, remove_garbage
+from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
+from edgerev_daemon.ingest import ingest_inbox
+from edgerev_daemon.jobs import check_training, job_dir, run_job
+from edgerev_daemon.layout import prepare
+from edgerev_daemon.lock import DataDirLock
+from edgerev_daemon.promote import decide, export, held_out_groups, version_files
+from edgerev_daemon.records import EventKind, Job, JobState, Version
+from edgerev_daemon.registry import Registry
+from edgerev_daemon.store import Store
+
+log = logging.getLogger("edgerev.daemon")
+
+
+@dataclass
+class CycleReport:
+    ingest: dict = field(default_factory=dict)
+    job: dict | None = None
+    due: str | None = None
+
+    def to_json(self) -> dict:
+        return {"ingest": self.ingest, "due": self.due, "job": self.job}
+
+
+class Daemon:
+    """The data directory of ``config``, held (locked) until :meth:`close`.
+
+    Args:
+        config: the daemon's configuration (paths are validated before anything is touched).
+        config_path: the file it came from (re-read on :meth:`request_reload`).
+        clock: seconds since the epoch (tests inject their own).
+    """
+
+    def __init__(self, config: DaemonConfig, config_path: str | Path | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        validate_paths(config)
+        check_training(config)
+        self.config, self.config_path, self.clock = config, config_path, clock
+        self.lock = DataDirLock(config.data_dir).acquire()
+        try:
+            prepare(config.layout, config.inbox_path)
+            self.store = Store(config.layout.database, clock)
+            self.blobs = BlobStore(config.layout.blobs)
+            self.registry = Registry(config.layout.root)
+            self._recover()
+        except BaseException:
+            self.lock.release()
+            raise
+        self._stop = threading.Event()
+        self._reload = False
+
+    # lifecycle --------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.store.close()
+        self.lock.release()
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def request_stop(self) -> None:
+        """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM)."""
+        self._stop.set()
+
+    def request_reload(self) -> None:
+        """Re-read the config file before the next cycle (SIGHUP)."""
+        self._reload = True
+        self._stop.set()  # wake the sleep; serve() clears it again when it is not a stop
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set() and not self._reload
+
+    def _recover(self) -> None:
+        removed = self.registry.recover()
+        if removed:
+            log.warning("removed what an interrupted promotion left: %s", ", ".join(removed))
+        report = check_consistency(self.store, self.blobs, verify=False)
+        if report.orphans or report.strays:
+            log.info("removed %d orphan or stray blob files", remove_garbage(report, self.blobs))
+        if not report.ok:
+            log.error("store inconsistent: %d samples without blob, database: %s", len(report.missing),
+                      "; ".join(report.database) or "ok")
+            self.store.add_event(EventKind.ERROR, {"where": "startup check", "error": report.to_json()})
+        current = self.registry.current()
+        if current is not None:
+            v = self.store.get_version(current)
+            if v is not None and not v.promoted:  # killed between the switch and its record
+                self.store.update_version(current, promoted=True, reason=v.reason)
+        job = self.store.active_job()
+        if job is not None and job.state == JobState.RUNNING:
+            self.store.set_job_state(job.id, JobState.QUEUED)
+            log.info("job %d was interrupted; it resumes from its checkpoint", job.id)
+
+    # the cycle --------------------------------------------------------------------------------------
+
+    def base(self) -> tuple[Path | None, int, str | None]:
+        """(current version directory, the last ingest batch it was trained on, its name)."""
+        name = self.registry.current()
+        if name is None:
+            return None, 0, None
+        v = self.store.get_version(name)
+        return self.registry.path(name), int(v.metrics.get("data_batch_id", 0)) if v else 0, name
+
+    def due(self, now: float) -> str | None:
+        """Why a job should run now, or None."""
+        if self.store.active_job() is not None:
+            return "resume the interrupted job"
+        n = self.store.new_samples_since_last_job()
+        s = self.config.schedule
+        if n >= s.min_new_samples:
+            return f"{n} new samples (threshold {s.min_new_samples})"
+        if n > 0:
+            last = self.store.last_job(JobState.DONE)
+            since = last.finished_at if last is not None and last.finished_at else self._first_sample_time()
+            if since is not None and now - since >= s.max_interval_seconds:
+                return f"{n} new samples and {now - since:.0f} s since the last job"
+        return None
+
+    def _first_sample_time(self) -> float | None:
+        first = self.store.samples()[:1]
+        return first[0].added_at if first else None
+
+    def cycle(self, now: float | None = None) -> CycleReport:
+        """Ingest, then train, evaluate and promote if a job is due."""
+        now = self.clock() if now is None else now
+        report = CycleReport()
+        report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping).to_json()
+        if self.stopping:
+            return report
+        report.due = self.due(now)
+        if report.due is not None:
+            report.job = self.run_job(report.due)
+        return report
+
+    def run_job(self, reason: str) -> dict:
+        job = self.store.active_job() or self.store.create_job(reason)
+        out = job_dir(self.config, job)
+        if job.state == JobState.QUEUED:
+            job = self.store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
+        log.info("job %d: %s", job.id, reason)
+        current, base_batch, current_name = self.base()
+        done = self._version_of(job)
+        if done is not None:  # decided before a crash: finish that decision instead of deciding again
+            return self._conclude(job, done, out, current_name)
+        try:
+            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, lambda: self.stopping)
+        except (EdgerevError, OSError, RuntimeError) as e:
+            return self._fail(job, f"training failed: {e}")
+        if outcome.status == "stopped":
+            log.info("job %d %s; it resumes at the next start", job.id, outcome.reason)
+            return {"job": job.id, "status": "stopped", "reason": outcome.reason}
+        if outcome.status == "skipped":
+            self.store.set_job_state(job.id, JobState.DONE)
+            self.store.add_event(EventKind.INFO, {"message": f"job {job.id} skipped: {outcome.reason}"})
+            shutil.rmtree(out, ignore_errors=True)
+            return {"job": job.id, "status": "skipped", "reason": outcome.reason}
+        groups = held_out_groups(self.store, self.blobs, job, base_batch)
+        decision = decide(outcome.run_dir, current, groups, self.config.promotion.tolerance)
+        summary = outcome.summary or {}
+        metrics = {"data_batch_id": job.data_batch_id, "base_batch": base_batch, "promote": decision.promote,
+                   "evaluation": decision.metrics, "classes": summary.get("classes"),
+                   "training": {k: summary.get(k) for k in ("steps", "train_samples", "forgetting", "plan")}}
+        version = self.store.add_version(job.id, current_name, promoted=False, metrics=metrics, reason=decision.reason)
+        log.info("job %d: candidate %s %s: %s", job.id, version.id,
+                 "promoted" if decision.promote else "kept out", decision.reason)
+        return self._conclude(job, version, out, current_name)
+
+    def _version_of(self, job: Job) -> Version | None:
+        found = [v for v in self.store.versions() if v.job_id == job.id]
+        return found[-1] if found else None
+
+    def _conclude(self, job: Job, version: Version, out: Path, current_name: str | None) -> dict:
+        """Carry out the recorded decision (idempotent), then mark the job done."""
+        result = {"job": job.id, "version": version.id, "promoted": False, "reason": version.reason}
+        if version.metrics.get("promote") and not version.promoted:
+            try:
+                self._promote(version, out, current_name)
+            except (OSError, EdgerevError) as e:  # a full disk, a failed export: the current model stays
+                reason = f"promotion failed, {current_name or 'no model'} stays in service: {e}"
+                self.store.update_version(version.id, reason=reason)
+                return self._fail(job, reason) | {"version": version.id}
+            result["promoted"] = True
+        elif version.promoted:
+            result["promoted"] = True
+        self.store.set_job_state(job.id, JobState.DONE)
+        shutil.rmtree(out, ignore_errors=True)
+        return result
+
+    def _promote(self, version: Version, out: Path, current_name: str | None) -> None:
+        if not self.registry.path(version.id).is_dir():
+            onnx = out / "model.onnx"
+            metrics = dict(version.metrics)
+            metrics["export"] = export(out, onnx)
+            self.registry.write(version.id, version_files(out, onnx, metrics))
+        protect = [current_name] if current_name else []  # the version a rollback would go back to
+        self.registry.switch(version.id)
+        self.store.update_version(version.id, promoted=True, reason=version.reason)
+        pruned = self.registry.prune(self.config.promotion.keep_last, protect=set(protect))
+        if pruned:
+            log.info("pruned versions %s", ", ".join(pruned))
+
+    def _fail(self, job: Job, error: str) -> dict:
+        log.error("job %d: %s", job.id, error)
+        self.store.set_job_state(job.id, JobState.FAILED, error=error)
+        return {"job": job.id, "status": "failed", "error": error}
+
+    # rollback ---------------------------------------------------------------------------------------
+
+    def rollback(self, to: str | None = None) -> str:
+        """Switch ``current`` to version ``to`` (default: the promoted version before the current one)."""
+        from edgerev_daemon.registry import RegistryError
+
+        current = self.registry.current()
+        on_disk = set(self.registry.versions())
+        promoted = [v.id for v in self.store.versions(promoted_only=True) if v.id in on_disk]
+        if to is None:
+            earlier = [v for v in promoted if current is None or int(v[1:]) < int(current[1:])]
+            if not earlier:
+                raise RegistryError(f"no earlier promoted version on disk to roll back to (current: {current})")
+            to = earlier[-1]
+        if to not in on_disk:
+            raise RegistryError(f"version {to} is not on disk (kept: {', '.join(sorted(on_disk)) or 'none'})")
+        self.registry.switch(to)
+        self.store.add_event(EventKind.ROLLBACK, {"from": current, "to": to})
+        log.info("rolled back from %s to %s", current, to)
+        return to
+
+    # the long-running loop --------------------------------------------------------------------------
+
+    def serve(self, poll_seconds: float = 5.0) -> None:
+        """Cycle until :meth:`request_stop`; sleep ``poll_seconds`` between cycles (a signal wakes it)."""
+        log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
+        while not self.stopping:
+            if self._reload:
+                self._apply_reload()
+            try:
+                self.cycle()
+            except (EdgerevError, OSError) as e:  # keep running: the next cycle tries again
+                log.error("cycle failed: %s", e)
+                self.store.add_event(EventKind.ERROR, {"where": "cycle", "error": str(e)})
+            if self.stopping:
+                break
+            self._stop.wait(poll_seconds)
+            if self._reload:
+                self._stop.clear()
+        log.info("stopped")
+
+    def _apply_reload(self) -> None:
+        self._reload = False
+        self._stop.clear()
+        if self.config_path is None:
+            return
+        try:
+            new = load_config(self.config_path)
+            if new.data_dir != self.config.data_dir:
+                raise EdgerevError("data_dir cannot change while the daemon runs; restart it")
+            validate_paths(new)
+        except EdgerevError as e:
+            log.error("config not reloaded, the old one stays: %s", e)
+            return
+        self.config = new
+        log.info("config reloaded from %s", self.config_path)

@@ -1,0 +1,112 @@
+"""What the daemon is doing, read from the store and the version registry (never from the process).
+
+Readers do not take the single-instance lock: SQLite's write-ahead log lets them read while the
+daemon writes, so ``edgerev daemon status`` and the HTTP page work beside a running daemon.
+"""
+
+from __future__ import annotations
+
+import os
+
+from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.errors import DaemonError
+from edgerev_daemon.records import JobState, Split
+from edgerev_daemon.registry import Registry, RegistryError
+from edgerev_daemon.store import Store
+
+
+def holder_pid(config: DaemonConfig) -> int | None:
+    """The pid of the daemon holding the data directory, or None if none runs."""
+    import fcntl
+
+    path = config.layout.lock
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def status(config: DaemonConfig, events: int = 10) -> dict:
+    """A JSON-ready snapshot: samples, labels, the model in service, versions, jobs, recent events.
+
+    Raises:
+        DaemonError: the data directory holds no store yet (the daemon never ran there).
+    """
+    db = config.layout.database
+    if not db.is_file():
+        raise DaemonError(f"{config.data_dir} holds no store yet: start the daemon (edgerev daemon run or once)")
+    registry = Registry(config.layout.root)
+    with Store(db) as store:
+        counts = store.counts()
+        try:
+            current = registry.current()
+        except RegistryError as e:
+            current = f"broken: {e}"
+        versions = store.versions()
+        cur = next((v for v in versions if v.id == current), None)
+        active = store.active_job()
+        last = store.last_job()
+        quarantine = config.layout.quarantine
+        return {
+            "data_dir": config.data_dir,
+            "inbox": str(config.inbox_path),
+            "daemon_pid": holder_pid(config),
+            "samples": {"total": store.count_samples(), "train": store.count_samples(Split.TRAIN),
+                        "heldout": store.count_samples(Split.HELDOUT)},
+            "labels": store.labels(),
+            "new_samples_since_last_job": store.new_samples_since_last_job(),
+            "quarantined_files": sum(1 for p in quarantine.iterdir() if not p.name.endswith(".reason.json"))
+            if quarantine.is_dir() else 0,
+            "current": None if current is None else {
+                "version": current,
+                "path": str(registry.path(current)) if cur else None,
+                "onnx": str(registry.path(current) / "model.onnx") if cur else None,
+                "reason": cur.reason if cur else None,
+                "heldout_accuracy": (cur.metrics.get("evaluation", {}).get("candidate", {}).get("all")
+                                     if cur else None),
+            },
+            "versions": [{"version": v.id, "promoted": v.promoted, "on_disk": (registry.versions_dir / v.id).is_dir(),
+                          "job": v.job_id, "reason": v.reason} for v in versions],
+            "job": None if (active or last) is None else _job(active or last),
+            "jobs_failed": sum(1 for j in store.jobs(limit=1000) if j.state == JobState.FAILED),
+            "counts": counts,
+            "events": [e.to_json() for e in store.events(limit=events)] if events else [],
+        }
+
+
+def _job(job) -> dict:
+    return {"id": job.id, "state": job.state.value, "reason": job.reason, "started_at": job.started_at,
+            "finished_at": job.finished_at, "error": job.error}
+
+
+def format_status(s: dict) -> str:
+    """The human-readable form of :func:`status` (``edgerev daemon status``)."""
+    lines = [f"data directory {s['data_dir']} (inbox {s['inbox']})",
+             "daemon: " + (f"running, pid {s['daemon_pid']}" if s["daemon_pid"] else "not running"),
+             f"samples: {s['samples']['total']} ({s['samples']['train']} train, {s['samples']['heldout']} held out), "
+             f"labels: {', '.join(s['labels']) or 'none'}; {s['new_samples_since_last_job']} new since the last job; "
+             f"{s['quarantined_files']} files in quarantine"]
+    cur = s["current"]
+    if cur is None:
+        lines.append("model in service: none yet")
+    else:
+        acc = f", held-out accuracy {cur['heldout_accuracy']:.4f}" if cur.get("heldout_accuracy") is not None else ""
+        lines.append(f"model in service: {cur['version']}{acc}")
+        if cur.get("onnx"):
+            lines.append(f"  ONNX: {cur['onnx']}")
+    for v in s["versions"][-5:]:
+        mark = "promoted" if v["promoted"] else "kept out"
+        lines.append(f"  {v['version']} {mark}{'' if v['on_disk'] else ' (pruned)'}: {v['reason']}")
+    if s["job"] is not None:
+        j = s["job"]
+        lines.append(f"last job: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
+    return "\n".join(lines)
