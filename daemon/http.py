@@ -1,0 +1,400 @@
+"""The optional read-only status page: HTML, JSON and Prometheus metrics, on the loopback only.
+
+Off unless ``http.enabled``; the service starts a :class:`StatusServer` beside its loop::
+
+    server = StatusServer(config).start()
+    ...
+    server.stop()
+
+Routes (GET and HEAD; any other method is 405, any other path 404):
+
+- ``/``: a small HTML page of :func:`~edgerev_daemon.status.status` (every value escaped);
+- ``/status.json``: the same snapshot as JSON;
+- ``/metrics``: Prometheus text exposition format 0.0.4;
+- ``/healthz``: ``ok``, for container health checks (it reads nothing).
+
+Every request reads through a connection of its own (:func:`~edgerev_daemon.status.status` opens the
+store and closes it before it returns): the write-ahead log lets it read while the daemon writes, and
+no request writes anything. A store that cannot be read answers 503 with one line, never a traceback.
+
+The page is for the machine itself. The server refuses to listen anywhere but a loopback address,
+whatever the config says (it may have been built without validation), and it answers 403 to a
+request whose ``Host`` header names anything but a loopback address: a web page in a browser on the
+same machine cannot read it through a DNS name rebound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import html
+import ipaddress
+import json
+import logging
+import math
+import socket
+import socketserver
+import sqlite3
+import threading
+from collections.abc import Iterable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from edgerev.errors import EdgerevError
+from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.errors import DaemonError
+from edgerev_daemon.registry import VERSION_RE
+from edgerev_daemon.status import format_status, status
+
+log = logging.getLogger("edgerev.daemon.http")
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ALLOW = "GET, HEAD"
+_DRAIN_LIMIT = 64 * 1024  # request body bytes read (and dropped) before a 405, so the reply is not lost to a reset
+
+
+def loopback_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The address to bind for ``host``, which must be a loopback address or ``localhost``.
+
+    An IP literal is checked as it is; ``localhost`` is resolved (every address it resolves to must
+    be a loopback one, so a tampered hosts file cannot widen it). Any other name is refused without
+    being looked up.
+
+    Returns:
+        The address family and the socket address of the first match.
+
+    Raises:
+        DaemonError: ``host`` is empty, not a loopback address, or ``localhost`` resolves elsewhere.
+    """
+    if not 0 <= port <= 65535:
+        raise DaemonError(f"http.port: must lie in 0..65535, got {port}")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if host.lower().rstrip(".") != "localhost":
+            raise DaemonError(f"http.host: the status page listens on a loopback address only, got {host!r}") from None
+        flags = 0
+    else:
+        if not ip.is_loopback:
+            raise DaemonError(f"http.host: the status page listens on a loopback address only, got {host!r}")
+        flags = socket.AI_NUMERICHOST
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=flags)
+    except socket.gaierror as e:
+        raise DaemonError(f"http.host: cannot resolve {host!r}: {e.strerror or e}") from None
+    infos = [i for i in infos if i[0] in (socket.AF_INET, socket.AF_INET6)]
+    if not infos:
+        raise DaemonError(f"http.host: {host!r} resolves to no IP address")
+    for _family, _type, _proto, _name, sockaddr in infos:
+        if not ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback:
+            raise DaemonError(f"http.host: {host!r} resolves to {sockaddr[0]}, not a loopback address")
+    return infos[0][0], infos[0][4]
+
+
+def _loopback_host_header(value: str | None) -> bool:
+    """Whether a ``Host`` header (absent, as HTTP/1.0 allows, or ``name[:port]``) names the loopback."""
+    if not value:
+        return True
+    value = value.strip()
+    if value.startswith("["):
+        name = value[1:].partition("]")[0]
+    else:
+        name = value.rpartition(":")[0] if value.count(":") == 1 else value
+    if name.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+# metrics ------------------------------------------------------------------------------------------------
+
+
+def escape_label_value(value: str) -> str:
+    """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _family(name: str, kind: str, help_text: str, samples: Iterable[tuple[dict[str, str], float]]) -> list[str]:
+    """The lines of one metric family: ``# HELP``, ``# TYPE``, then one line per sample (none: no lines)."""
+    samples = list(samples)
+    if not samples:
+        return []
+    lines = [f"# HELP {name} {_escape_help(help_text)}", f"# TYPE {name} {kind}"]
+    for labels, value in samples:
+        text = ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in labels.items())
+        lines.append(f"{name}{{{text}}} {_number(value)}" if text else f"{name} {_number(value)}")
+    return lines
+
+
+def format_metrics(s: dict) -> str:
+    """A :func:`~edgerev_daemon.status.status` snapshot in Prometheus text exposition format 0.0.4.
+
+    Counters are what only grows (samples are never deleted; failed jobs stay failed); everything
+    that may go down is a gauge (a version's ``promoted`` flag flips from false to true, events are
+    pruned). ``edgerev_current_heldout_accuracy`` is left out while it is unknown.
+    """
+    current = s.get("current") or {}
+    number = 0
+    if isinstance(current.get("version"), str) and VERSION_RE.fullmatch(current["version"]):
+        number = int(current["version"][1:])
+    accuracy = current.get("heldout_accuracy")
+    promoted = sum(1 for v in s["versions"] if v["promoted"])
+    job = s.get("job")
+    lines: list[str] = []
+    lines += _family("edgerev_daemon_up", "gauge", "1 while a daemon holds the data directory's lock, else 0.",
+                     [({}, 1 if s.get("daemon_pid") else 0)])
+    lines += _family("edgerev_samples_total", "counter", "Samples stored, by split.",
+                     [({"split": split}, s["samples"][split]) for split in ("train", "heldout")])
+    lines += _family("edgerev_labels", "gauge", "Labels (classes) seen so far.", [({}, len(s["labels"]))])
+    lines += _family("edgerev_new_samples_since_last_job", "gauge",
+                     "Samples stored after the data of the last finished job (what the schedule counts).",
+                     [({}, s["new_samples_since_last_job"])])
+    lines += _family("edgerev_quarantined_files", "gauge", "Files in the quarantine folder.",
+                     [({}, s["quarantined_files"])])
+    lines += _family("edgerev_versions", "gauge", "Model versions recorded, by whether they were promoted.",
+                     [({"promoted": "true"}, promoted), ({"promoted": "false"}, len(s["versions"]) - promoted)])
+    lines += _family("edgerev_current_version", "gauge",
+                     "Number of the model version in service (v0007: 7); 0 when none is.", [({}, number)])
+    lines += _family("edgerev_current_heldout_accuracy", "gauge",
+                     "Held-out accuracy of the model version in service (0..1).",
+                     [({}, float(accuracy))] if isinstance(accuracy, int | float) else [])
+    lines += _family("edgerev_job_active", "gauge", "1 while a fine-tuning job is queued or running, else 0.",
+                     [({}, 1 if job and job["state"] in ("queued", "running") else 0)])
+    lines += _family("edgerev_jobs_failed_total", "counter", "Fine-tuning jobs that failed (of the latest 1000).",
+                     [({}, s["jobs_failed"])])
+    lines += _family("edgerev_store_rows", "gauge", "Rows per table of the store (events are pruned).",
+                     [({"table": t}, n) for t, n in s["counts"].items() if not t.startswith("samples_")])
+    return "\n".join(lines) + "\n"
+
+
+# HTML ---------------------------------------------------------------------------------------------------
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="refresh" content="30">
+<title>edgerev daemon</title>
+<style>body{{font-family:sans-serif;margin:1.5em}}pre{{background:#f4f4f4;padding:.8em}}
+td,th{{padding:.2em .8em;text-align:left}}</style>
+</head>
+<body>
+<h1>edgerev daemon</h1>
+<pre>{summary}</pre>
+<h2>Versions</h2>
+{versions}
+<h2>Recent events</h2>
+{events}
+<p><a href="/status.json">status.json</a> &middot; <a href="/metrics">metrics</a></p>
+</body>
+</html>
+"""
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
+    rows = list(rows)
+    if not rows:
+        return "<p>none</p>"
+    cell = lambda tag, v: f"<{tag}>{html.escape('' if v is None else str(v))}</{tag}>"  # noqa: E731
+    head = "<tr>" + "".join(cell("th", h) for h in header) + "</tr>"
+    body = "".join("<tr>" + "".join(cell("td", v) for v in r) + "</tr>" for r in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def format_html(s: dict) -> str:
+    """A :func:`~edgerev_daemon.status.status` snapshot as a small HTML page (every value escaped)."""
+    versions = _table(("version", "promoted", "on disk", "job", "reason"),
+                      ((v["version"], v["promoted"], v["on_disk"], v["job"], v["reason"])
+                       for v in reversed(s["versions"][-20:])))
+    events = _table(("id", "at", "kind", "message"),
+                    ((e["id"], e["at"], e["kind"], json.dumps(e["message"], sort_keys=True))
+                     for e in reversed(s["events"])))
+    return _PAGE.format(summary=html.escape(format_status(s)), versions=versions, events=events)
+
+
+# server -------------------------------------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "edgerev"
+    sys_version = ""
+    timeout = 10.0  # a client that connects and says nothing does not keep a thread forever
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class names it so)
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _send(self, code: int, body: bytes | str, content_type: str = "text/plain; charset=utf-8",
+              headers: dict[str, str] | None = None) -> None:
+        data = body.encode() if isinstance(body, str) else body
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _snapshot(self, events: int) -> dict | None:
+        """:func:`status`, or None after answering 503 (the store is missing, locked too long or broken)."""
+        try:
+            return status(self.server.config, events=events)
+        except (EdgerevError, sqlite3.Error, OSError) as e:
+            line = " ".join(str(e).split()) or type(e).__name__
+            log.warning("status page: store unavailable: %s", line)
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"store unavailable: {line}\n")
+            return None
+
+    def do_GET(self) -> None:  # noqa: N802 (the base class dispatches on this name)
+        if not _loopback_host_header(self.headers.get("Host")):
+            self._send(HTTPStatus.FORBIDDEN, "forbidden: the Host header names no loopback address\n")
+            return
+        path = urlsplit(self.path).path
+        try:
+            if path == "/healthz":
+                self._send(HTTPStatus.OK, "ok\n")
+            elif path == "/":
+                if (s := self._snapshot(events=20)) is not None:
+                    self._send(HTTPStatus.OK, format_html(s), "text/html; charset=utf-8")
+            elif path == "/status.json":
+                if (s := self._snapshot(events=10)) is not None:
+                    self._send(HTTPStatus.OK, json.dumps(s, indent=2, default=str) + "\n", "application/json")
+            elif path == "/metrics":
+                if (s := self._snapshot(events=0)) is not None:
+                    self._send(HTTPStatus.OK, format_metrics(s), METRICS_CONTENT_TYPE)
+            else:
+                self._send(HTTPStatus.NOT_FOUND, "not found\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went away
+        except Exception:
+            log.exception("status page: %s %s failed", self.command, path)
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error (see the daemon's log)\n")
+
+    do_HEAD = do_GET  # noqa: N815 (same headers, no body: see _send)
+
+    def _not_allowed(self) -> None:
+        length = self.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) <= _DRAIN_LIMIT:
+            self.rfile.read(int(length))
+        self.close_connection = True
+        self._send(HTTPStatus.METHOD_NOT_ALLOWED, "method not allowed: this page is read-only\n",
+                   headers={"Allow": ALLOW})
+
+    def __getattr__(self, name: str):
+        # every method but GET and HEAD (POST, PUT, DELETE, made-up ones) is refused alike
+        if name.startswith("do_"):
+            return self._not_allowed
+        raise AttributeError(name)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    config: DaemonConfig
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind asks for the host's FQDN, a DNS lookup that can hang on a device offline
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class StatusServer:
+    """The status page of ``config``'s data directory, served from a thread of its own.
+
+    Args:
+        config: the daemon's configuration; ``config.http.host`` and ``config.http.port`` say where to
+            listen (port 0: any free port, see :attr:`port`). ``config.http.enabled`` is the caller's
+            business: this class serves whenever it is started.
+        poll_interval: seconds between the serving thread's checks for :meth:`stop`.
+    """
+
+    def __init__(self, config: DaemonConfig, poll_interval: float = 0.5) -> None:
+        self.config = config
+        self.poll_interval = poll_interval
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    @property
+    def server_address(self) -> tuple:
+        """The bound socket address (``(host, port)``, or a 4-tuple for IPv6)."""
+        if self._server is None:
+            raise DaemonError("the status page is not running")
+        return self._server.server_address
+
+    @property
+    def port(self) -> int:
+        """The bound port (the one the system chose when the config asked for 0)."""
+        return int(self.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self.server_address[0]
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/"
+
+    def start(self) -> StatusServer:
+        """Bind and serve in a daemon thread.
+
+        Raises:
+            DaemonError: the host is not a loopback address, the port is taken, or it already runs.
+        """
+        if self._server is not None:
+            raise DaemonError("the status page is already running")
+        family, address = loopback_address(self.config.http.host, self.config.http.port)
+        cls = _Server6 if family == socket.AF_INET6 else _Server
+        try:
+            server = cls(address, _Handler)
+        except OSError as e:
+            raise DaemonError(f"http: cannot listen on {self.config.http.host}:{self.config.http.port}: "
+                              f"{e.strerror or e}") from None
+        server.config = self.config
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, args=(self.poll_interval,),
+                                        name="edgerev-http", daemon=True)
+        self._thread.start()
+        log.info("status page on %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket (a no-op when not running)."""
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        self._server = self._thread = None
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join()
+
+    def __enter__(self) -> StatusServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

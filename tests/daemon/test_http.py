@@ -1,0 +1,251 @@
+"""The read-only status page: routes, content types, the metrics format, loopback only, clean stop."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import re
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from edgerev_daemon import DaemonError, DataDirLock, EventKind, JobState, Store, prepare
+from edgerev_daemon.config import DaemonConfig, HttpConfig
+from edgerev_daemon.http import METRICS_CONTENT_TYPE, StatusServer, escape_label_value, format_metrics
+from edgerev_daemon.records import NewSample
+
+from .conftest import Clock, make_config
+
+SAMPLE_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
+
+
+def sha(i: int) -> str:
+    return hashlib.sha256(str(i).encode()).hexdigest()
+
+
+def http_config(config: DaemonConfig, host: str = "127.0.0.1", port: int = 0) -> DaemonConfig:
+    """``config`` with an http section built past validation (port 0, or a host validation refuses)."""
+    section = object.__new__(HttpConfig)
+    for key, value in {"enabled": True, "host": host, "port": port}.items():
+        object.__setattr__(section, key, value)
+    return replace(config, http=section)
+
+
+def populate(config: DaemonConfig) -> None:
+    """A store with samples of three labels (one named like markup), two versions (the second in
+    service, with a held-out accuracy), a failed job and a quarantine event."""
+    prepare(config.layout, config.inbox_path)
+    with Store(config.layout.database, clock=Clock(1000.0)) as store:
+        samples = [NewSample(sha(i), label, 32, 32, sha(-i - 1), f"{label}/{i}.png")
+                   for i, label in enumerate(["cat"] * 6 + ["dog"] * 3 + ["<script>x</script>"])]
+        store.record_batch(samples, [(EventKind.QUARANTINE, {"source": "bad.png", "reason": "not an image"})],
+                           heldout_fraction=0.3)
+        job = store.create_job("test")
+        store.set_job_state(job.id, JobState.FAILED, error="out of memory")
+        store.add_version(reason="first", promoted=False)
+        v2 = store.add_version(metrics={"evaluation": {"candidate": {"all": 0.875}}}, reason="better")
+        store.update_version(v2.id, promoted=True)
+    (config.layout.root / "versions" / "v0002").mkdir(parents=True)
+    (config.layout.root / "current").symlink_to("versions/v0002")
+    (config.layout.quarantine / "bad.png").write_bytes(b"x")
+    (config.layout.quarantine / "bad.png.reason.json").write_text("{}")
+
+
+@pytest.fixture
+def config(tmp_path) -> DaemonConfig:
+    cfg = http_config(make_config(tmp_path))
+    populate(cfg)
+    return cfg
+
+
+@pytest.fixture
+def server(config):
+    with StatusServer(config, poll_interval=0.02) as s:
+        yield s
+
+
+def get(server: StatusServer, path: str, method: str = "GET", data: bytes | None = None, headers: dict | None = None):
+    """``(status, headers, body)`` of one request (error statuses included)."""
+    req = urllib.request.Request(server.url.rstrip("/") + path, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers, e.read()
+
+
+def parse_metrics(text: str) -> dict[str, dict]:
+    """``{name: {"help", "type", "samples": {labels: value}}}``; asserts the exposition format line by line."""
+    families: dict[str, dict] = {}
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            _, what, name, rest = line.split(" ", 3)
+            families.setdefault(name, {"samples": {}})[what.lower()] = rest
+            continue
+        assert not line.startswith("#") and line.strip() == line and line, line
+        m = SAMPLE_LINE.match(line)
+        assert m, f"not a sample line: {line!r}"
+        name, labels, value = m.groups()
+        float(value)
+        assert name in families, f"{name} has no HELP/TYPE before its samples"
+        families[name]["samples"][labels or ""] = float(value)
+    for name, fam in families.items():
+        assert fam.get("help") and fam.get("type") in ("gauge", "counter"), name
+        assert fam["samples"], name
+    return families
+
+
+def test_metrics(server):
+    status, headers, body = get(server, "/metrics")
+    assert status == 200 and headers["Content-Type"] == METRICS_CONTENT_TYPE
+    m = parse_metrics(body.decode())
+    samples = m["edgerev_samples_total"]["samples"]
+    assert sum(samples.values()) == 10 and set(samples) == {'{split="train"}', '{split="heldout"}'}
+    assert m["edgerev_labels"]["samples"][""] == 3
+    assert m["edgerev_new_samples_since_last_job"]["samples"][""] == 10
+    assert m["edgerev_quarantined_files"]["samples"][""] == 1
+    assert m["edgerev_versions"]["samples"] == {'{promoted="true"}': 1, '{promoted="false"}': 1}
+    assert m["edgerev_current_version"]["samples"][""] == 2
+    assert m["edgerev_current_heldout_accuracy"]["samples"][""] == 0.875
+    assert m["edgerev_jobs_failed_total"]["samples"][""] == 1
+    assert m["edgerev_daemon_up"]["samples"][""] == 0
+    assert m["edgerev_store_rows"]["samples"]['{table="versions"}'] == 2
+    assert m["edgerev_samples_total"]["type"] == "counter" and m["edgerev_labels"]["type"] == "gauge"
+
+
+def test_metrics_of_a_running_daemon_and_of_an_empty_store(tmp_path):
+    cfg = http_config(make_config(tmp_path))
+    prepare(cfg.layout, cfg.inbox_path)
+    Store(cfg.layout.database).close()
+    with DataDirLock(cfg.data_dir), StatusServer(cfg, poll_interval=0.02) as server:
+        m = parse_metrics(get(server, "/metrics")[2].decode())
+    assert m["edgerev_daemon_up"]["samples"][""] == 1
+    assert m["edgerev_current_version"]["samples"][""] == 0
+    assert "edgerev_current_heldout_accuracy" not in m  # unknown: left out, not 0
+
+
+def test_label_values_are_escaped():
+    assert escape_label_value('a\\b"c\nd') == 'a\\\\b\\"c\\nd'
+    s = {"daemon_pid": None, "samples": {"train": 1, "heldout": 0}, "labels": [], "new_samples_since_last_job": 0,
+         "quarantined_files": 0, "versions": [], "current": None, "job": None, "jobs_failed": 0,
+         "counts": {'we"ird\ntable': 3}}
+    parse_metrics(format_metrics(s))
+    assert 'edgerev_store_rows{table="we\\"ird\\ntable"} 3' in format_metrics(s)
+
+
+def test_html_page_escapes_the_status(server):
+    status, headers, body = get(server, "/")
+    text = body.decode()
+    assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
+    assert "v0002" in text and "out of memory" in text
+    assert "&lt;script&gt;x&lt;/script&gt;" in text and "<script>" not in text
+
+
+def test_status_json(server, config):
+    status, headers, body = get(server, "/status.json")
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    s = json.loads(body)
+    assert s["data_dir"] == config.data_dir and s["current"]["version"] == "v0002"
+    assert s["samples"]["total"] == 10 and len(s["events"]) > 0
+
+
+def test_healthz_and_head(server):
+    assert get(server, "/healthz")[::2] == (200, b"ok\n")
+    status, headers, body = get(server, "/metrics", method="HEAD")
+    assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
+
+
+def test_other_methods_and_paths_are_refused_and_change_nothing(server, config):
+    before = json.loads(get(server, "/status.json")[2])
+    for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS", "BREW"):
+        status, headers, _ = get(server, "/status.json", method=method, data=b"{}" if method != "OPTIONS" else None)
+        assert (status, headers["Allow"]) == (405, "GET, HEAD"), method
+    assert get(server, "/nope")[0] == 404
+    assert get(server, "/metrics/../status.json")[0] == 404
+    assert json.loads(get(server, "/status.json")[2]) == before
+
+
+def test_foreign_host_header_is_refused(server):
+    assert get(server, "/metrics", headers={"Host": "attacker.example"})[0] == 403
+    assert get(server, "/metrics", headers={"Host": f"localhost:{server.port}"})[0] == 200
+
+
+def test_store_errors_answer_503_in_one_line(tmp_path):
+    cfg = http_config(make_config(tmp_path))
+    with StatusServer(cfg, poll_interval=0.02) as server:
+        status, _, body = get(server, "/metrics")  # no store yet
+        assert status == 503 and body.count(b"\n") == 1 and b"no store yet" in body
+        prepare(cfg.layout, cfg.inbox_path)
+        cfg.layout.database.write_bytes(b"not a database" * 100)
+        status, _, body = get(server, "/status.json")
+        assert status == 503 and body.count(b"\n") == 1 and b"Traceback" not in body
+        assert get(server, "/healthz")[0] == 200
+
+
+def open_store_files() -> int:
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if "store.sqlite" in os.path.realpath(fd)) if fds.is_dir() else 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_each_request_closes_its_store(server):
+    before = open_store_files()
+    for path in ("/", "/status.json", "/metrics") * 3:
+        assert get(server, path)[0] == 200
+    assert open_store_files() == before == 0
+
+
+def test_bound_to_loopback_and_port_closed_after_stop(config):
+    server = StatusServer(config, poll_interval=0.02).start()
+    host, port = server.server_address
+    assert host == "127.0.0.1" and port == server.port > 0
+    server.stop()
+    server.stop()  # a second stop is a no-op
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+
+
+def test_localhost_resolves_to_loopback(config):
+    with StatusServer(http_config(config, host="localhost"), poll_interval=0.02) as server:
+        assert server.server_address[0] in ("127.0.0.1", "::1")
+        assert get(server, "/healthz")[0] == 200
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "192.0.2.1", "10.0.0.1", "example.com", "127.0.0.1.nip.io"])
+def test_non_loopback_host_is_refused_even_past_validation(config, host):
+    with pytest.raises(DaemonError, match="loopback"):
+        StatusServer(http_config(config, host=host)).start()
+
+
+def test_port_in_use_and_double_start_are_errors(server, config):
+    with pytest.raises(DaemonError, match="cannot listen"):
+        StatusServer(http_config(config, port=server.port)).start()
+    with pytest.raises(DaemonError, match="already running"):
+        server.start()
+
+
+def test_log_messages_go_to_the_debug_logger(server, caplog):
+    with caplog.at_level("DEBUG", logger="edgerev.daemon.http"):
+        get(server, "/healthz")
+    assert any(r.name == "edgerev.daemon.http" and r.levelname == "DEBUG" and "/healthz" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_http_client_sees_a_read_only_reply_to_post_with_body(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        conn.request("POST", "/metrics", body=b"x" * 50_000)
+        r = conn.getresponse()
+        assert r.status == 405
+    except ConnectionResetError:
+        pytest.fail("the 405 was lost to a connection reset")
+    finally:
+        conn.close()
