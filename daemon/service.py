@@ -76,8 +76,9 @@ class Daemon:
         except BaseException:
             self.lock.release()
             raise
-        self._stop = threading.Event()
+        self._stop_asked = False
         self._reload = False
+        self._wake = threading.Event()  # set by a signal to cut the sleep between cycles short
 
     # lifecycle --------------------------------------------------------------------------------------
 
@@ -93,16 +94,17 @@ class Daemon:
 
     def request_stop(self) -> None:
         """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM)."""
-        self._stop.set()
+        self._stop_asked = True
+        self._wake.set()
 
     def request_reload(self) -> None:
         """Re-read the config file before the next cycle (SIGHUP)."""
         self._reload = True
-        self._stop.set()  # wake the sleep; serve() clears it again when it is not a stop
+        self._wake.set()
 
     @property
     def stopping(self) -> bool:
-        return self._stop.is_set() and not self._reload
+        return self._stop_asked
 
     def _recover(self) -> None:
         removed = self.registry.recover()
@@ -274,14 +276,12 @@ class Daemon:
                 self.store.add_event(EventKind.ERROR, {"where": "cycle", "error": str(e)})
             if self.stopping:
                 break
-            self._stop.wait(poll_seconds)
-            if self._reload:
-                self._stop.clear()
+            self._wake.wait(poll_seconds)
+            self._wake.clear()
         log.info("stopped")
 
     def _apply_reload(self) -> None:
         self._reload = False
-        self._stop.clear()
         if self.config_path is None:
             return
         try:
