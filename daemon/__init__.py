@@ -1,8 +1,8 @@
 """edgerev's on-device service (installed as ``edgerev_daemon``; the folder is ``daemon/``).
 
-Built so far: the configuration, the single-instance lock, the SQLite store with its content-addressed
-image blobs, ingest of the inbox with quarantine, and the consistency check. The service loop,
-fine-tuning jobs, promotion and the CLI build on them.
+The configuration, the single-instance lock, the SQLite store with its content-addressed image blobs,
+ingest of the inbox with quarantine, the consistency check, and on top of them the service
+(:class:`edgerev_daemon.service.Daemon`): fine-tuning jobs, evaluation, promotion, rollback, status.
 """
 
 from edgerev_daemon.blobs import BlobStore

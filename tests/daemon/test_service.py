@@ -272,3 +272,15 @@ def test_run_reloads_on_sighup_and_stops_on_sigterm_with_a_checkpoint(tmp_path):
     assert "stopped at step" in err and "it resumes at the next start" in err
     step = json.loads(latest.read_text())["step"]
     assert 0 < step < 40 * 4
+
+
+def test_presets_are_valid():
+    from edgerev_daemon.config import load_config
+    from edgerev_daemon.jobs import check_training
+
+    presets = sorted((Path(__file__).parents[2] / "configs" / "daemon").glob("*.yaml"))
+    assert {p.stem for p in presets} >= {"gtx750", "jetson", "cpu"}
+    for p in presets:
+        config = load_config(p)
+        assert config.data_dir == "/var/lib/edgerev"
+        check_training(config)  # the model takes the image size; the cap, if any, fits
