@@ -1,0 +1,55 @@
+"""``edgerev daemon ...`` through the real CLI entry point: the demo, status, check, rollback, logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from edgerev.cli import main
+
+
+@pytest.mark.slow
+def test_demo_status_check_rollback(tmp_path, capsys):
+    """The README's first command, then the commands a user runs next."""
+    folder = tmp_path / "demo"
+    assert main(["daemon", "demo", "--dir", str(folder), "--images", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "ingest: 300 stored" in out and "promoted" in out
+    assert "ONNX model: " in out and "prediction with ONNX Runtime" in out
+    config = str(folder / "daemon.yaml")
+    assert main(["daemon", "status", "--config", config, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["current"]["version"] == "v0001" and s["samples"]["total"] == 300 and s["daemon_pid"] is None
+    assert main(["daemon", "check", "--config", config]) == 0
+    assert "300 samples, 300 blobs: consistent" in capsys.readouterr().out
+    assert main(["daemon", "rollback", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgerev daemon rollback: error: no earlier promoted version") and err.count("\n") == 1
+
+
+def test_status_before_the_daemon_ran(tmp_path, capsys):
+    config = tmp_path / "d.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\n")
+    assert main(["daemon", "status", "--config", str(config)]) == 2
+    assert "holds no store yet" in capsys.readouterr().err
+    config.write_text("data_dir: x\nschedule: {min_new_samples: many}\n")
+    assert main(["daemon", "once", "--config", str(config)]) == 2
+    assert "schedule.min_new_samples: expected int, got str 'many'" in capsys.readouterr().err
+
+
+def test_journald_priorities(monkeypatch, capsys):
+    from edgerev_daemon.cli import setup_logging
+
+    monkeypatch.setenv("JOURNAL_STREAM", "8:12345")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging("INFO")
+        logging.getLogger("edgerev.daemon").warning("disk %s", "almost full")
+        logging.getLogger("edgerev.daemon").info("cycle")
+        logging.getLogger("edgerev.daemon").debug("hidden")
+    finally:
+        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+    assert capsys.readouterr().err.splitlines() == ["<4>edgerev.daemon: disk almost full", "<6>edgerev.daemon: cycle"]
