@@ -89,15 +89,18 @@ class IngestConfig:
 @dataclass(frozen=True)
 class ScheduleConfig:
     """A fine-tuning job starts when ``min_new_samples`` samples arrived since the last job, or when
-    ``max_interval_seconds`` passed since it and at least one new sample arrived."""
+    ``max_interval_seconds`` passed since it and at least one new sample arrived. After a failed job
+    (a full disk, say) the next waits ``retry_seconds``, so a lasting fault does not retrain in a loop."""
 
     min_new_samples: int = 200
     max_interval_seconds: float = 24 * 3600.0
+    retry_seconds: float = 600.0
 
     def __post_init__(self) -> None:
         check(self.min_new_samples >= 1, "min_new_samples", f"must be at least 1, got {self.min_new_samples}")
         check(self.max_interval_seconds > 0, "max_interval_seconds",
               f"must be positive, got {self.max_interval_seconds}")
+        check(self.retry_seconds >= 0, "retry_seconds", f"must be >= 0, got {self.retry_seconds}")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ from edgerev_daemon.store import Store
 
 log = logging.getLogger("edgerev.daemon")
 
+EVENTS_KEPT = 20_000  # events are pruned, oldest first, beyond this (months of ingest and jobs)
+
 
 @dataclass
 class CycleReport:
@@ -143,6 +145,10 @@ class Daemon:
             return "resume the interrupted job"
         n = self.store.new_samples_since_last_job()
         s = self.config.schedule
+        last = self.store.last_job()
+        if last is not None and last.state == JobState.FAILED and last.finished_at is not None \
+                and now - last.finished_at < s.retry_seconds:
+            return None  # a failed job is retried after retry_seconds, not in a loop
         if n >= s.min_new_samples:
             return f"{n} new samples (threshold {s.min_new_samples})"
         if n > 0:
@@ -166,6 +172,7 @@ class Daemon:
         report.due = self.due(now)
         if report.due is not None:
             report.job = self.run_job(report.due)
+            self.store.prune_events(keep=EVENTS_KEPT)
         return report
 
     def run_job(self, reason: str) -> dict:

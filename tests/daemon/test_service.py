@@ -122,7 +122,8 @@ def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatc
 
     config, _ = make_config(tmp_path, promotion={"tolerance": 1.0, "keep_last": 3})
     drop(config, 160, range(2))
-    with Daemon(config, clock=Clock()) as d:
+    clock = Clock()
+    with Daemon(config, clock=clock) as d:
         assert d.cycle().job["promoted"]
         real_open = open
 
@@ -138,8 +139,10 @@ def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatc
         assert r.job["status"] == "failed" and "No space left on device" in r.job["error"], r.job
         assert "v0001 stays in service" in d.store.get_version("v0002").reason
         assert assert_current_complete(config) == "v0001"
-        # the daemon goes on: the next data gets a new job
+        # the daemon goes on: the job is retried after schedule.retry_seconds, not in a loop
         drop(config, 160, range(2, 4), start=9000)
+        assert d.cycle().due is None
+        clock.advance(601)
         r = d.cycle()
         assert r.job["version"] == "v0003" and r.job["promoted"], r.job
         assert assert_current_complete(config) == "v0003"
