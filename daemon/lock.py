@@ -40,7 +40,7 @@ class DataDirLock:
         make_dirs(self.data_dir)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_soon(fd)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
@@ -63,3 +63,18 @@ class DataDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _flock_soon(fd: int, tries: int = 5, pause: float = 0.05) -> None:
+    """Take the exclusive lock, trying a few times: a ``status`` reader probes the lock with a shared
+    one for an instant, which must not make a starting daemon refuse to start."""
+    import time
+
+    for k in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if k == tries - 1:
+                raise
+            time.sleep(pause)
