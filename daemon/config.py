@@ -111,6 +111,7 @@ class TrainingConfig:
     labels). ``replay``: samples of earlier data mixed into each job. ``distill``, ``temperature``:
     the distillation loss from the current model on old classes. ``memory_budget``: the hard cap on
     training memory (bytes or ``"400MiB"``; null: none). ``device``: where jobs train.
+    ``clip_grad_norm``: the trainer's gradient clipping (see ``edgerev.train.config.OptimConfig``).
     """
 
     arch: str = "revnext"
@@ -123,6 +124,7 @@ class TrainingConfig:
     temperature: float = 2.0
     memory_budget: int | str | None = None
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         from edgerev.models import list_models
@@ -133,6 +135,8 @@ class TrainingConfig:
         for name in ("epochs", "batch"):
             check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
         check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm",
+              f"must be positive (or null), got {self.clip_grad_norm}")
         check(self.replay >= 0, "replay", f"must be >= 0, got {self.replay}")
         check(self.distill >= 0, "distill", f"must be >= 0, got {self.distill}")
         check(self.temperature > 0, "temperature", f"must be positive, got {self.temperature}")

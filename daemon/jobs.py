@@ -56,7 +56,7 @@ def recipe(config: DaemonConfig, init: Path | None) -> dict:
         "model": {"arch": t.arch, "args": dict(t.model_args), "init": str(init) if init else None},
         "data": {"size": config.image_size, "val_fraction": 0.1},
         "augment": {"pad": max(1, config.image_size // 16), "flip": 0.0, "cutout": 0},
-        "optim": {"lr": t.lr},
+        "optim": {"lr": t.lr, "clip_grad_norm": t.clip_grad_norm},
         "train": {"epochs": t.epochs, "batch": t.batch, "checkpoint_every": 20, "log_every": 10},
         "memory": {"budget": None if t.memory_budget is None else str(t.memory_budget_bytes)},
         "continual": {"replay": t.replay, "distill": t.distill if init else 0.0, "temperature": t.temperature},

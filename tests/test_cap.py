@@ -232,3 +232,15 @@ def test_cuda_cap_recovers_from_out_of_memory():
         assert torch.cuda.max_memory_allocated() <= 400 * 2**20
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_gradient_clipping_scales_the_step():
+    """Plain SGD at lr 1: the step is the gradient, clipped to the given norm when it is larger."""
+    torch.manual_seed(0)
+    model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1), num_classes=3)
+    x, y = torch.randn(4, 3, 16, 16) * 50, torch.randint(0, 3, (4,))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    train_step(model, optimizer, x, y, clip_grad_norm=0.01)
+    step = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    assert float(step) == pytest.approx(0.01, rel=1e-3)

@@ -261,3 +261,16 @@ def test_cpu_demo_preset_reaches_its_stated_accuracy(tmp_path):
     seconds = time.perf_counter() - t0
     print(f"cpu demo: accuracy {result.summary['final']['acc']:.4f} in {seconds:.1f} s")
     assert result.summary["final"]["acc"] >= 0.95
+
+
+def test_divergence_is_one_clear_error(tmp_path):
+    with pytest.raises(RunError, match=r"training diverged at step \d+ .*lower optim.lr .* optim.clip_grad_norm"):
+        run(tmp_path, optim__lr=1e6, optim__schedule="constant", memory__mode="invert")
+    with pytest.raises(RunError, match="training diverged"):
+        run(tmp_path, "plain", optim__lr=1e6, optim__schedule="constant", memory__mode="plain")
+
+
+def test_clipping_keeps_a_high_learning_rate_finite(tmp_path):
+    r = run(tmp_path, optim__lr=0.4, optim__clip_grad_norm=2.0, train__batch=64)
+    assert r.summary["final"]["loss"] < 10
+    assert yaml.safe_load((r.out / "config.yaml").read_text())["optim"]["clip_grad_norm"] == 2.0

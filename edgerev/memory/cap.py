@@ -73,7 +73,7 @@ def _restore(model: nn.Module, state: dict[str, Tensor]) -> None:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor | tuple[Tensor, ...],
                micro_batches: int = 1, budget: int | None = None,
-               loss_fn: Callable[..., Tensor] = F.cross_entropy) -> StepResult:
+               loss_fn: Callable[..., Tensor] = F.cross_entropy, clip_grad_norm: float | None = None) -> StepResult:
     """One optimizer step on ``(x, target)``, split into micro-batches as memory requires.
 
     Args:
@@ -82,6 +82,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
         micro_batches: split to start from (a previous step's answer; halving only ever grows it).
         budget: CPU cap in bytes, enforced by the tracker (``None``: no CPU cap; on CUDA, set the cap
             once with :func:`apply_cuda_cap`).
+        clip_grad_norm: scale the summed gradient down to this norm before the step (None: never).
     """
     n = x.shape[0]
     buffers = _state(model)
@@ -111,5 +112,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             micro_batches = min(2 * micro_batches, n)
             retries += 1
             continue
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad_norm)
         optimizer.step()
         return StepResult(total, micro_batches, retries)

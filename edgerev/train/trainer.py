@@ -31,7 +31,7 @@ from torch import nn
 
 from edgerev.config import ConfigError, dump_yaml, from_dict, load_yaml, to_dict
 from edgerev.engine import plain
-from edgerev.errors import EdgerevError
+from edgerev.errors import EdgerevError, NonFiniteError
 from edgerev.memory.cap import apply_cuda_cap, train_step
 from edgerev.train.augment import Augment
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
@@ -70,6 +70,11 @@ def lr_at(step: int, total: int, cfg) -> float:
         return start + (cfg.lr - start) * step / rise
     t = (step - rise) / max(1, total - rise)
     return end + (cfg.lr - end) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def _diverged(step: int, lr: float, what: str) -> RunError:
+    return RunError(f"training diverged at step {step + 1} ({what}); lower optim.lr ({lr:.4g} at that step) or set "
+                    "optim.clip_grad_norm; the last checkpoint holds the weights before it")
 
 
 def _device(name: str) -> torch.device:
@@ -281,8 +286,13 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t0 = time.perf_counter()
-            with plain(model, cfg.memory.mode == "plain"):
-                res = train_step(model, optimizer, x, target, micro, cpu_budget, loss_fn)
+            try:
+                with plain(model, cfg.memory.mode == "plain"):
+                    res = train_step(model, optimizer, x, target, micro, cpu_budget, loss_fn, cfg.optim.clip_grad_norm)
+            except NonFiniteError as e:
+                raise _diverged(step, lr, str(e)) from None
+            if not math.isfinite(res.loss):
+                raise _diverged(step, lr, f"loss {res.loss}")
             window.append((res.loss, time.perf_counter() - t0))
             micro = res.micro_batches
             step += 1
