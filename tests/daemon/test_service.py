@@ -287,3 +287,18 @@ def test_presets_are_valid():
         config = load_config(p)
         assert config.data_dir == "/var/lib/edgerev"
         check_training(config)  # the model takes the image size; the cap, if any, fits
+
+
+@pytest.mark.slow
+def test_a_job_trains_under_the_memory_cap(tmp_path, monkeypatch):
+    """The planner fits the job under training.memory_budget; on CPU the tracker enforces it."""
+    monkeypatch.setenv("EDGEREV_CACHE", str(tmp_path / "cache"))
+    config, _ = make_config(tmp_path, training={**SMALL["training"], "memory_budget": "6MiB"})
+    drop(config, 160, range(2))
+    with Daemon(config, clock=Clock()) as d:
+        job = d.cycle().job
+        assert job["promoted"], job
+        plan = d.store.get_version("v0001").metrics["training"]["plan"]
+    assert plan["mode"] == "planned" and plan["budget_bytes"] == 6 * 2**20
+    assert plan["predicted_peak_bytes"] <= 6 * 2**20  # never above the cap
+    assert plan["micro_batch"] * plan["micro_batches"] >= 32
