@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerev.errors import EdgerevError
+from edgerev.export.runtime import onnxruntime
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
@@ -67,6 +68,7 @@ class Daemon:
                  clock: Callable[[], float] = time.time) -> None:
         validate_paths(config)
         check_training(config)
+        onnxruntime()  # every promoted version is exported and verified with it: refuse to start without
         self.config, self.config_path, self.clock = config, config_path, clock
         self.lock = DataDirLock(config.data_dir).acquire()
         try:

@@ -302,3 +302,13 @@ def test_a_job_trains_under_the_memory_cap(tmp_path, monkeypatch):
     assert plan["mode"] == "planned" and plan["budget_bytes"] == 6 * 2**20
     assert plan["predicted_peak_bytes"] <= 6 * 2**20  # never above the cap
     assert plan["micro_batch"] * plan["micro_batches"] >= 32
+
+
+def test_refuses_to_start_without_onnx_runtime(tmp_path, monkeypatch):
+    from edgerev.errors import ExportError
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if neither runtime extra were installed
+    config, _ = make_config(tmp_path)
+    with pytest.raises(ExportError, match=r"ONNX Runtime is not installed: pip install 'edgerev\[runtime\]'"):
+        Daemon(config)
+    assert not (tmp_path / "data").exists()
