@@ -164,7 +164,7 @@ def dump_yaml(path: str | Path, cfg) -> None:
     """Write the resolved config (atomically) as YAML."""
     import yaml
 
-    from edgerev.train.checkpoint import atomic_write
+    from edgerev.atomic import atomic_write
 
     atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
 

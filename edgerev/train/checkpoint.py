@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from edgerev.atomic import atomic_write, fsync_dir  # noqa: F401 (fsync_dir: re-exported for callers)
+from edgerev.atomic import atomic_write
 from edgerev.errors import EdgerevError
 
 WEIGHTS = "model.safetensors"

@@ -53,7 +53,7 @@ def plot_run(rows: list[dict], plan: dict, path: str | Path, title: str = "") ->
     fig.tight_layout()
     from io import BytesIO
 
-    from edgerev.train.checkpoint import atomic_write
+    from edgerev.atomic import atomic_write
 
     buf = BytesIO()
     fig.savefig(buf, format="png", dpi=100)
