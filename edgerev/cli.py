@@ -233,7 +233,8 @@ def cmd_finetune_head(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgerev",
-                                description="On-device training of reversible networks under a memory cap.")
+                                description="On-device continual learning: reversible networks trained under a hard "
+                                            "memory cap, ONNX export, and the service that keeps a model up to date.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("memory", help="peak memory of one training step, measured or predicted",
