@@ -7,8 +7,9 @@ on first use, so the torch-free parts (``edgerev.export.predict``, the ONNX Runt
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from edgerev.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -43,15 +44,4 @@ __all__ = [
     "plain",
 ]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'edgerev' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes("edgerev", _LAZY, globals())

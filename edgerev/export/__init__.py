@@ -17,8 +17,9 @@ The names below load on first use, so importing this package never imports torch
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from edgerev.lazy import lazy_attributes
 
 _LAZY = {
     "ExportResult": "edgerev.export.onnx",
@@ -48,15 +49,4 @@ __all__ = [
     "verify_onnx",
 ]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'edgerev.export' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes("edgerev.export", _LAZY, globals())
