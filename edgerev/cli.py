@@ -215,15 +215,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_finetune_head(args: argparse.Namespace) -> int:
-    from edgerev.export.ort_training import finetune_head  # ONNX Runtime training and numpy: no torch
+    from edgerev.export.finetune import finetune_head  # ONNX Runtime and numpy: no torch
 
     r = finetune_head(args.model, args.data, args.out, val=args.val, epochs=args.epochs, lr=args.lr,
-                      batch=args.batch, optimizer=args.optimizer, seed=args.seed)
+                      batch=args.batch, optimizer=args.optimizer, seed=args.seed, backend=args.backend)
     if args.json:
         print(json.dumps(r.to_json(), indent=2))
         return 0
-    print(f"trained the head on {r.samples} images ({len(r.skipped)} unreadable skipped), {r.epochs} epochs of "
-          f"{r.optimizer} at lr {r.lr:g}: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
+    print(f"trained the head ({r.backend}) on {r.samples} images ({len(r.skipped)} unreadable skipped), {r.epochs} "
+          f"epochs of {r.optimizer} at lr {r.lr:g}: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
     print(f"training accuracy {r.train_accuracy_before:.4f} -> {r.train_accuracy_after:.4f}")
     if r.val_accuracy_before is not None:
         print(f"validation accuracy {r.val_accuracy_before:.4f} -> {r.val_accuracy_after:.4f} ({r.val_samples} images)")
@@ -315,11 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print JSON")
     pr.set_defaults(fn=cmd_predict)
 
-    f = sub.add_parser("finetune-head", help="train an exported model's head with ONNX Runtime (no PyTorch)",
-                       description="Fine-tune the final linear layer of an exported model on a frozen backbone with "
-                                   "ONNX Runtime training (pip install 'edgerev[ort-training]'), on a folder of "
-                                   "<class>/<image> files whose class names are among the model's, and write a "
-                                   "new .onnx with the trained head.")
+    f = sub.add_parser("finetune-head", help="train an exported model's head on its frozen backbone (no PyTorch)",
+                       description="Fine-tune the final linear layer of an exported model on a frozen backbone, on a "
+                                   "folder of <class>/<image> files whose class names are among the model's, and "
+                                   "write a new .onnx with the trained head. The backbone runs with ONNX Runtime; "
+                                   "the head trains in numpy (default) or with ONNX Runtime training "
+                                   "(--backend onnxruntime, pip install 'edgerev[ort-training]', Python <= 3.11).")
     f.add_argument("--model", required=True, help="an .onnx file written by 'edgerev export'")
     f.add_argument("--data", required=True, help="training images: FOLDER/<class>/<image>")
     f.add_argument("--out", required=True, help="the .onnx file to write")
@@ -329,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--batch", type=_positive("--batch"), default=32, help="mini-batch size (default 32)")
     f.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer (default adamw)")
     f.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
+    f.add_argument("--backend", choices=("numpy", "onnxruntime"), default="numpy",
+                   help="numpy (default; needs only ONNX Runtime inference) or onnxruntime (ONNX Runtime training)")
     f.add_argument("--json", action="store_true", help="print JSON")
     f.set_defaults(fn=cmd_finetune_head)
     return p

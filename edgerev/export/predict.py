@@ -49,7 +49,7 @@ class Predictor:
 
     Args:
         onnx_path: a file written by :func:`edgerev.export.onnx.export_onnx` (or fine-tuned by
-            :mod:`edgerev.export.ort_training`).
+            :mod:`edgerev.export.finetune`).
 
     Raises:
         ExportError: the file is missing, not a model ONNX Runtime can load, or lacks edgerev metadata.
