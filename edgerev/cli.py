@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
+from edgerev import __version__
 from edgerev.errors import EdgerevError
+
+# exit statuses of every command (the daemon's too): documented in the README and in --help
+EXIT_OK = 0
+EXIT_PARTIAL = 1  # it ran, but not everything succeeded (an image that predict could not read, an inconsistent check)
+EXIT_USAGE = 2  # bad input: one line on stderr, nothing done
+EXIT_PIPE = 141  # stdout closed early (`... | head`): quiet, as a tool killed by SIGPIPE
+EPILOG = ("exit status: 0 success; 1 it ran but something failed (named on stderr); 2 bad input (one line on "
+          "stderr, nothing done); 141 the output pipe closed early")
 
 # RevNeXt paper (Hascoet et al. 2023), batch 32 at 240x240: peak training memory per architecture
 PAPER_PEAK_BYTES = {
@@ -205,13 +215,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from edgerev.export.predict import Predictor  # ONNX Runtime, Pillow and numpy: no torch on this path
 
     predictions = Predictor(args.model).predict(args.images, top=args.top)
+    failed = [p for p in predictions if p.error is not None]
+    for p in failed:
+        print(f"edgerev predict: error: {p.error}", file=sys.stderr)
     if args.json:
         print(json.dumps([p.to_json() for p in predictions], indent=2))
-        return 0
-    for p in predictions:
-        others = ", ".join(f"{c} {q:.4f}" for c, q in p.top[1:])
-        print(f"{p.source}: {p.label} {p.probability:.4f}" + (f"  ({others})" if others else ""))
-    return 0
+    else:
+        for p in predictions:
+            if p.error is None:
+                others = ", ".join(f"{c} {q:.4f}" for c, q in p.top[1:])
+                print(f"{p.source}: {p.label} {p.probability:.4f}" + (f"  ({others})" if others else ""))
+    return EXIT_PARTIAL if failed else 0
 
 
 def cmd_finetune_head(args: argparse.Namespace) -> int:
@@ -234,7 +248,9 @@ def cmd_finetune_head(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgerev",
                                 description="On-device continual learning: reversible networks trained under a hard "
-                                            "memory cap, ONNX export, and the service that keeps a model up to date.")
+                                            "memory cap, ONNX export, and the service that keeps a model up to date.",
+                                epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"edgerev {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("memory", help="peak memory of one training step, measured or predicted",
@@ -308,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("predict", help="classify images with an exported model (ONNX Runtime, no PyTorch)",
                         description="Decode, resize and normalize each image as the model's metadata says, run it "
-                                    "with ONNX Runtime and print the most probable class and its probability.")
+                                    "with ONNX Runtime and print the most probable class and its probability. A "
+                                    "file that is missing or not an image is reported on stderr, the rest are "
+                                    "classified, and the exit status is 1.")
     pr.add_argument("--model", required=True, help="an .onnx file written by 'edgerev export'")
     pr.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, anything Pillow reads)")
     pr.add_argument("--top", type=_positive("--top"), default=1, help="classes to list per image (default 1)")
@@ -338,14 +356,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return args.fn(args)
-    except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
-        command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None)) if c)
-        print(f"edgerev {command}: error: {e}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        try:
+            status = args.fn(args)
+        except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
+            command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None)) if c)
+            print(f"edgerev {command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return status
+    except BrokenPipeError:
+        # the reader left (`edgerev daemon status --json | head`): no traceback, and no second error when
+        # the interpreter flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover
