@@ -4,9 +4,9 @@
   file size, opset, and the largest difference of logits between ONNX Runtime and PyTorch;
 * ``Predictor`` latency per image at batch 1 (RevNeXt, stem width 32, 32x32): end to end (decode a PNG,
   resize, normalize, run, softmax) and the ONNX Runtime call alone, median over repeats;
-* head fine-tuning with each backend installed (numpy; ONNX Runtime training) on the generated data set (10 classes): accuracy on a
-  held-out range before and after, and the time it took (backbone features included). The backbone
-  has random weights: the figure shows the mechanism, not a trained model's accuracy;
+* head fine-tuning with each backend installed (numpy; ONNX Runtime training) on the generated data
+  set (10 classes): accuracy on a held-out range before and after, and the time it took (backbone
+  features included). The backbone has random weights: the figure shows the mechanism, not a trained model's accuracy;
 * with ``--run DIR``, a model directory trained on the generated data set (``configs/cpu-demo.yaml``):
   its export's accuracy against PyTorch's on the held-out range the recipe validates on, then the
   same model with its head re-initialized, fine-tuned by each backend on 1000 training images.

@@ -150,14 +150,26 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class PromotionConfig:
     """``tolerance``: how much held-out accuracy on old classes a candidate may lose (0.02: two
-    points) and still be promoted. ``keep_last``: version directories kept on disk."""
+    points) and still be promoted. ``keep_last``: version directories kept on disk.
+    ``refuse_class_at_zero``: refuse a candidate that gets none of a known class's held-out samples
+    right, when the class has at least ``min_heldout_per_class`` of them."""
 
     tolerance: float = 0.02
     keep_last: int = 5
+    refuse_class_at_zero: bool = True
+    min_heldout_per_class: int = 5
 
     def __post_init__(self) -> None:
         check(0.0 <= self.tolerance <= 1.0, "tolerance", f"is a fraction of accuracy in [0, 1], got {self.tolerance}")
         check(self.keep_last >= 1, "keep_last", f"must be at least 1, got {self.keep_last}")
+        check(self.min_heldout_per_class >= 1, "min_heldout_per_class",
+              f"must be at least 1, got {self.min_heldout_per_class}")
+
+    @property
+    def gate(self):
+        from edgerev_daemon.promote import Gate  # promote imports torch; the config must not
+
+        return Gate(self.tolerance, self.min_heldout_per_class, self.refuse_class_at_zero)
 
 
 @dataclass(frozen=True)

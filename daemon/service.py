@@ -200,7 +200,7 @@ class Daemon:
             shutil.rmtree(out, ignore_errors=True)
             return {"job": job.id, "status": "skipped", "reason": outcome.reason}
         groups = held_out_groups(self.store, self.blobs, job, base_batch)
-        decision = decide(outcome.run_dir, current, groups, self.config.promotion.tolerance)
+        decision = decide(outcome.run_dir, current, groups, self.config.promotion.gate)
         summary = outcome.summary or {}
         metrics = {"data_batch_id": job.data_batch_id, "base_batch": base_batch, "promote": decision.promote,
                    "evaluation": decision.metrics, "classes": summary.get("classes"),

@@ -79,8 +79,15 @@ def test_cycles_train_promote_and_keep_out(tmp_path):
         v2 = d.store.get_version(r.job["version"])
         ev = v2.metrics["evaluation"]
         assert ev["current"]["new"] == 0.0  # the old model cannot know the new classes
-        assert r.job["promoted"] == (ev["candidate"]["new"] > 0 and
-                                     ev["candidate"]["old"] >= ev["current"]["old"] - 0.1), v2.reason
+        cand = ev["candidate"]
+        dead = [c for c, acc in cand["per_class"].items() if acc == 0.0 and cand["per_class_samples"][c] >= 5]
+        assert r.job["promoted"] == (cand["new"] > 0 and cand["old"] >= ev["current"]["old"] - 0.1
+                                     and not dead), v2.reason
+        if dead:
+            assert f"class {dead[0]} at 0 %" in v2.reason
+        confusion = ev["candidate_confusion"]
+        assert confusion["labels"] == ["class0", "class1", "class2", "class3"]
+        assert sum(map(sum, confusion["matrix"])) == ev["heldout_samples"]["all"]
         assert v2.metrics["classes"] == ["class0", "class1", "class2", "class3"]
         assert check_consistency(d.store, d.blobs).ok
 
