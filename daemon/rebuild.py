@@ -25,6 +25,7 @@ from edgerev.atomic import fsync_dir
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import StoreError
+from edgerev_daemon.faults import storage_fault
 from edgerev_daemon.journal import NAME as JOURNAL_NAME
 from edgerev_daemon.journal import Journal, JournalContents
 from edgerev_daemon.layout import Layout
@@ -63,9 +64,14 @@ def evidence(layout: Layout) -> Evidence:
     return found
 
 
+UNREADABLE = "cannot be read now"  # a storage fault (full disk, I/O error) kept it from being opened
+
+
 def store_state(path: Path) -> str | None:
     """Why the store at ``path`` cannot be trusted, or ``None`` when it is intact. Opens it read-only:
-    a missing or empty file is never turned into a fresh database here."""
+    a missing or empty file is never turned into a fresh database here. A storage fault while opening
+    (a full disk: SQLite cannot create its shared-memory file) is not damage: the answer then starts
+    with :data:`UNREADABLE` and the caller waits instead of refusing."""
     if not path.exists():
         return "is missing"
     if not path.is_file():
@@ -73,23 +79,32 @@ def store_state(path: Path) -> str | None:
     if path.stat().st_size == 0:
         return "is empty (0 bytes)"
     try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+        return _inspect(f"{path.resolve().as_uri()}?mode=ro")
     except sqlite3.Error as e:
-        return f"cannot be opened ({e})"
+        if storage_fault(e) is None:
+            return f"is damaged ({e})"
+        wal = path.with_name(path.name + "-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            return f"{UNREADABLE} ({e})"  # its last commits live in the write-ahead log: read it later
+    try:  # the main file alone, without the shared memory a full disk cannot hold
+        return _inspect(f"{path.resolve().as_uri()}?immutable=1")
+    except sqlite3.Error as e:
+        return f"{UNREADABLE} ({e})" if storage_fault(e) else f"is damaged ({e})"
+
+
+def _inspect(uri: str) -> str | None:
+    conn = sqlite3.connect(uri, uri=True, timeout=10.0)
     try:
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_version'").fetchone():
             return "holds no edgerev schema"
         bad = [r[0] for r in conn.execute("PRAGMA quick_check") if r[0] != "ok"]
         if bad:
             return f"is damaged ({bad[0]})"
-        version = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
-        if version < 1:
+        if conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0] < 1:
             return "holds no edgerev schema"
-    except sqlite3.Error as e:
-        return f"is damaged ({e})"
+        return None
     finally:
         conn.close()
-    return None
 
 
 def guard_start(config: DaemonConfig, config_path: str | Path | None = None) -> None:
@@ -100,8 +115,8 @@ def guard_start(config: DaemonConfig, config_path: str | Path | None = None) -> 
     """
     layout = config.layout
     why = store_state(layout.database)
-    if why is None:
-        return
+    if why is None or why.startswith(UNREADABLE):
+        return  # intact, or not readable on a full disk now: the daemon comes up and waits
     found = evidence(layout)
     if not found and why == "is missing":
         return  # a new data directory

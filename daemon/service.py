@@ -86,10 +86,10 @@ class Daemon:
         try:
             prepare(config.layout, config.inbox_path)
             guard_start(config, config_path)
-            self.store = Store(config.layout.database, clock)
             self.blobs = BlobStore(config.layout.blobs)
             self.registry = Registry(config.layout.root)
             self.conditions = Conditions(lambda k, m, r: self.store.add_event(k, m, repeat=r), clock)
+            self.store: Store | None = None
             self._recovered = False
             self._try_recover()  # on a full disk: comes up anyway, and retries at every cycle
         except BaseException:
@@ -102,7 +102,8 @@ class Daemon:
     # lifecycle --------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
         self.lock.release()
 
     def __enter__(self) -> Daemon:
@@ -126,8 +127,12 @@ class Daemon:
         return self._stop_asked
 
     def _try_recover(self) -> bool:
-        """:meth:`_recover`, with a storage fault turned into a condition (retried at the next cycle)."""
+        """Open the store and :meth:`_recover`, with a storage fault turned into a condition (retried at
+        the next cycle): on a full disk SQLite may not even open."""
         try:
+            if self.store is None:
+                guard_start(self.config, self.config_path)  # what could not be read at start is checked now
+                self.store = Store(self.config.layout.database, self.clock)
             self._recover()
         except CYCLE_ERRORS as e:
             why = storage_fault(e)
@@ -190,6 +195,8 @@ class Daemon:
 
     def _maintain(self, now: float) -> None:
         """Keep the event log within its bounds (age and count), at every cycle."""
+        if self.store is None:
+            return
         e = self.config.events
         try:
             self.store.prune_events(keep=e.keep_count, before=now - e.keep_days * 86400.0)
@@ -348,6 +355,9 @@ class Daemon:
         """Switch ``current`` to version ``to`` (default: the promoted version before the current one)."""
         from edgerev_daemon.registry import RegistryError
 
+        if not self._recovered and not self._try_recover():
+            raise RegistryError("the data directory cannot be written now (a storage fault, see the log); "
+                                "free space, then roll back")
         current = self.registry.current()
         on_disk = set(self.registry.versions())
         promoted = [v.id for v in self.store.versions(promoted_only=True) if v.id in on_disk]

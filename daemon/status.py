@@ -41,7 +41,8 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
     Raises:
         DaemonError: the data directory holds no store yet (the daemon never ran there).
     """
-    from edgerev_daemon.faults import free_bytes
+    from edgerev_daemon.errors import StoreError
+    from edgerev_daemon.faults import free_bytes, storage_fault
     from edgerev_daemon.rebuild import evidence, store_state
 
     db = config.layout.database
@@ -54,7 +55,13 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
         raise DaemonError(f"{config.data_dir} holds no store yet: start the daemon (edgerev daemon run or once)")
     registry = Registry(config.layout.root)
     free, floor = free_bytes(config.layout.root), config.storage.min_free_bytes
-    with Store(db) as store:
+    try:
+        store, snapshot = Store(db), False
+    except StoreError as e:
+        if storage_fault(e) is None:
+            raise
+        store, snapshot = Store.snapshot(db), True  # a full disk: SQLite cannot create its shared memory
+    with store:
         counts = store.counts()
         try:
             current = registry.current()
@@ -89,6 +96,7 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
             "job": None if (active or last) is None else _job(active or last),
             "jobs_failed": sum(1 for j in store.jobs(limit=1000) if j.state == JobState.FAILED),
             "counts": counts,
+            "snapshot": snapshot,  # read from the database file alone (a storage fault): recent commits may lack
             "current_link": link,
             "disk": {"free_bytes": free, "min_free_bytes": floor,
                      "below_floor": free is not None and floor > 0 and free < floor},

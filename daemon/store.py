@@ -81,10 +81,21 @@ class Store:
             migrate(self._conn, clock(), str(self.path))
         except sqlite3.DatabaseError as e:
             self._conn.close()
-            raise StoreError(f"cannot open the store {self.path}: {e}") from None
+            raise StoreError(f"cannot open the store {self.path}: {e}") from e  # the cause tells a full disk
         except BaseException:
             self._conn.close()
             raise
+
+    @classmethod
+    def snapshot(cls, path: str | Path) -> Store:
+        """A read-only view of the database file alone (``immutable``: no lock, no shared memory, the
+        write-ahead log ignored), for ``status`` when a full disk keeps SQLite from opening the store
+        normally. It shows the last checkpointed state; nothing is migrated or written."""
+        self = cls.__new__(cls)
+        self.path, self.clock = Path(path), time.time
+        self.journal = Journal(self.path.with_name(JOURNAL_NAME))
+        self._conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?immutable=1", uri=True, isolation_level=None)
+        return self
 
     def close(self) -> None:
         self._conn.close()
