@@ -26,7 +26,6 @@ from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import StoreError
 from edgerev_daemon.faults import storage_fault
-from edgerev_daemon.journal import NAME as JOURNAL_NAME
 from edgerev_daemon.journal import Journal, JournalContents
 from edgerev_daemon.layout import Layout
 from edgerev_daemon.registry import Registry
@@ -57,9 +56,8 @@ def evidence(layout: Layout) -> Evidence:
     """Count what a data directory holds outside the store (no file is written)."""
     found = Evidence()
     found.blobs = sum(1 for key, _ in BlobStore(layout.blobs).scan() if key is not None)
-    journal = layout.root / JOURNAL_NAME
-    if journal.is_file():
-        found.journal_lines = len(Journal(journal).read().records)
+    if layout.journal.is_file():
+        found.journal_lines = len(Journal(layout.journal).read().records)
     found.versions = Registry(layout.root).versions()
     return found
 
@@ -186,7 +184,7 @@ def rebuild(config: DaemonConfig, move_aside: bool = False, clock: Callable[[], 
         why = store_state(database) or "exists"
         raise StoreError(f"{database} {why}: rebuild replaces it only with --move-aside "
                          "(it is renamed to store.sqlite.damaged-<time>, never deleted)")
-    journal = Journal(layout.root / JOURNAL_NAME)
+    journal = Journal(layout.journal)
     if not journal.exists():
         raise StoreError(f"{journal.path} is missing: the labels of the blobs are not recorded anywhere else, "
                          "so the store cannot be rebuilt")
