@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from edgerev.cli import main
 from edgerev_daemon.blobs import BlobStore
@@ -162,3 +164,25 @@ def test_a_torn_journal_line_from_a_power_cut_does_not_break_rebuild(tmp_path, c
     lines = journal.read_bytes().split(b"\n")
     assert lines[-1] == b"" and all(json.loads(x) for x in lines[:-1])  # the torn line was cut, not kept
     assert os.path.getsize(journal) > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.floats(0.0, 1.0), flips=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 255)), max_size=4))
+def test_whatever_happens_to_the_store_file_no_blob_is_deleted(tmp_path_factory, cut, flips):
+    """The store file truncated at any byte and with bytes flipped anywhere: the start is refused with
+    the rebuild command, or the store comes up holding every journaled sample; no blob ever goes."""
+    root = tmp_path_factory.mktemp("store")
+    config, path = _ingested(root, n=12)
+    blobs = _blobs(config)
+    db = config.layout.database
+    data = bytearray(db.read_bytes()[: int(cut * db.stat().st_size)])
+    for where, xor in flips:
+        if data:
+            data[min(len(data) - 1, int(where * len(data)))] ^= xor
+    db.write_bytes(bytes(data))
+    try:
+        with Daemon(config, config_path=path, clock=Clock()) as d:
+            assert d.store.count_samples() == 12
+    except StoreError as e:
+        assert "edgerev daemon rebuild --config" in str(e) and "\n" not in str(e)
+    assert _blobs(config) == blobs
