@@ -65,11 +65,12 @@ def evidence(layout: Layout) -> Evidence:
 UNREADABLE = "cannot be read now"  # a storage fault (full disk, I/O error) kept it from being opened
 
 
-def store_state(path: Path) -> str | None:
+def store_state(path: Path, thorough: bool = True) -> str | None:
     """Why the store at ``path`` cannot be trusted, or ``None`` when it is intact. Opens it read-only:
     a missing or empty file is never turned into a fresh database here. A storage fault while opening
     (a full disk: SQLite cannot create its shared-memory file) is not damage: the answer then starts
-    with :data:`UNREADABLE` and the caller waits instead of refusing."""
+    with :data:`UNREADABLE` and the caller waits instead of refusing. ``thorough``: also run
+    ``PRAGMA quick_check`` (reads every page; ``status``, called often, skips it)."""
     if not path.exists():
         return "is missing"
     if not path.is_file():
@@ -77,7 +78,7 @@ def store_state(path: Path) -> str | None:
     if path.stat().st_size == 0:
         return "is empty (0 bytes)"
     try:
-        return _inspect(f"{path.resolve().as_uri()}?mode=ro")
+        return _inspect(f"{path.resolve().as_uri()}?mode=ro", thorough)
     except sqlite3.Error as e:
         if storage_fault(e) is None:
             return f"is damaged ({e})"
@@ -85,17 +86,17 @@ def store_state(path: Path) -> str | None:
         if wal.exists() and wal.stat().st_size > 0:
             return f"{UNREADABLE} ({e})"  # its last commits live in the write-ahead log: read it later
     try:  # the main file alone, without the shared memory a full disk cannot hold
-        return _inspect(f"{path.resolve().as_uri()}?immutable=1")
+        return _inspect(f"{path.resolve().as_uri()}?immutable=1", thorough)
     except sqlite3.Error as e:
         return f"{UNREADABLE} ({e})" if storage_fault(e) else f"is damaged ({e})"
 
 
-def _inspect(uri: str) -> str | None:
+def _inspect(uri: str, thorough: bool) -> str | None:
     conn = sqlite3.connect(uri, uri=True, timeout=10.0)
     try:
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_version'").fetchone():
             return "holds no edgerev schema"
-        bad = [r[0] for r in conn.execute("PRAGMA quick_check") if r[0] != "ok"]
+        bad = [r[0] for r in conn.execute("PRAGMA quick_check") if r[0] != "ok"] if thorough else []
         if bad:
             return f"is damaged ({bad[0]})"
         if conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0] < 1:

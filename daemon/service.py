@@ -93,6 +93,8 @@ class Daemon:
             self._recovered = False
             self._try_recover()  # on a full disk: comes up anyway, and retries at every cycle
         except BaseException:
+            if getattr(self, "store", None) is not None:
+                self.store.close()
             self.lock.release()
             raise
         self._stop_asked = False

@@ -46,7 +46,7 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
     from edgerev_daemon.rebuild import evidence, store_state
 
     db = config.layout.database
-    why = store_state(db)  # read-only: a lost store is reported, never replaced by an empty one here
+    why = store_state(db, thorough=False)  # read-only: a lost store is reported, never replaced by an empty one here
     if why is not None:
         found = evidence(config.layout)
         if found:
