@@ -55,6 +55,7 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
         raise DaemonError(f"{config.data_dir} holds no store yet: start the daemon (edgerev daemon run or once)")
     registry = Registry(config.layout.root)
     free, floor = free_bytes(config.layout.root), config.storage.min_free_bytes
+    low = free is not None and floor > 0 and free < floor
     try:
         store, snapshot = Store(db), False
     except StoreError as e:
@@ -98,8 +99,9 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
             "counts": counts,
             "snapshot": snapshot,  # read from the database file alone (a storage fault): recent commits may lack
             "current_link": link,
-            "disk": {"free_bytes": free, "min_free_bytes": floor,
-                     "below_floor": free is not None and floor > 0 and free < floor},
+            # the free space is shown only below the floor: a figure that moves at every call would make two
+            # snapshots of an idle daemon differ
+            "disk": {"min_free_bytes": floor, "below_floor": low} | ({"free_bytes": free} if low else {}),
             "events": [e.to_json() for e in store.events(limit=events)] if events else [],
         }
 
