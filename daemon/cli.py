@@ -1,4 +1,4 @@
-"""``edgerev daemon ...``: run, once, status, rollback, check, demo (thin: parse, build, call, print)."""
+"""``edgerev daemon ...``: run, once, status, rollback, check, rebuild, demo (thin: parse, build, call, print)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ def cmd_once(args: argparse.Namespace) -> int:
         print(f"ingest: {i['accepted']} stored, {i['duplicates']} duplicates, {len(i['quarantined'])} quarantined, "
               f"{len(i['refused'])} refused")
         print(f"job: {json.dumps(report.job)}" if report.job else f"no job due ({report.due or 'not enough new data'})")
+        if report.waiting:
+            print(f"waiting: {report.waiting} (see the log and status)")
     return 0
 
 
@@ -113,23 +115,57 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from edgerev_daemon.blobs import BlobStore
     from edgerev_daemon.check import check_consistency
-    from edgerev_daemon.errors import DaemonError
+    from edgerev_daemon.errors import DaemonError, StoreError
+    from edgerev_daemon.rebuild import evidence, store_state
+    from edgerev_daemon.registry import Registry
     from edgerev_daemon.store import Store
 
     config = _config(args)
-    if not config.layout.database.is_file():
-        raise DaemonError(f"{config.data_dir} holds no store yet")
+    why = store_state(config.layout.database)
+    if why is not None:
+        found = evidence(config.layout)
+        if not found:
+            raise DaemonError(f"{config.data_dir} holds no store yet")
+        raise StoreError(f"{config.layout.database} {why}, next to {found.describe()}: run edgerev daemon rebuild "
+                         f"--config {args.config}" + (" --move-aside" if why != "is missing" else ""))
     with Store(config.layout.database) as store:
-        report = check_consistency(store, BlobStore(config.layout.blobs), verify=True)
+        report = check_consistency(store, BlobStore(config.layout.blobs), verify=True, inbox=config.inbox_path,
+                                   registry=Registry(config.layout.root))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        print(f"{report.samples} samples, {report.blobs} blobs: " + ("consistent" if report.ok else "INCONSISTENT"))
-        for name in ("missing", "corrupt", "orphans", "database"):
+        print(f"{report.samples} samples, {report.blobs} blobs: " + ("consistent" if report.ok else "INCONSISTENT")
+              + f" ({report.journal} samples in the journal)")
+        for name in ("missing", "corrupt", "lost", "unjournaled", "pending", "orphans", "database", "service"):
             values = getattr(report, name)
             if values:
                 print(f"  {name}: {len(values)} ({', '.join(map(str, values[:3]))}{' ...' if len(values) > 3 else ''})")
+        if report.lost or report.unjournaled:
+            print(f"  the store lost rows or the journal is incomplete: stop the daemon, then run edgerev daemon "
+                  f"rebuild --config {args.config} --move-aside (or start the daemon: it records journal lines again)")
     return 0 if report.ok else 1
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    from edgerev_daemon.lock import DataDirLock
+    from edgerev_daemon.rebuild import rebuild
+
+    config = _config(args)
+    setup_logging("WARNING" if args.json else config.log_level)
+    with DataDirLock(config.layout.root):
+        report = rebuild(config, move_aside=args.move_aside)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        labels = ", ".join(report.labels) or "none"
+        print(f"rebuilt {config.layout.database}: {report.samples} samples, labels {labels}, "
+              f"versions {', '.join(report.versions) or 'none'}")
+        if report.moved_aside:
+            print(f"  the old store was moved aside: {', '.join(report.moved_aside)}")
+        if report.without_blob or report.unlabeled_blobs or report.bad_lines:
+            print(f"  not recorded: {report.without_blob} journal records without blob, {report.unlabeled_blobs} "
+                  f"blobs no journal record names (kept on disk), {len(report.bad_lines)} unreadable journal lines")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -168,9 +204,16 @@ def add_parser(sub) -> None:
     b.add_argument("--to", help="version (default: the promoted version before the current one)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(fn=cmd_rollback)
-    c = with_config(dsub.add_parser("check", help="consistency of the store and the blob files (exit 1 if not)"))
+    c = with_config(dsub.add_parser("check", help="consistency of the store, the journal, the blob files and the "
+                                                  "version in service (exit 1 if not)"))
     c.add_argument("--json", action="store_true", help="print JSON")
     c.set_defaults(fn=cmd_check)
+    e = with_config(dsub.add_parser("rebuild", help="recreate a lost or damaged store from the journal, the blobs "
+                                                    "and the version directories (stop the daemon first)"))
+    e.add_argument("--move-aside", action="store_true",
+                   help="replace an existing store: it is renamed to store.sqlite.damaged-<time>, never deleted")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.set_defaults(fn=cmd_rebuild)
     m = dsub.add_parser("demo", help="generate images into an inbox and run one cycle on embedded defaults")
     m.add_argument("--dir", default="runs/daemon-demo", help="data directory of the demo (default runs/daemon-demo)")
     m.add_argument("--images", type=int, default=600, help="generated images dropped into the inbox (default 600)")

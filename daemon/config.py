@@ -173,6 +173,37 @@ class PromotionConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """``min_free_space``: below this much free space on the data directory's file system (bytes, or a
+    size such as ``"200MiB"``; 0: no floor) the daemon stops ingesting and training, keeps serving
+    status, and resumes by itself once space returns. Ingest then never fills the disk to the last
+    byte, which SQLite, the journal and a promotion need to finish what they started."""
+
+    min_free_space: int | str = "100MiB"
+
+    def __post_init__(self) -> None:
+        if self.min_free_space not in (0, "0"):
+            _bytes(self.min_free_space, "min_free_space")
+
+    @property
+    def min_free_bytes(self) -> int:
+        return 0 if self.min_free_space in (0, "0") else _bytes(self.min_free_space, "min_free_space")
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """The event log is bounded whatever happens: events older than ``keep_days`` and all but the
+    latest ``keep_count`` are pruned at every cycle; a fault that lasts is one event with a repeat count."""
+
+    keep_days: float = 90.0
+    keep_count: int = 20_000
+
+    def __post_init__(self) -> None:
+        check(self.keep_days > 0, "keep_days", f"must be positive, got {self.keep_days}")
+        check(self.keep_count >= 100, "keep_count", f"must be at least 100, got {self.keep_count}")
+
+
+@dataclass(frozen=True)
 class HttpConfig:
     """The optional read-only status page; off unless ``enabled``, and never off the loopback."""
 
@@ -206,6 +237,8 @@ class DaemonConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     promotion: PromotionConfig = field(default_factory=PromotionConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     def __post_init__(self) -> None:

@@ -14,12 +14,21 @@ Every step that changes state is safe to interrupt (kill -9, power cut) and to r
 - the promotion decision is recorded (a version row) before the version directory is written, the
   directory is complete before ``current`` switches, and a job is only marked done after that, so a
   restart finishes a promotion it finds half done instead of deciding again.
+
+Nothing that cannot be recreated is destroyed: a lost or damaged store next to blobs or a journal is
+refused before it is opened (:func:`edgerev_daemon.rebuild.guard_start`), journal lines the store lacks
+are recorded again at start, and a blob is only removed on the word of an intact store that holds
+samples. Storage faults (a full disk, an I/O error) are conditions, not crashes
+(:mod:`edgerev_daemon.faults`): logged once, ingest and training wait, status keeps being served, and
+the cycle resumes by itself when they clear; below ``storage.min_free_space`` ingest and training wait
+before the disk is full at all.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -31,18 +40,20 @@ from edgerev.export.runtime import onnxruntime
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
+from edgerev_daemon.faults import Conditions, free_bytes, storage_fault
 from edgerev_daemon.ingest import ingest_inbox
 from edgerev_daemon.jobs import check_training, job_dir, run_job
 from edgerev_daemon.layout import prepare
 from edgerev_daemon.lock import DataDirLock
 from edgerev_daemon.promote import decide, export, held_out_groups, version_files
+from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
 from edgerev_daemon.store import Store
 
 log = logging.getLogger("edgerev.daemon")
 
-EVENTS_KEPT = 20_000  # events are pruned, oldest first, beyond this (months of ingest and jobs)
+CYCLE_ERRORS = (EdgerevError, OSError, sqlite3.Error)  # what a cycle may raise without ending the service
 
 
 @dataclass
@@ -50,9 +61,10 @@ class CycleReport:
     ingest: dict = field(default_factory=dict)
     job: dict | None = None
     due: str | None = None
+    waiting: str | None = None  # a storage condition kept this cycle from ingesting or training
 
     def to_json(self) -> dict:
-        return {"ingest": self.ingest, "due": self.due, "job": self.job}
+        return {"ingest": self.ingest, "due": self.due, "job": self.job, "waiting": self.waiting}
 
 
 class Daemon:
@@ -73,11 +85,16 @@ class Daemon:
         self.lock = DataDirLock(config.data_dir).acquire()
         try:
             prepare(config.layout, config.inbox_path)
-            self.store = Store(config.layout.database, clock)
+            guard_start(config, config_path)
             self.blobs = BlobStore(config.layout.blobs)
             self.registry = Registry(config.layout.root)
-            self._recover()
+            self.conditions = Conditions(lambda k, m, r: self.store.add_event(k, m, repeat=r), clock)
+            self.store: Store | None = None
+            self._recovered = False
+            self._try_recover()  # on a full disk: comes up anyway, and retries at every cycle
         except BaseException:
+            if getattr(self, "store", None) is not None:
+                self.store.close()
             self.lock.release()
             raise
         self._stop_asked = False
@@ -87,7 +104,8 @@ class Daemon:
     # lifecycle --------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
         self.lock.release()
 
     def __enter__(self) -> Daemon:
@@ -110,26 +128,91 @@ class Daemon:
     def stopping(self) -> bool:
         return self._stop_asked
 
+    def _try_recover(self) -> bool:
+        """Open the store and :meth:`_recover`, with a storage fault turned into a condition (retried at
+        the next cycle): on a full disk SQLite may not even open."""
+        try:
+            if self.store is None:
+                guard_start(self.config, self.config_path)  # what could not be read at start is checked now
+                self.store = Store(self.config.layout.database, self.clock)
+            self._recover()
+        except CYCLE_ERRORS as e:
+            why = storage_fault(e)
+            if why is None:
+                raise
+            self.conditions.begin("storage", f"start-up repair waits: {why}")
+            return False
+        self._recovered = True
+        return True
+
     def _recover(self) -> None:
         removed = self.registry.recover()
         if removed:
             log.warning("removed what an interrupted promotion left: %s", ", ".join(removed))
-        report = check_consistency(self.store, self.blobs, verify=False)
+        if self.store.ensure_journal():
+            log.warning("wrote the journal %s from the store's %d samples", self.store.journal.path,
+                        self.store.count_samples())
+        replayed = replay(self.store, self.blobs)
+        if replayed:
+            log.warning("recorded %d samples from the journal that the store lacked", replayed)
+            self.store.add_event(EventKind.INFO, {"message": f"{replayed} samples recorded again from the journal"})
+        report = check_consistency(self.store, self.blobs, verify=False, inbox=self.config.inbox_path)
         if report.orphans or report.strays:
             log.info("removed %d orphan or stray blob files", remove_garbage(report, self.blobs))
         if not report.ok:
             log.error("store inconsistent: %d samples without blob, database: %s", len(report.missing),
                       "; ".join(report.database) or "ok")
             self.store.add_event(EventKind.ERROR, {"where": "startup check", "error": report.to_json()})
+        self._repair_current()
         current = self.registry.current()
         if current is not None:
             v = self.store.get_version(current)
             if v is not None and not v.promoted:  # killed between the switch and its record
                 self.store.update_version(current, promoted=True, reason=v.reason)
+            if self.store.in_service() != current:
+                self.store.set_in_service(current)
         job = self.store.active_job()
         if job is not None and job.state == JobState.RUNNING:
             self.store.set_job_state(job.id, JobState.QUEUED)
             log.info("job %d was interrupted; it resumes from its checkpoint", job.id)
+
+    def _repair_current(self) -> None:
+        """Restore a missing, dangling or replaced ``current`` from the store's record of the version in
+        service (or, for a store that never recorded one, the newest promoted version on disk)."""
+        state, _ = self.registry.link_state()
+        if state == "ok":
+            return
+        recorded = self.store.in_service()
+        promoted = [v.id for v in self.store.versions(promoted_only=True)]
+        target = self.registry.latest_complete([recorded]) if recorded else None
+        target = target or self.registry.latest_complete(promoted)
+        if target is None:
+            if state != "missing":
+                log.error("%s %s, and no complete promoted version to restore it to", self.registry.link, state)
+                self.store.add_event(EventKind.ERROR, {"where": "current", "error": f"current {state}"})
+            return
+        what = self.registry.repair(target)
+        log.warning("%s", what)
+        self.store.add_event(EventKind.ERROR, {"where": "current", "error": what})
+
+    def _maintain(self, now: float) -> None:
+        """Keep the event log within its bounds (age and count), at every cycle."""
+        if self.store is None:
+            return
+        e = self.config.events
+        try:
+            self.store.prune_events(keep=e.keep_count, before=now - e.keep_days * 86400.0)
+        except CYCLE_ERRORS as err:
+            if storage_fault(err) is None:
+                raise
+
+    def _disk_low(self) -> str | None:
+        floor = self.config.storage.min_free_bytes
+        free = free_bytes(self.config.layout.root) if floor else None
+        if free is None or free >= floor:
+            return None
+        return (f"{free} bytes free in {self.config.layout.root}, below storage.min_free_space ({floor}): "
+                "ingest and training wait for space")
 
     # the cycle --------------------------------------------------------------------------------------
 
@@ -168,13 +251,31 @@ class Daemon:
         """Ingest, then train, evaluate and promote if a job is due."""
         now = self.clock() if now is None else now
         report = CycleReport()
-        report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping).to_json()
-        if self.stopping:
+        self._maintain(now)
+        if not self._recovered and not self._try_recover():
+            report.waiting = "storage"
             return report
-        report.due = self.due(now)
-        if report.due is not None:
-            report.job = self.run_job(report.due)
-            self.store.prune_events(keep=EVENTS_KEPT)
+        low = self._disk_low()
+        if low is not None:
+            self.conditions.begin("disk space", low)
+            report.waiting = "disk space"
+            return report
+        self.conditions.end("disk space")
+        try:
+            report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping).to_json()
+            if self.stopping:
+                return report
+            report.due = self.due(now)
+            if report.due is not None:
+                report.job = self.run_job(report.due)
+        except CYCLE_ERRORS as e:
+            why = storage_fault(e)
+            if why is None:
+                raise
+            self.conditions.begin("storage", why)
+            report.waiting = "storage"
+            return report
+        self.conditions.end("storage")
         return report
 
     def run_job(self, reason: str) -> dict:
@@ -240,6 +341,7 @@ class Daemon:
         protect = [current_name] if current_name else []  # the version a rollback would go back to
         self.registry.switch(version.id)
         self.store.update_version(version.id, promoted=True, reason=version.reason)
+        self.store.set_in_service(version.id)
         pruned = self.registry.prune(self.config.promotion.keep_last, protect=set(protect))
         if pruned:
             log.info("pruned versions %s", ", ".join(pruned))
@@ -255,6 +357,9 @@ class Daemon:
         """Switch ``current`` to version ``to`` (default: the promoted version before the current one)."""
         from edgerev_daemon.registry import RegistryError
 
+        if not self._recovered and not self._try_recover():
+            raise RegistryError("the data directory cannot be written now (a storage fault, see the log); "
+                                "free space, then roll back")
         current = self.registry.current()
         on_disk = set(self.registry.versions())
         promoted = [v.id for v in self.store.versions(promoted_only=True) if v.id in on_disk]
@@ -266,6 +371,7 @@ class Daemon:
         if to not in on_disk:
             raise RegistryError(f"version {to} is not on disk (kept: {', '.join(sorted(on_disk)) or 'none'})")
         self.registry.switch(to)
+        self.store.set_in_service(to)
         self.store.add_event(EventKind.ROLLBACK, {"from": current, "to": to})
         log.info("rolled back from %s to %s", current, to)
         return to
@@ -280,9 +386,10 @@ class Daemon:
                 self._apply_reload()
             try:
                 self.cycle()
-            except (EdgerevError, OSError) as e:  # keep running: the next cycle tries again
-                log.error("cycle failed: %s", e)
-                self.store.add_event(EventKind.ERROR, {"where": "cycle", "error": str(e)})
+            except CYCLE_ERRORS as e:  # keep running: the next cycle tries again (logged once while it lasts)
+                self.conditions.begin("cycle failed", str(e))
+            else:
+                self.conditions.end("cycle failed")
             if self.stopping:
                 break
             self._wake.wait(poll_seconds)

@@ -41,16 +41,34 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
     Raises:
         DaemonError: the data directory holds no store yet (the daemon never ran there).
     """
+    from edgerev_daemon.errors import StoreError
+    from edgerev_daemon.faults import free_bytes, storage_fault
+    from edgerev_daemon.rebuild import evidence, store_state
+
     db = config.layout.database
-    if not db.is_file():
+    why = store_state(db, thorough=False)  # read-only: a lost store is reported, never replaced by an empty one here
+    if why is not None:
+        found = evidence(config.layout)
+        if found:
+            raise DaemonError(f"{db} {why}, next to {found.describe()}: the daemon refuses to start; run edgerev "
+                              "daemon rebuild --config CONFIG" + (" --move-aside" if why != "is missing" else ""))
         raise DaemonError(f"{config.data_dir} holds no store yet: start the daemon (edgerev daemon run or once)")
     registry = Registry(config.layout.root)
-    with Store(db) as store:
+    free, floor = free_bytes(config.layout.root), config.storage.min_free_bytes
+    low = free is not None and floor > 0 and free < floor
+    try:
+        store, snapshot = Store(db), False
+    except StoreError as e:
+        if storage_fault(e) is None:
+            raise
+        store, snapshot = Store.snapshot(db), True  # a full disk: SQLite cannot create its shared memory
+    with store:
         counts = store.counts()
         try:
             current = registry.current()
         except RegistryError as e:
             current = f"broken: {e}"
+        link, _ = registry.link_state()
         versions = store.versions()
         cur = next((v for v in versions if v.id == current), None)
         active = store.active_job()
@@ -79,6 +97,11 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
             "job": None if (active or last) is None else _job(active or last),
             "jobs_failed": sum(1 for j in store.jobs(limit=1000) if j.state == JobState.FAILED),
             "counts": counts,
+            "snapshot": snapshot,  # read from the database file alone (a storage fault): recent commits may lack
+            "current_link": link,
+            # the free space is shown only below the floor: a figure that moves at every call would make two
+            # snapshots of an idle daemon differ
+            "disk": {"min_free_bytes": floor, "below_floor": low} | ({"free_bytes": free} if low else {}),
             "events": [e.to_json() for e in store.events(limit=events)] if events else [],
         }
 
@@ -95,7 +118,13 @@ def format_status(s: dict) -> str:
              f"samples: {s['samples']['total']} ({s['samples']['train']} train, {s['samples']['heldout']} held out), "
              f"labels: {', '.join(s['labels']) or 'none'}; {s['new_samples_since_last_job']} new since the last job; "
              f"{s['quarantined_files']} files in quarantine"]
+    disk = s.get("disk") or {}
+    if disk.get("below_floor"):
+        lines.append(f"disk: {disk['free_bytes']} bytes free, below storage.min_free_space "
+                     f"({disk['min_free_bytes']}): ingest and training wait")
     cur = s["current"]
+    if s.get("current_link") not in (None, "ok", "missing"):
+        lines.append(f"current link {s['current_link']} (repaired at the next start)")
     if cur is None:
         lines.append("model in service: none yet")
     else:

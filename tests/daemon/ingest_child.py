@@ -10,7 +10,8 @@ N-th time ingest reaches POINT:
 - ``commit``: a batch was committed, none of its files removed from the inbox;
 - ``remove``: just before removing a stored file (earlier ones of the batch are gone);
 - ``move``: a quarantine's reason file was written, the file not yet moved;
-- ``moved``: a file was moved to quarantine, its event not yet committed.
+- ``moved``: a file was moved to quarantine, its event not yet committed;
+- ``journal``: a batch's journal lines were fsynced, the batch not yet committed.
 
 Without one, the test kills it at a random moment.
 """
@@ -47,6 +48,7 @@ def main() -> None:
         blobs,
         config_from_dict,
         ingest_inbox,
+        journal,
         prepare,
         quarantine,
         store,
@@ -58,7 +60,7 @@ def main() -> None:
         point, n = sys.argv[3].split(":")
         target = {"blob": (blobs.BlobStore, "write", True), "commit": (store.Store, "record_batch", True),
                   "remove": (ingest_mod, "_remove_if_same", False), "move": (quarantine, "_move", False),
-                  "moved": (ingest_mod, "quarantine", True)}[point]
+                  "moved": (ingest_mod, "quarantine", True), "journal": (journal.Journal, "append", True)}[point]
         die_at(*target[:2], int(n), target[2])
     config = config_from_dict({"data_dir": data_dir, "ingest": {"settle_seconds": 0, "batch_files": batch_files}})
     validate_paths(config)
