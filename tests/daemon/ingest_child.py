@@ -46,9 +46,9 @@ def main() -> None:
         Store,
         blobs,
         config_from_dict,
+        confined,
         ingest_inbox,
         prepare,
-        quarantine,
         store,
         validate_paths,
     )
@@ -57,7 +57,7 @@ def main() -> None:
     if len(sys.argv) > 3:
         point, n = sys.argv[3].split(":")
         target = {"blob": (blobs.BlobStore, "write", True), "commit": (store.Store, "record_batch", True),
-                  "remove": (ingest_mod, "_remove_if_same", False), "move": (quarantine, "_move", False),
+                  "remove": (confined, "remove_if_same", False), "move": (confined, "rename", False),
                   "moved": (ingest_mod, "quarantine", True)}[point]
         die_at(*target[:2], int(n), target[2])
     config = config_from_dict({"data_dir": data_dir, "ingest": {"settle_seconds": 0, "batch_files": batch_files}})
