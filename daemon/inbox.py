@@ -190,25 +190,25 @@ class _Scanner:
 
     def entry(self, manifest: str, entry) -> Candidate | None:
         """The file a manifest entry names, found component by component from the inbox."""
-        source = shown_path(entry.parts)
+        source, raw = shown_path(entry.parts), "/".join(entry.parts)
         try:
             with confined.parent(self.root_fd, entry.parts) as fd:
                 st = confined.lstat(fd, entry.parts[-1])
         except NotConfined:
-            raise LineRefused(f"{source!r} leaves the inbox through a symbolic link or a file on the way",
+            raise LineRefused(f"'{source}' leaves the inbox through a symbolic link or a file on the way",
                               source) from None
         except FileNotFoundError:
             if not self.seen(source):  # not a file this manifest had us store before a crash
-                raise LineRefused("no such file in the inbox", source) from None
+                raise LineRefused("no such file in the inbox", raw) from None
             return None
         except OSError as e:
-            raise LineRefused(f"cannot reach {source!r}: {e.strerror or e}", source) from None
+            raise LineRefused(f"cannot reach '{source}': {e.strerror or e}", raw) from None
         if entry.parts in self.claimed:
-            raise LineRefused(f"already listed by {self.claimed[entry.parts]}", source)
+            raise LineRefused(f"already listed by {self.claimed[entry.parts]}", raw)
         if stat.S_ISLNK(st.st_mode):
-            raise LineRefused(f"{source!r} is a symbolic link (not followed)", source)
+            raise LineRefused(f"'{source}' is a symbolic link (not followed)", raw)
         if stat.S_ISDIR(st.st_mode):
-            raise LineRefused("is a directory", source)
+            raise LineRefused("is a directory", raw)
         self.claimed[entry.parts] = manifest
         return Candidate(entry.parts, source, entry.label, manifest)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from edgerev_daemon.names import shown
+
 MAX_LINE = 4096
 MAX_DEPTH = 16
 
@@ -97,12 +99,12 @@ def _parts(raw: object) -> tuple[str, ...]:
     if not _valid_text(raw) or "\x00" in raw:
         raise LineRefused('"path" holds a NUL or a lone surrogate', raw)
     if raw.startswith("/"):
-        raise LineRefused(f"absolute path {raw!r}: paths are relative to the inbox", raw)
+        raise LineRefused(f"absolute path '{shown(raw)}': paths are relative to the inbox", raw)
     parts = tuple(p for p in raw.split("/") if p not in ("", "."))
     if ".." in parts:
-        raise LineRefused(f"path traversal {raw!r}: '..' is not allowed", raw)
+        raise LineRefused(f"path traversal '{shown(raw)}': '..' is not allowed", raw)
     if not parts:
-        raise LineRefused(f"{raw!r} names the inbox itself", raw)
+        raise LineRefused(f"'{shown(raw)}' names the inbox itself", raw)
     return parts
 
 

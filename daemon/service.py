@@ -39,6 +39,7 @@ from edgerev_daemon.promote import decide, export, held_out_groups, version_file
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
 from edgerev_daemon.store import Store
+from edgerev_daemon.watch import InboxWatch
 
 log = logging.getLogger("edgerev.daemon")
 
@@ -83,6 +84,7 @@ class Daemon:
         self._stop_asked = False
         self._reload = False
         self._wake = threading.Event()  # set by a signal to cut the sleep between cycles short
+        self.watch = InboxWatch()  # settling and reported folders, across this process's cycles
 
     # lifecycle --------------------------------------------------------------------------------------
 
@@ -168,7 +170,9 @@ class Daemon:
         """Ingest, then train, evaluate and promote if a job is due."""
         now = self.clock() if now is None else now
         report = CycleReport()
-        report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping).to_json()
+        # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
+        report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping,
+                                     watch=self.watch, wait=self._wake.wait).to_json()
         if self.stopping:
             return report
         report.due = self.due(now)
