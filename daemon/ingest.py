@@ -257,17 +257,22 @@ class _Ingest:
         for c, ident in batch.remove:
             self._remove(c.source, c.parts, ident, "stored")
 
-    def problems(self, batch: _Batch, found: list[tuple[str, str]]) -> None:
-        for folder, reason in found:
+    def problems(self, batch: _Batch, found: dict[str, str], cleared: list[str]) -> None:
+        """Record folders newly found unreadable (an error event each) and those fine again."""
+        for folder, reason in found.items():
             log.warning("inbox folder %s skipped: %s", folder, reason)
             batch.events.append((EventKind.ERROR, {"where": "inbox", "folder": folder, "error": reason}))
             self.report.problems.append((folder, reason))
+        for folder in cleared:
+            log.info("inbox folder %s is readable again", folder)
+            batch.events.append((EventKind.INFO, {"where": "inbox", "folder": folder,
+                                                  "message": f"inbox folder {folder} is readable again"}))
 
-    def run(self, scan: Scan, problems: list[tuple[str, str]], stop: Callable[[], bool]) -> None:
+    def run(self, scan: Scan, problems: tuple[dict[str, str], list[str]], stop: Callable[[], bool]) -> None:
         """Ingest everything the scan found, or stop between two batches when ``stop()`` says so."""
         size = self.config.ingest.batch_files
         batch = _Batch()
-        self.problems(batch, problems)
+        self.problems(batch, *problems)
         for r in scan.refusals:
             where = f"{r.manifest}:{r.line}"
             log.warning("refused %s (%s): %s", where, r.path, r.reason)
@@ -341,7 +346,7 @@ def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] 
             scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch)
         job = _Ingest(config, store, clock, root_fd)
         job.report.unsettled = scan.unsettled
-        job.run(scan, list(watch.problems(scan.problems).items()), stop)
+        job.run(scan, watch.problems(scan.problems), stop)
     finally:
         os.close(root_fd)
     job.report.seconds = time.perf_counter() - started

@@ -64,6 +64,7 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
                         "heldout": store.count_samples(Split.HELDOUT)},
             "labels": store.labels(),
             "new_samples_since_last_job": store.new_samples_since_last_job(),
+            "inbox_problems": store.inbox_problems(),
             "quarantined_files": sum(1 for p in quarantine.iterdir() if not p.name.endswith(".reason.json"))
             if quarantine.is_dir() else 0,
             "current": None if current is None else {
@@ -95,6 +96,8 @@ def format_status(s: dict) -> str:
              f"samples: {s['samples']['total']} ({s['samples']['train']} train, {s['samples']['heldout']} held out), "
              f"labels: {', '.join(s['labels']) or 'none'}; {s['new_samples_since_last_job']} new since the last job; "
              f"{s['quarantined_files']} files in quarantine"]
+    for folder, error in s.get("inbox_problems", {}).items():
+        lines.append(f"inbox folder {folder} skipped: {error}")
     cur = s["current"]
     if cur is None:
         lines.append("model in service: none yet")

@@ -47,9 +47,10 @@ class InboxWatch:
         self._current = set()
         self.scans += 1
 
-    def problems(self, found: dict[str, str]) -> dict[str, str]:
-        """Of ``found`` (folder -> reason) this scan, those not reported before; forgets the ones that
-        cleared, so that they are reported again should they fail again."""
+    def problems(self, found: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+        """Of ``found`` (folder -> reason) this scan: those not reported before, and the folders
+        reported before that are fine now (reported again should they fail again)."""
         new = {k: v for k, v in found.items() if self._problems.get(k) != v}
+        cleared = [k for k in self._problems if k not in found]
         self._problems = dict(found)
-        return new
+        return new, cleared
