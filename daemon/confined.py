@@ -10,7 +10,9 @@ and removals and renames name one entry of a folder held open (``dir_fd``, ``src
 walking down from the root descriptor, never following a link.
 
 A removal also checks identity: the entry is removed only if it is still the very file that was read
-(device, inode, size, modification time), so a file replaced under the same name stays.
+(device, inode, size, modification time), so a file replaced under the same name stays. The check
+and the unlink are two calls on one open folder: a file renamed into that folder between them could
+be removed in place of the one read, but only ever an entry of an inbox folder, never a file outside.
 """
 
 from __future__ import annotations

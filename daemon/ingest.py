@@ -169,10 +169,10 @@ def _precheck(root_fd: int, c: Candidate, extensions: tuple[str, ...]) -> str | 
     if c.label is None:
         return "not in a label folder: drop images into inbox/<label>/"
     if not valid_label(c.label):
-        return f"label {shown(c.label)!r} is not a valid name ({LABEL_RULE})"
+        return f"label '{shown(c.label)}' is not a valid name ({LABEL_RULE})"
     suffix = os.path.splitext(c.name)[1].lower()
     if suffix not in extensions:
-        return f"extension {shown(suffix) or '(none)'!r} not allowed (limits.extensions: {', '.join(extensions)})"
+        return f"extension '{shown(suffix) or '(none)'}' not allowed (limits.extensions: {', '.join(extensions)})"
     return None
 
 

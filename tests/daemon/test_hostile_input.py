@@ -220,3 +220,24 @@ def test_a_name_too_long_for_the_quarantine_does_not_block_ingest(datadir):
     assert datadir.store.events(EventKind.QUARANTINE)[0].message["source"] == f"cat/{long_name}"
     names = [p.name for p in datadir.quarantine.iterdir()]
     assert len(names) == 2 and all(len(n.encode()) <= 255 for n in names)
+
+
+def test_a_non_utf8_name_is_stored_and_recorded_escaped(datadir, caplog):
+    inbox = os.fsencode(datadir.inbox)
+    os.makedirs(os.path.join(inbox, b"cat"))
+    for name, seed in ((b"caf\xe9.png", 1), (b"two\nlines\x1b[31m.png", 2), (b"back\\slash.png", 3)):
+        with open(os.path.join(inbox, b"cat", name), "wb") as f:
+            f.write(image_bytes(seed))
+    with open(os.path.join(inbox, b"cat", b"\xff\xfe.txt"), "wb") as f:
+        f.write(b"not an image")
+    caplog.set_level("INFO")
+    for _ in range(2):  # and again: nothing left to crash a restart
+        ingest_inbox(datadir.config, datadir.store, clock=datadir.clock)
+    sources = sorted(s.source for s in datadir.store.samples())
+    assert sources == ["cat/back\\\\slash.png", "cat/caf\\xe9.png", "cat/two\\x0alines\\x1b[31m.png"]
+    assert [name_bytes(s) for s in sources] == [b"cat/back\\slash.png", b"cat/caf\xe9.png",
+                                                b"cat/two\nlines\x1b[31m.png"]
+    assert datadir.store.events(EventKind.QUARANTINE)[0].message["source"] == "cat/\\xff\\xfe.txt"
+    assert (datadir.quarantine / "\\xff\\xfe.txt").read_bytes() == b"not an image"
+    for record in caplog.records:  # no log line can be forged by a name
+        assert "\n" not in record.getMessage() and "\x1b" not in record.getMessage()
