@@ -132,3 +132,19 @@ def test_a_real_folder_without_permission(datadir):
         assert ingest_inbox(datadir.config, datadir.store, clock=datadir.clock, watch=watch).problems == []
     finally:
         locked.chmod(0o755)
+
+
+def test_a_daemons_first_cycle_waits_once_then_polls_observe(tmp_path):
+    from edgerev_daemon.service import Daemon
+
+    from .test_service import drop
+    from .test_service import make_config as service_config
+
+    config, _ = service_config(tmp_path, ingest={"settle_seconds": 0.05})
+    drop(config, 3, range(1))
+    with Daemon(config) as d:  # `edgerev daemon once` is this first cycle
+        r = d.cycle()
+        assert (r.ingest["accepted"], r.ingest["unsettled"]) == (3, 0)
+        drop(config, 1, range(1), start=100)
+        r = d.cycle()  # later cycles do not wait: the file is seen once, taken at a later poll
+        assert (r.ingest["accepted"], r.ingest["unsettled"]) == (0, 1)
