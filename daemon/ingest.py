@@ -49,7 +49,6 @@ Errors that are not the file's fault (disk full while writing a blob, the databa
 propagate: the batch is abandoned as if the process had crashed, and the files wait in the inbox.
 """
 
-
 from __future__ import annotations
 
 import errno

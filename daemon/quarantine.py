@@ -77,14 +77,13 @@ def _free_name(folder: Path, fd: int, name: str, source: str) -> str:
         candidate = f"{stem}-{n}{ext}"
 
 
-def _hide_in_place(dir_fd: int, name: str) -> str:
-    """Rename ``name`` to a free hidden ``.rejected-...`` name in the same folder; returns it."""
+def _hidden_name(dir_fd: int, name: str) -> str:
+    """A free hidden ``.rejected-...`` name for ``name`` in the same folder."""
     base = REJECTED_PREFIX + safe_name(name)
     hidden, n = base, 0
     while _exists(dir_fd, hidden):
         n += 1
         hidden = f"{base}-{n}"
-    confined.rename(dir_fd, name, dir_fd, hidden)
     return hidden
 
 
@@ -114,10 +113,12 @@ def quarantine(root_fd: int, parts: tuple[str, ...], folder: Path, reason: str, 
             except OSError as e:
                 if e.errno != errno.EXDEV:
                     raise
-                hidden = _hide_in_place(dir_fd, parts[-1])
+                # the reason says where the file will be before it goes there: a crash cannot hide it unexplained
+                hidden = _hidden_name(dir_fd, parts[-1])
                 where = shown_path(parts[:-1] + (hidden,))
                 sidecar["left_in_inbox"] = where
                 atomic_write(folder / (dst + SIDECAR), (json.dumps(sidecar, indent=2) + "\n").encode())
+                confined.rename(dir_fd, parts[-1], dir_fd, hidden)
                 os.fsync(dir_fd)
                 return f"inbox:{where}"
         os.fsync(qfd)
