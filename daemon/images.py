@@ -31,6 +31,10 @@ import io
 import warnings
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 FORMATS = ("PNG", "JPEG")
 BACKGROUND = (255, 255, 255)  # what a transparent pixel becomes
@@ -95,7 +99,7 @@ def normalize(data: bytes, size: int, max_pixels: int) -> Normalized:
     return Normalized(out.getvalue(), width, height, fmt)
 
 
-def to_rgb(im):
+def to_rgb(im: Image.Image) -> Image.Image:
     """``im`` as 8-bit RGB, faithfully (see the module docstring)."""
     from PIL import Image
 

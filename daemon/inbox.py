@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from edgerev_daemon import confined
 from edgerev_daemon.confined import NotConfined
-from edgerev_daemon.manifest import LineRefused, lines, parse_line
+from edgerev_daemon.manifest import Entry, LineRefused, lines, parse_line
 from edgerev_daemon.names import shown, shown_path
 from edgerev_daemon.watch import InboxWatch
 
@@ -188,7 +188,7 @@ class _Scanner:
         self.scan.candidates.extend(c for c in entries if c is not None)
         self.scan.manifests[cand.source] = ((name,), confined.identity(st))
 
-    def entry(self, manifest: str, entry) -> Candidate | None:
+    def entry(self, manifest: str, entry: Entry) -> Candidate | None:
         """The file a manifest entry names, found component by component from the inbox."""
         source, raw = shown_path(entry.parts), "/".join(entry.parts)
         try:
