@@ -51,12 +51,14 @@ def valid_label(name: object) -> bool:
 class Candidate:
     """A file to examine: ``parts`` its path from the inbox, names as the file system gives them;
     ``source`` the recorded form of that path (what events name); ``label`` is ``None`` for a file
-    with no label folder; ``manifest`` names the manifest that listed it, if one did."""
+    with no label folder; ``manifest`` names the manifest that listed it, if one did; ``inode``: its
+    device and inode when the scan saw it (what may be moved to quarantine: nothing swapped in since)."""
 
     parts: tuple[str, ...]
     source: str
     label: str | None
     manifest: str | None = None
+    inode: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -117,7 +119,7 @@ class _Scanner:
             elif name.endswith(MANIFEST_SUFFIX) and stat.S_ISREG(st.st_mode):
                 self.manifest(name)
             else:
-                self.scan.candidates.append(Candidate((name,), shown(name), None))
+                self.scan.candidates.append(Candidate((name,), shown(name), None, inode=(st.st_dev, st.st_ino)))
         for name in folders:
             self.folder(self.root_fd, (name,), name, 0)
 
@@ -148,7 +150,7 @@ class _Scanner:
                 if stat.S_ISDIR(st.st_mode):
                     below.append(path)
                 elif path not in self.claimed and self.settled(path, st):
-                    self.scan.candidates.append(Candidate(path, shown_path(path), label))
+                    self.scan.candidates.append(Candidate(path, shown_path(path), label, inode=(st.st_dev, st.st_ino)))
             for path in below:
                 if depth + 1 > MAX_DEPTH:
                     self.scan.problems[shown_path(path)] = f"deeper than {MAX_DEPTH} folders below its label folder"
@@ -169,6 +171,7 @@ class _Scanner:
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(fd)
             raw = f.read(self.max_manifest_bytes + 1)
+        cand = Candidate((name,), cand.source, None, inode=(st.st_dev, st.st_ino))
         if len(raw) > self.max_manifest_bytes:
             self.scan.bad_manifests.append((cand, f"manifest above limits.max_file_size ({self.max_manifest_bytes} "
                                                   "bytes)"))
@@ -210,7 +213,7 @@ class _Scanner:
         if stat.S_ISDIR(st.st_mode):
             raise LineRefused("is a directory", raw)
         self.claimed[entry.parts] = manifest
-        return Candidate(entry.parts, source, entry.label, manifest)
+        return Candidate(entry.parts, source, entry.label, manifest, inode=(st.st_dev, st.st_ino))
 
 
 def scan_inbox(root_fd: int, now: float, settle_seconds: float, max_manifest_bytes: int,

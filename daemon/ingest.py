@@ -125,10 +125,21 @@ class _Batch:
         self.duplicates = self.quarantined = self.refused = 0
 
 
+class _Changed(Exception):
+    """The entry under a candidate's name is not the one the scan saw, or a folder on its way was
+    swapped for a link: left for the next scan, which judges what is there then."""
+
+
+def _changed(c: Candidate, st: os.stat_result) -> bool:
+    """Whether the entry under ``c``'s name is no longer the one the scan saw (swapped since)."""
+    return c.inode is not None and (st.st_dev, st.st_ino) != c.inode
+
+
 def _read(root_fd: int, c: Candidate, max_bytes: int) -> _Read:
     """Read a regular file without following a link, from the folder reached by descriptor; raises
     :class:`ImageRejected` for a file that may not be read, ``FileNotFoundError`` for one that
-    vanished (or whose folder was swapped for a link: it is no longer in the inbox)."""
+    vanished, :class:`_Changed` when its folder was swapped for a link or its name now holds
+    another file."""
     try:
         with confined.parent(root_fd, c.parts) as dir_fd:
             try:
@@ -137,13 +148,15 @@ def _read(root_fd: int, c: Candidate, max_bytes: int) -> _Read:
                 raise ImageRejected("symbolic link (not followed)" if e.errno == errno.ELOOP
                                     else "not a regular file") from None
     except NotConfined:  # a folder on its way was swapped for a link: the file is no longer in the inbox
-        raise FileNotFoundError(errno.ENOENT, f"{c.source}: a folder on its way is not a folder") from None
+        raise _Changed(f"{c.source}: a folder on its way is not a folder") from None
     except FileNotFoundError:
         raise
     except OSError as e:
         raise ImageRejected(f"cannot read: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
+        if _changed(c, st):
+            raise _Changed(f"{c.source} was replaced since the scan")
         if st.st_size == 0:
             raise ImageRejected("empty file (0 bytes)")
         if st.st_size > max_bytes:
@@ -155,12 +168,20 @@ def _read(root_fd: int, c: Candidate, max_bytes: int) -> _Read:
 
 
 def _precheck(root_fd: int, c: Candidate, extensions: tuple[str, ...]) -> str | None:
-    """Why ``c`` is refused before it is opened, or ``None`` (also when it vanished: ``_read`` says so)."""
+    """Why ``c`` is refused before it is opened, or ``None``.
+
+    Raises:
+        FileNotFoundError: it vanished.
+        _Changed: something else took its name since the scan: what is judged is always what is
+            then read or moved.
+    """
     try:
         with confined.parent(root_fd, c.parts) as dir_fd:
             st = confined.lstat(dir_fd, c.name)
-    except (FileNotFoundError, NotConfined):
-        return None
+    except NotConfined:
+        raise _Changed(f"{c.source}: a folder on its way is not a folder") from None
+    if _changed(c, st):
+        raise _Changed(f"{c.source} was replaced since the scan")
     if stat.S_ISLNK(st.st_mode):
         return "symbolic link (not followed)"
     if not stat.S_ISREG(st.st_mode):
@@ -185,7 +206,7 @@ class _Ingest:
 
     def _quarantine(self, batch: _Batch, c: Candidate, reason: str) -> bool:
         try:
-            dst = quarantine(self.root_fd, c.parts, self.layout.quarantine, reason, c.source, self.clock())
+            dst = quarantine(self.root_fd, c.parts, self.layout.quarantine, reason, c.source, self.clock(), c.inode)
         except FileNotFoundError:
             return True  # vanished before it could be moved: nothing left to handle
         except OSError as e:
@@ -207,13 +228,16 @@ class _Ingest:
 
     def examine(self, batch: _Batch, c: Candidate) -> bool:
         """Handle one file up to the commit; ``False`` when it is left in the inbox unresolved."""
-        why = _precheck(self.root_fd, c, self.config.limits.extensions)
-        if why is not None:
-            return self._quarantine(batch, c, why)
         try:
+            why = _precheck(self.root_fd, c, self.config.limits.extensions)
+            if why is not None:
+                return self._quarantine(batch, c, why)
             got = _read(self.root_fd, c, self.max_bytes)
         except FileNotFoundError:
             return True
+        except _Changed as e:
+            log.info("%s; left for the next scan", e)
+            return False
         except ImageRejected as e:
             return self._quarantine(batch, c, e.reason)
         first = batch.seen.get(got.sha256) or self.store.get_sample(got.sha256)

@@ -87,7 +87,12 @@ def _hidden_name(dir_fd: int, name: str) -> str:
     return hidden
 
 
-def quarantine(root_fd: int, parts: tuple[str, ...], folder: Path, reason: str, source: str, now: float) -> str:
+def _same(st: os.stat_result, inode: tuple[int, int] | None) -> bool:
+    return inode is None or (st.st_dev, st.st_ino) == inode
+
+
+def quarantine(root_fd: int, parts: tuple[str, ...], folder: Path, reason: str, source: str, now: float,
+               inode: tuple[int, int] | None = None) -> str:
     """Move inbox file ``parts`` (from the inbox open as ``root_fd``) into ``folder`` with its reason
     beside it; returns where it went: ``quarantine/NAME``, or ``inbox:PATH`` for a file left in the
     inbox under a hidden name (another file system).
@@ -95,6 +100,9 @@ def quarantine(root_fd: int, parts: tuple[str, ...], folder: Path, reason: str, 
     Args:
         source: the file's recorded path relative to the inbox (written in the sidecar).
         now: the time recorded in the sidecar.
+        inode: device and inode of what was judged. Anything else found under that name (a label
+            folder swapped in for the link that was judged) is not moved; should it be swapped in
+            between the check and the rename, it is renamed back at once.
 
     Raises:
         FileNotFoundError: the file vanished (or a folder on its way was swapped for a link).
@@ -104,12 +112,17 @@ def quarantine(root_fd: int, parts: tuple[str, ...], folder: Path, reason: str, 
     qfd = confined.open_root(folder)
     try:
         with confined.parent(root_fd, parts) as dir_fd:
-            confined.lstat(dir_fd, parts[-1])  # FileNotFoundError before any sidecar is written
+            if not _same(confined.lstat(dir_fd, parts[-1]), inode):  # FileNotFoundError: before any sidecar
+                raise FileNotFoundError(errno.ENOENT, f"{source} was replaced since it was examined")
             dst = _free_name(folder, qfd, safe_name(parts[-1]), source)
             sidecar = {"reason": reason, "at": now, "source": source}
             atomic_write(folder / (dst + SIDECAR), (json.dumps(sidecar, indent=2) + "\n").encode())
             try:
                 confined.rename(dir_fd, parts[-1], qfd, dst)
+                if not _same(confined.lstat(qfd, dst), inode):  # swapped in after the check: give it back
+                    confined.rename(qfd, dst, dir_fd, parts[-1])
+                    os.unlink(dst + SIDECAR, dir_fd=qfd)
+                    raise FileNotFoundError(errno.ENOENT, f"{source} was replaced while it was moved")
             except OSError as e:
                 if e.errno != errno.EXDEV:
                     raise

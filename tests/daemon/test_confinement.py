@@ -160,3 +160,24 @@ def test_a_swapper_process_racing_the_ingest_loop_never_reaches_outside(datadir,
     assert {s.sha256 for s in datadir.store.samples()} == inside
     assert all(e.message["source"] != "cat" or "link" in e.message["reason"]
                for e in datadir.store.events(EventKind.QUARANTINE, limit=10_000))
+    assert not [p for p in datadir.quarantine.iterdir() if p.is_dir() and not p.is_symlink()]
+
+
+def test_a_folder_swapped_in_for_a_judged_link_is_not_quarantined(datadir, tmp_path, monkeypatch):
+    outside, hashes = outside_folder(tmp_path, 1)
+    before = snapshot(outside)
+    os.symlink(outside, datadir.inbox / "cat")  # judged: a link, to be quarantined
+    real = ingest_mod._precheck
+
+    def swap_in_a_folder(root_fd, c, extensions):
+        why = real(root_fd, c, extensions)
+        os.rename(datadir.inbox / "cat", datadir.inbox / ".gone")
+        datadir.drop("cat/0.png", image_bytes(0))  # a real label folder under the judged name
+        return why
+
+    monkeypatch.setattr(ingest_mod, "_precheck", swap_in_a_folder)
+    r = ingest_inbox(datadir.config, datadir.store, clock=datadir.clock)
+    assert r.quarantined == [] and list(datadir.quarantine.iterdir()) == []
+    monkeypatch.undo()
+    assert ingest_inbox(datadir.config, datadir.store, clock=datadir.clock).accepted == 1
+    assert_untouched(datadir, outside, before, hashes)
