@@ -107,6 +107,24 @@ def remove_if_same(root_fd: int, parts: tuple[str, ...], ident: Identity) -> boo
         return False
 
 
+def link(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+    """A second name ``dst`` for the entry ``src`` itself (a link is linked, not followed). A folder
+    cannot be linked (``EPERM``), so whatever is swapped in, a folder is never moved this way;
+    ``EXDEV`` across file systems."""
+    os.link(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+
+
+def unlink_if(dir_fd: int, name: str, inode: tuple[int, int] | None) -> None:
+    """Remove ``name`` if it is (still) the entry with that device and inode. ``unlink`` never
+    removes a folder, so a folder swapped in meanwhile stays whatever happens."""
+    try:
+        st = lstat(dir_fd, name)
+        if inode is None or (st.st_dev, st.st_ino) == inode:
+            os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass  # gone already (moved by a rename where links are not supported)
+
+
 def rename(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
     """Rename one entry between two open folders (``EXDEV`` across file systems: never copied here)."""
     os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)

@@ -1,10 +1,14 @@
 """Moving a rejected file aside: ``quarantine/NAME`` with ``quarantine/NAME.reason.json`` beside it.
 
-The sidecar (reason, time, the file's path in the inbox) is written first, then the file is renamed
-into place: a crash between the two leaves a reason with no file and the file still in the inbox,
-where the next scan rejects it again, into the same name. The rename goes from the inbox folder's
-descriptor (reached without following links, :mod:`edgerev_daemon.confined`) to the quarantine's: a
-symbolic link is moved as the link, and what it points to is never touched.
+The sidecar (reason, time, the file's path in the inbox) is written first, then the file is linked
+into place (a hard link: the same file under a second name), then its inbox name removed. A crash
+between the steps leaves a reason with no file, or the file under both names; the next scan rejects
+it again, into the same name (recognized by its inode), and finishes. Link and removal go from the
+inbox folder's descriptor (reached without following links, :mod:`edgerev_daemon.confined`) to the
+quarantine's: a symbolic link is moved as the link, and what it points to is never touched. A link
+rather than a rename because a folder cannot be linked and ``unlink`` never removes one: a label
+folder swapped in for the very name being moved, at any instant, stays where it is. The inode is
+checked before the link and after it (what was linked is what was judged).
 
 ``NAME`` is the file's recorded name (:func:`~edgerev_daemon.names.shown`: valid UTF-8, no control
 characters), cut to :data:`MAX_NAME` bytes with a hash of the whole name when it is longer, so that
@@ -13,7 +17,8 @@ characters), cut to :data:`MAX_NAME` bytes with a hash of the whole name when it
 **Never copied.** When the inbox is on another file system than the data directory, a rename fails
 (``EXDEV``) and a copy would cost data-disk space for every rejected file, again after each crash or
 restart: it is never made. The file stays in its inbox folder, renamed to the hidden
-``.rejected-NAME`` (hidden names are never scanned, so it is not retried), and its reason file in
+``.rejected-NAME`` (linked and unlinked the same way; hidden names are never scanned, so it is not
+retried), and its reason file in
 ``quarantine/`` says where it is (``left_in_inbox``). Quarantine costs the data disk a few hundred
 bytes per rejected file, whatever the files weigh.
 """
@@ -24,6 +29,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 from edgerev.atomic import atomic_write
@@ -63,13 +69,20 @@ def _exists(fd: int, name: str) -> bool:
         return False
 
 
-def _free_name(folder: Path, fd: int, name: str, source: str) -> str:
+def _free_name(folder: Path, fd: int, name: str, source: str, inode: tuple[int, int]) -> str:
     """``name``, or ``stem-1.ext``, ``stem-2.ext``, ... whichever is free. A name whose sidecar is
-    there without its file, for the same inbox path, is free: a crash cut that quarantine short."""
+    there without its file, for the same inbox path, is free, and so is one that already is this very
+    file (``inode``): a crash cut that quarantine short."""
     dot = name.rfind(".")
     stem, ext = (name[:dot], name[dot:]) if dot > 0 else (name, "")
     candidate, n = name, 0
     while True:
+        try:
+            st = confined.lstat(fd, candidate)
+            if (st.st_dev, st.st_ino) == inode:
+                return candidate
+        except FileNotFoundError:
+            pass
         if not _exists(fd, candidate):
             if not _exists(fd, candidate + SIDECAR) or _sidecar_source(folder / (candidate + SIDECAR)) == source:
                 return candidate
@@ -112,17 +125,15 @@ def quarantine(root_fd: int, parts: tuple[str, ...], folder: Path, reason: str, 
     qfd = confined.open_root(folder)
     try:
         with confined.parent(root_fd, parts) as dir_fd:
-            if not _same(confined.lstat(dir_fd, parts[-1]), inode):  # FileNotFoundError: before any sidecar
+            st = confined.lstat(dir_fd, parts[-1])  # FileNotFoundError: before any sidecar is written
+            if not _same(st, inode):
                 raise FileNotFoundError(errno.ENOENT, f"{source} was replaced since it was examined")
-            dst = _free_name(folder, qfd, safe_name(parts[-1]), source)
+            inode = (st.st_dev, st.st_ino)
+            dst = _free_name(folder, qfd, safe_name(parts[-1]), source, inode)
             sidecar = {"reason": reason, "at": now, "source": source}
             atomic_write(folder / (dst + SIDECAR), (json.dumps(sidecar, indent=2) + "\n").encode())
             try:
-                confined.rename(dir_fd, parts[-1], qfd, dst)
-                if not _same(confined.lstat(qfd, dst), inode):  # swapped in after the check: give it back
-                    confined.rename(qfd, dst, dir_fd, parts[-1])
-                    os.unlink(dst + SIDECAR, dir_fd=qfd)
-                    raise FileNotFoundError(errno.ENOENT, f"{source} was replaced while it was moved")
+                _link_once(dir_fd, parts[-1], qfd, dst, inode)
             except OSError as e:
                 if e.errno != errno.EXDEV:
                     raise
@@ -131,15 +142,43 @@ def quarantine(root_fd: int, parts: tuple[str, ...], folder: Path, reason: str, 
                 where = shown_path(parts[:-1] + (hidden,))
                 sidecar["left_in_inbox"] = where
                 atomic_write(folder / (dst + SIDECAR), (json.dumps(sidecar, indent=2) + "\n").encode())
-                confined.rename(dir_fd, parts[-1], dir_fd, hidden)
+                _link_once(dir_fd, parts[-1], dir_fd, hidden, inode)
+                confined.unlink_if(dir_fd, parts[-1], inode)
                 os.fsync(dir_fd)
                 return f"inbox:{where}"
-        os.fsync(qfd)
+            os.fsync(qfd)
+            confined.unlink_if(dir_fd, parts[-1], inode)
         return f"quarantine/{dst}"
     except confined.NotConfined as e:
         raise FileNotFoundError(errno.ENOENT, f"{source}: {e.strerror}") from None
     finally:
         os.close(qfd)
+
+
+def _link_once(src_fd: int, src: str, dst_fd: int, dst: str, inode: tuple[int, int]) -> None:
+    """Link ``src`` as ``dst`` unless a crash already did; if what got linked is not ``inode`` (swapped
+    in between the check and the link), the new name is removed again and the file left alone."""
+    try:
+        confined.link(src_fd, src, dst_fd, dst)
+    except FileExistsError:
+        pass  # _free_name only returns a taken name when it is this very file
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        if stat.S_ISDIR(confined.lstat(src_fd, src).st_mode):  # a folder (swapped in) cannot be linked
+            raise FileNotFoundError(errno.ENOENT, f"{src} is now a folder") from None
+        # a file system without hard links (FAT): one rename, checked after; a folder swapped in during
+        # that instant is renamed back (inside the inbox either way)
+        confined.rename(src_fd, src, dst_fd, dst)
+        st = confined.lstat(dst_fd, dst)
+        if (st.st_dev, st.st_ino) != inode:
+            confined.rename(dst_fd, dst, src_fd, src)
+            raise FileNotFoundError(errno.ENOENT, f"{src} was replaced while it was moved") from None
+        return
+    st = confined.lstat(dst_fd, dst)
+    if (st.st_dev, st.st_ino) != inode:
+        os.unlink(dst, dir_fd=dst_fd)
+        raise FileNotFoundError(errno.ENOENT, f"{src} was replaced while it was moved")
 
 
 def quarantined_from(folder: Path, source: str) -> bool:

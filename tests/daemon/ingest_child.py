@@ -9,7 +9,7 @@ N-th time ingest reaches POINT:
 - ``blob``: a blob was written, its batch not committed;
 - ``commit``: a batch was committed, none of its files removed from the inbox;
 - ``remove``: just before removing a stored file (earlier ones of the batch are gone);
-- ``move``: a quarantine's reason file was written, the file not yet moved;
+- ``move``: a quarantine's reason file was written, the file not yet linked into place;
 - ``moved``: a file was moved to quarantine, its event not yet committed.
 
 Without one, the test kills it at a random moment.
@@ -57,7 +57,7 @@ def main() -> None:
     if len(sys.argv) > 3:
         point, n = sys.argv[3].split(":")
         target = {"blob": (blobs.BlobStore, "write", True), "commit": (store.Store, "record_batch", True),
-                  "remove": (confined, "remove_if_same", False), "move": (confined, "rename", False),
+                  "remove": (confined, "remove_if_same", False), "move": (confined, "link", False),
                   "moved": (ingest_mod, "quarantine", True)}[point]
         die_at(*target[:2], int(n), target[2])
     config = config_from_dict({"data_dir": data_dir, "ingest": {"settle_seconds": 0, "batch_files": batch_files}})

@@ -47,15 +47,27 @@ def check_left_in_inbox(d, polls: int = 5) -> None:
 
 
 def test_exdev_leaves_the_rejected_file_hidden_in_the_inbox(datadir, monkeypatch):
-    real = confined.rename
+    real = confined.link
 
     def other_file_system(src_fd, src, dst_fd, dst):
         if src_fd != dst_fd:  # inbox folder -> quarantine: as if they were on two file systems
             raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
         return real(src_fd, src, dst_fd, dst)
 
-    monkeypatch.setattr(confined, "rename", other_file_system)
+    monkeypatch.setattr(confined, "link", other_file_system)
     check_left_in_inbox(datadir)
+
+
+def test_a_file_system_without_hard_links(datadir, monkeypatch):
+    def no_links(src_fd, src, dst_fd, dst):  # FAT: link() is refused, rename works
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(confined, "link", no_links)
+    datadir.drop("cat/bad.png", b"not an image")
+    r = ingest_inbox(datadir.config, datadir.store, clock=datadir.clock)
+    assert [q[0] for q in r.quarantined] == ["cat/bad.png"] and r.stuck == []
+    assert (datadir.quarantine / "bad.png").read_bytes() == b"not an image"
+    assert list((datadir.inbox / "cat").iterdir()) == []
 
 
 def test_an_inbox_on_a_real_tmpfs(tmp_path):
