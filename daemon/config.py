@@ -75,8 +75,9 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """``batch_files``: files recorded per database transaction. ``settle_seconds``: a file whose
-    modification time is more recent than this is left for the next scan (it may still be copied)."""
+    """``batch_files``: files recorded per database transaction. ``settle_seconds``: a file is ingested
+    once its size and modification time stayed the same across scans this many seconds apart by the
+    daemon's clock (it may still be being copied; its times are not trusted); 0: at once."""
 
     batch_files: int = 256
     settle_seconds: float = 2.0

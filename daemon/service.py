@@ -50,6 +50,7 @@ from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
 from edgerev_daemon.store import Store
+from edgerev_daemon.watch import InboxWatch
 
 log = logging.getLogger("edgerev.daemon")
 
@@ -100,6 +101,7 @@ class Daemon:
         self._stop_asked = False
         self._reload = False
         self._wake = threading.Event()  # set by a signal to cut the sleep between cycles short
+        self.watch = InboxWatch()  # settling and reported folders, across this process's cycles
 
     # lifecycle --------------------------------------------------------------------------------------
 
@@ -262,7 +264,9 @@ class Daemon:
             return report
         self.conditions.end("disk space")
         try:
-            report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping).to_json()
+            # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
+            report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping,
+                                         watch=self.watch, wait=self._wake.wait).to_json()
             if self.stopping:
                 return report
             report.due = self.due(now)

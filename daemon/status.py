@@ -82,6 +82,7 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
                         "heldout": store.count_samples(Split.HELDOUT)},
             "labels": store.labels(),
             "new_samples_since_last_job": store.new_samples_since_last_job(),
+            "inbox_problems": store.inbox_problems(),
             "quarantined_files": sum(1 for p in quarantine.iterdir() if not p.name.endswith(".reason.json"))
             if quarantine.is_dir() else 0,
             "current": None if current is None else {
@@ -122,6 +123,8 @@ def format_status(s: dict) -> str:
     if disk.get("below_floor"):
         lines.append(f"disk: {disk['free_bytes']} bytes free, below storage.min_free_space "
                      f"({disk['min_free_bytes']}): ingest and training wait")
+    for folder, error in s.get("inbox_problems", {}).items():
+        lines.append(f"inbox folder {folder} skipped: {error}")
     cur = s["current"]
     if s.get("current_link") not in (None, "ok", "missing"):
         lines.append(f"current link {s['current_link']} (repaired at the next start)")

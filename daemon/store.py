@@ -462,6 +462,14 @@ class Store:
                         "AND json_extract(message, '$.source') = ? LIMIT 1", (sha256, source))
         return row is not None
 
+    def inbox_problems(self) -> dict[str, str]:
+        """Inbox folders whose latest report says they cannot be read (folder -> reason)."""
+        rows = self._conn.execute(
+            "SELECT json_extract(message, '$.folder'), json_extract(message, '$.error') FROM events "
+            "WHERE json_extract(message, '$.where') = 'inbox' ORDER BY id")
+        latest = dict(rows)  # a later 'readable again' (no error) wins
+        return {folder: error for folder, error in latest.items() if error is not None}
+
     def prune_events(self, keep: int, before: float | None = None) -> int:
         """Delete all but the latest ``keep`` events, and those last seen before ``before`` (seconds since
         the epoch); returns how many went."""

@@ -9,7 +9,7 @@ N-th time ingest reaches POINT:
 - ``blob``: a blob was written, its batch not committed;
 - ``commit``: a batch was committed, none of its files removed from the inbox;
 - ``remove``: just before removing a stored file (earlier ones of the batch are gone);
-- ``move``: a quarantine's reason file was written, the file not yet moved;
+- ``move``: a quarantine's reason file was written, the file not yet linked into place;
 - ``moved``: a file was moved to quarantine, its event not yet committed;
 - ``journal``: a batch's journal lines were fsynced, the batch not yet committed.
 
@@ -47,10 +47,10 @@ def main() -> None:
         Store,
         blobs,
         config_from_dict,
+        confined,
         ingest_inbox,
         journal,
         prepare,
-        quarantine,
         store,
         validate_paths,
     )
@@ -59,7 +59,7 @@ def main() -> None:
     if len(sys.argv) > 3:
         point, n = sys.argv[3].split(":")
         target = {"blob": (blobs.BlobStore, "write", True), "commit": (store.Store, "record_batch", True),
-                  "remove": (ingest_mod, "_remove_if_same", False), "move": (quarantine, "_move", False),
+                  "remove": (confined, "remove_if_same", False), "move": (confined, "link", False),
                   "moved": (ingest_mod, "quarantine", True), "journal": (journal.Journal, "append", True)}[point]
         die_at(*target[:2], int(n), target[2])
     config = config_from_dict({"data_dir": data_dir, "ingest": {"settle_seconds": 0, "batch_files": batch_files}})

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from edgerev_daemon import EventKind, Store, check_consistency, config_from_dict, ingest_inbox, remove_garbage
+from edgerev_daemon import EventKind, Store, check_consistency, config_from_dict, confined, ingest_inbox, remove_garbage
 from edgerev_daemon import ingest as ingest_mod
 from edgerev_daemon.blobs import TMP_MARK, BlobStore
 
@@ -94,16 +94,16 @@ def test_crash_while_removing_and_before_the_manifest_goes(datadir, monkeypatch)
         datadir.drop(f".up/{i}.png", image_bytes(320 + i))
     datadir.drop("up.jsonl", "".join(json.dumps({"path": f".up/{i}.png", "label": "cat"}) + "\n"
                                      for i in range(4)).encode())
-    real = ingest_mod._remove_if_same
+    real = confined.remove_if_same
     calls = []
 
-    def crash_at_manifest(path, identity):
-        calls.append(path)
-        if path.name == "up.jsonl":
+    def crash_at_manifest(root_fd, parts, identity):
+        calls.append(parts)
+        if parts[-1] == "up.jsonl":
             raise Crash
-        real(path, identity)
+        return real(root_fd, parts, identity)
 
-    monkeypatch.setattr(ingest_mod, "_remove_if_same", crash_at_manifest)
+    monkeypatch.setattr(confined, "remove_if_same", crash_at_manifest)
     with pytest.raises(Crash):
         ingest_inbox(datadir.config, datadir.store, clock=datadir.clock)
     assert files_in(datadir.inbox) == ["up.jsonl"] and len(calls) == 5
