@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from edgerev.exits import PARTIAL as EXIT_PARTIAL
+
 # syslog priorities: journald reads a "<N>" prefix on each line of a service's stderr
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
@@ -83,9 +85,13 @@ def cmd_once(args: argparse.Namespace) -> int:
         i = report.ingest
         print(f"ingest: {i['accepted']} stored, {i['duplicates']} duplicates, {len(i['quarantined'])} quarantined, "
               f"{len(i['refused'])} refused")
-        print(f"job: {json.dumps(report.job)}" if report.job else f"no job due ({report.due or 'not enough new data'})")
+        print(f"job: {json.dumps(report.job)}" if report.job else f"no job due ({report.not_due})")
         if report.waiting:
             print(f"waiting: {report.waiting} (see the log and status)")
+    if report.failed:
+        why = report.job.get("error") if report.job and report.job.get("error") else f"waiting for {report.waiting}"
+        print(f"edgerev daemon once: error: {why}", file=sys.stderr)
+        return EXIT_PARTIAL
     return 0
 
 
@@ -192,7 +198,8 @@ def add_parser(sub) -> None:
     r.add_argument("--poll", type=float, default=5.0, help="seconds between inbox scans (default 5)")
     r.set_defaults(fn=cmd_run)
     o = with_config(dsub.add_parser("once", help="one full cycle (ingest, train if due, evaluate, promote, "
-                                                 "export), then exit"))
+                                                 "export), then exit (status 1 if its job failed or a storage "
+                                                 "condition held it back)"))
     o.add_argument("--json", action="store_true", help="print the cycle's report as JSON")
     o.set_defaults(fn=cmd_once)
     s = with_config(dsub.add_parser("status", help="samples, labels, the model in service, versions, jobs"))

@@ -131,6 +131,11 @@ def dead_classes(cand: Scores, gate: Gate) -> list[tuple[str, int]]:
             if c in cand.known and n >= gate.min_heldout_per_class and right == 0]
 
 
+# the groups in the schedule's words (edgerev_daemon.schedule): new samples arrived after the data of the model
+# in service, old ones before; "new classes" are labels it does not know
+WORDS = {"new": "held-out new samples", "old": "held-out old samples", "all": "held-out samples"}
+
+
 def judge(cand: Scores, cur: Scores | None, gate: Gate) -> Decision:
     """The gate of the module docstring on two models' scores; the metrics hold every figure compared."""
     m: dict = {"heldout_samples": cand.samples, "candidate": cand.to_json(), "candidate_confusion": cand.confusion}
@@ -156,14 +161,14 @@ def judge(cand: Scores, cur: Scores | None, gate: Gate) -> Decision:
     if c.get(key) is None:
         return Decision(False, "no held-out sample to compare the models on", m)
     if not c[key] > r[key]:
-        return Decision(False, f"not better on {key} held-out data: {c[key]:.4f} vs {r[key]:.4f}", m)
+        return Decision(False, f"not better on the {WORDS[key]}: {c[key]:.4f} vs {r[key]:.4f}", m)
     if c.get("old") is not None and c["old"] < r["old"] - gate.tolerance:
-        return Decision(False, f"worse on old held-out data: {c['old']:.4f} vs {r['old']:.4f} "
+        return Decision(False, f"worse on the {WORDS['old']}: {c['old']:.4f} vs {r['old']:.4f} "
                                f"(tolerance {gate.tolerance:g})", m)
     if refuse_dead:
         return Decision(False, f"refused: {refuse_dead}", m)
     old = f", old {c['old']:.4f} vs {r['old']:.4f}" if c.get("old") is not None else ""
-    return Decision(True, f"better on {key} held-out data: {c[key]:.4f} vs {r[key]:.4f}{old}", m)
+    return Decision(True, f"better on the {WORDS[key]}: {c[key]:.4f} vs {r[key]:.4f}{old}", m)
 
 
 VERSION_FILES = ("model.safetensors", "model.json", "replay.safetensors", "config.yaml", "summary.json",

@@ -49,6 +49,7 @@ from edgerev_daemon.promote import decide, export, held_out_groups, version_file
 from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
+from edgerev_daemon.schedule import next_job
 from edgerev_daemon.store import Store
 from edgerev_daemon.watch import InboxWatch
 
@@ -63,9 +64,16 @@ class CycleReport:
     job: dict | None = None
     due: str | None = None
     waiting: str | None = None  # a storage condition kept this cycle from ingesting or training
+    not_due: str | None = None  # why no job ran (the schedule's word: samples still needed, a back-off)
 
     def to_json(self) -> dict:
-        return {"ingest": self.ingest, "due": self.due, "job": self.job, "waiting": self.waiting}
+        return {"ingest": self.ingest, "due": self.due, "not_due": self.not_due, "job": self.job,
+                "waiting": self.waiting}
+
+    @property
+    def failed(self) -> bool:
+        """The cycle did not do what it should: its job failed, or a storage condition held it back."""
+        return self.waiting is not None or (self.job is not None and self.job.get("status") == "failed")
 
 
 class Daemon:
@@ -227,27 +235,8 @@ class Daemon:
         return self.registry.path(name), int(v.metrics.get("data_batch_id", 0)) if v else 0, name
 
     def due(self, now: float) -> str | None:
-        """Why a job should run now, or None."""
-        if self.store.active_job() is not None:
-            return "resume the interrupted job"
-        n = self.store.new_samples_since_last_job()
-        s = self.config.schedule
-        last = self.store.last_job()
-        if last is not None and last.state == JobState.FAILED and last.finished_at is not None \
-                and now - last.finished_at < s.retry_seconds:
-            return None  # a failed job is retried after retry_seconds, not in a loop
-        if n >= s.min_new_samples:
-            return f"{n} new samples (threshold {s.min_new_samples})"
-        if n > 0:
-            last = self.store.last_job(JobState.DONE)
-            since = last.finished_at if last is not None and last.finished_at else self._first_sample_time()
-            if since is not None and now - since >= s.max_interval_seconds:
-                return f"{n} new samples and {now - since:.0f} s since the last job"
-        return None
-
-    def _first_sample_time(self) -> float | None:
-        first = self.store.samples()[:1]
-        return first[0].added_at if first else None
+        """Why a job should run now, or None (:func:`edgerev_daemon.schedule.next_job` says why not)."""
+        return next_job(self.store, self.config.schedule, now).due
 
     def cycle(self, now: float | None = None) -> CycleReport:
         """Ingest, then train, evaluate and promote if a job is due."""
@@ -269,7 +258,8 @@ class Daemon:
                                          watch=self.watch, wait=self._wake.wait).to_json()
             if self.stopping:
                 return report
-            report.due = self.due(now)
+            schedule = next_job(self.store, self.config.schedule, now)
+            report.due, report.not_due = schedule.due, schedule.waiting
             if report.due is not None:
                 report.job = self.run_job(report.due)
         except CYCLE_ERRORS as e:

@@ -7,11 +7,13 @@ daemon writes, so ``edgerev daemon status`` and the HTTP page work beside a runn
 from __future__ import annotations
 
 import os
+import time
 
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
 from edgerev_daemon.records import JobState, Split
 from edgerev_daemon.registry import Registry, RegistryError
+from edgerev_daemon.schedule import next_job
 from edgerev_daemon.store import Store
 
 
@@ -82,6 +84,7 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
                         "heldout": store.count_samples(Split.HELDOUT)},
             "labels": store.labels(),
             "new_samples_since_last_job": store.new_samples_since_last_job(),
+            "schedule": next_job(store, config.schedule, time.time()).to_json(),
             "inbox_problems": store.inbox_problems(),
             "quarantined_files": sum(1 for p in quarantine.iterdir() if not p.name.endswith(".reason.json"))
             if quarantine.is_dir() else 0,
@@ -92,6 +95,9 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
                 "reason": cur.reason if cur else None,
                 "heldout_accuracy": (cur.metrics.get("evaluation", {}).get("candidate", {}).get("all")
                                      if cur else None),
+                # per class on the held-out samples it was judged on (None: a class with none held out)
+                "per_class": (cur.metrics.get("evaluation", {}).get("candidate", {}).get("per_class")
+                              if cur else None),
             },
             "versions": [{"version": v.id, "promoted": v.promoted, "on_disk": (registry.versions_dir / v.id).is_dir(),
                           "job": v.job_id, "reason": v.reason} for v in versions],
@@ -117,7 +123,8 @@ def format_status(s: dict) -> str:
     lines = [f"data directory {s['data_dir']} (inbox {s['inbox']})",
              "daemon: " + (f"running, pid {s['daemon_pid']}" if s["daemon_pid"] else "not running"),
              f"samples: {s['samples']['total']} ({s['samples']['train']} train, {s['samples']['heldout']} held out), "
-             f"labels: {', '.join(s['labels']) or 'none'}; {s['new_samples_since_last_job']} new since the last job; "
+             f"labels: {', '.join(s['labels']) or 'none'}; "
+             f"{s['new_samples_since_last_job']} new samples since the last job; "
              f"{s['quarantined_files']} files in quarantine"]
     disk = s.get("disk") or {}
     if disk.get("below_floor"):
@@ -135,10 +142,19 @@ def format_status(s: dict) -> str:
         lines.append(f"model in service: {cur['version']}{acc}")
         if cur.get("onnx"):
             lines.append(f"  ONNX: {cur['onnx']}")
+        per_class = cur.get("per_class") or {}
+        if per_class:
+            lines.append("  per class: " + ", ".join(f"{c} {'-' if a is None else f'{100 * a:.0f} %'}"
+                                                     for c, a in per_class.items()))
     for v in s["versions"][-5:]:
         mark = "promoted" if v["promoted"] else "kept out"
         lines.append(f"  {v['version']} {mark}{'' if v['on_disk'] else ' (pruned)'}: {v['reason']}")
     if s["job"] is not None:
         j = s["job"]
         lines.append(f"last job: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
+    sched = s.get("schedule") or {}
+    if sched.get("due"):
+        lines.append(f"next job: due now ({sched['due']})")
+    elif sched.get("waiting"):
+        lines.append(f"next job: not yet: {sched['waiting']}")
     return "\n".join(lines)

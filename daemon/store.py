@@ -267,6 +267,11 @@ class Store:
         """``{sample sha256: blob sha256}`` of every sample (for the consistency check)."""
         return dict(self._conn.execute("SELECT sha256, blob_sha256 FROM samples"))
 
+    def first_sample_time(self) -> float | None:
+        """When the first sample (in arrival order) was recorded; None before any."""
+        row = self._one("SELECT added_at FROM samples ORDER BY batch_id, sha256 LIMIT 1")
+        return None if row is None else row[0]
+
     def last_batch_id(self) -> int:
         """The latest ingest batch (0: none yet)."""
         return self._one("SELECT COALESCE(MAX(id), 0) FROM ingest_batches")[0]

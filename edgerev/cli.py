@@ -10,14 +10,10 @@ from collections.abc import Sequence
 
 from edgerev import __version__
 from edgerev.errors import EdgerevError
-
-# exit statuses of every command (the daemon's too): documented in the README and in --help
-EXIT_OK = 0
-EXIT_PARTIAL = 1  # it ran, but not everything succeeded (an image that predict could not read, an inconsistent check)
-EXIT_USAGE = 2  # bad input: one line on stderr, nothing done
-EXIT_PIPE = 141  # stdout closed early (`... | head`): quiet, as a tool killed by SIGPIPE
-EPILOG = ("exit status: 0 success; 1 it ran but something failed (named on stderr); 2 bad input (one line on "
-          "stderr, nothing done); 141 the output pipe closed early")
+from edgerev.exits import EPILOG
+from edgerev.exits import PARTIAL as EXIT_PARTIAL
+from edgerev.exits import PIPE as EXIT_PIPE
+from edgerev.exits import USAGE as EXIT_USAGE
 
 # RevNeXt paper (Hascoet et al. 2023), batch 32 at 240x240: peak training memory per architecture
 PAPER_PEAK_BYTES = {

@@ -21,7 +21,7 @@ def scores(new: float | None, old: float | None, per_class: dict[str, tuple[int,
 def test_better_and_not_worse_is_promoted():
     d = judge(scores(0.9, 0.95, {"a": (9, 10), "b": (8, 10)}), scores(0.5, 0.96, {"a": (9, 10), "b": (0, 10)}),
               Gate(tolerance=0.02))
-    assert d.promote and d.reason.startswith("better on new held-out data: 0.9000 vs 0.5000")
+    assert d.promote and d.reason == "better on the held-out new samples: 0.9000 vs 0.5000, old 0.9500 vs 0.9600"
     assert d.metrics["candidate"]["per_class"] == {"a": 0.9, "b": 0.8}
 
 
