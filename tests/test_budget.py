@@ -9,8 +9,9 @@ For every registry model (tiny widths), sizes 32 and 64, distillation on and off
 - one byte less is refused, naming the same floor;
 - no message shows a zero or negative budget.
 
-The plans are checked on fake tensors and the steps run for real on CPU; the whole trainer
-(``train()`` end to end at the floor) is exercised in ``slow`` tests.
+The plans are checked on fake tensors and the steps run for real on CPU. Size 32 covers every
+invariant for every model and recipe; size 64 and the whole planner at the floor (profiling, solving,
+shrinking) are ``slow``.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def capped_steps(model, teacher, cfg, batch: int, micro: int, cap, steps: int = 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["new-only", "replay"])
 @pytest.mark.parametrize("distill", [False, True], ids=["ce", "distill"])
-@pytest.mark.parametrize("size", [32, 64])
+@pytest.mark.parametrize("size", [32, pytest.param(64, marks=pytest.mark.slow)])  # 32 covers every invariant
 @pytest.mark.parametrize("arch", sorted(TINY))
 def test_the_floor_is_refused_below_and_trains_at(arch, size, distill, replay, monkeypatch, tmp_path):
     """Refused below the floor before any profiling; the floor's plan trains under a cap of exactly the floor."""
@@ -137,3 +138,42 @@ def test_the_trainer_plans_at_the_floor_and_trains(arch, monkeypatch, tmp_path):
     assert cap is not None and cap.budget == floor
     assert summary["account"]["total"] == summary["predicted_peak_bytes"] <= floor
     capped_steps(model, teacher, cfg, BATCH, micro, cap)
+
+
+def test_a_run_below_the_floor_stops_at_start_and_writes_nothing(tmp_path):
+    from edgerev.config import from_dict
+    from edgerev.train.trainer import train
+
+    cfg = from_dict(RunConfig, {"model": {"arch": "revnext", "args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}},
+                                "data": {"size": 16, "train": {"samples": 40, "num_classes": 3}},
+                                "train": {"epochs": 1, "batch": 8}, "memory": {"budget": "100KiB"}})
+    with pytest.raises(BudgetTooSmall) as info:
+        train(cfg, tmp_path / "run", progress=False)
+    assert "a budget of 102,400 bytes" in str(info.value) and FLOOR.search(str(info.value))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("lots", "memory.budget: cannot read 'lots' as a size in bytes"),
+    (-1, "memory.budget: a size in bytes must be at least one byte"),
+    ("-1MiB", "memory.budget: a size in bytes must be positive"),
+    (0, "memory.budget: a size in bytes must be at least one byte"),
+    ("0B", "memory.budget: a size in bytes must be at least one byte"),
+    ("1e18", "memory.budget: '1e18' is more bytes than any device has"),
+    (True, "memory.budget: expected a size in bytes"),
+])
+def test_a_bad_budget_is_one_line_naming_the_key(value, message):
+    from edgerev.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as info:
+        from_dict(RunConfig, {"memory": {"budget": value}})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_a_budget_is_read_once_into_an_int():
+    from edgerev.config import from_dict, to_dict
+
+    cfg = from_dict(RunConfig, {"memory": {"budget": "1.5GB"}})
+    assert cfg.memory.budget == 1_500_000_000 and isinstance(cfg.memory.budget, int)
+    assert to_dict(cfg)["memory"]["budget"] == 1_500_000_000 and type(to_dict(cfg)["memory"]["budget"]) is int
+    assert from_dict(RunConfig, to_dict(cfg)) == cfg

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev._torchapi import is_fake, storage_bytes
+from edgerev.engine import InvertibleSequence
 from edgerev.errors import EdgerevError
 from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 
@@ -79,7 +80,7 @@ class CpuCap:
     @staticmethod
     def key(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int) -> tuple:
         body = getattr(model, "body", None)
-        plan = (tuple(body.modes), body.execution) if body is not None and hasattr(body, "execution") else ()
+        plan = (tuple(body.modes), body.execution) if isinstance(body, InvertibleSequence) else ()
         return (tuple(x.shape), x.dtype, tuple(tuple(t.shape) for t in targets), micro_batches, plan,
                 tuple((tuple(p.shape), p.requires_grad) for p in model.parameters()))
 
