@@ -134,7 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model.check_input(torch.zeros(1, model.in_channels, args.size, args.size, device=device))
     # the trainer's default recipe at this size and batch: the same step the trainer accounts and plans
     momentum = OptimConfig().momentum if args.momentum else 0.0
-    cfg = RunConfig(data=DataConfig(size=args.size), train=TrainConfig(batch=args.batch),
+    cfg = RunConfig(data=DataConfig(size=args.size), train=TrainConfig(batch=args.batch or TrainConfig().batch),
                     optim=OptimConfig(momentum=momentum, nesterov=momentum > 0))
     step = step_shape(cfg, model, None, args.batch)
     tp = plan_training(model, args.size, budget, device, estimate=args.estimate, max_batch=args.batch, step=step,
@@ -150,7 +150,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{args.arch} at {args.size}x{args.size} on {device}, budget {budget:,} bytes, {result['planner']}")
-    print(f"step of {args.batch} samples in micro-batches of {batch}, predicted peak "
+    steps = f"step of {args.batch} samples in micro-batches of {batch}" if args.batch else f"batch {batch}"
+    print(f"{steps}, predicted peak "
           f"{result['predicted_peak_bytes']:,} bytes, {result['samples_per_second'] or 0:.1f} samples/s predicted")
     if tp.account is not None:
         a = tp.account
@@ -281,9 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--size", type=_positive("--size"), required=True, help="input height and width")
     pl.add_argument("--budget", required=True, help="bytes, e.g. 400MiB, 1.5GB or 1000000: the whole step, as the "
                     "trainer counts it (weights, gradients, momentum, the batch, activations)")
-    pl.add_argument("--batch", type=_positive("--batch"), default=128,
-                    help="samples per optimizer step, split into micro-batches as the budget needs (default 128, "
-                         "the recipe's)")
+    pl.add_argument("--batch", type=_positive("--batch"), default=None,
+                    help="samples per optimizer step, split into micro-batches as the budget needs, as a recipe's "
+                         "train.batch (default: no accumulation, the planner picks the batch)")
     pl.add_argument("--no-momentum", dest="momentum", action="store_false",
                     help="an optimizer without momentum state (the recipe's SGD keeps one buffer per weight)")
     pl.add_argument("--device", default="cpu", help="cpu or cuda")
