@@ -124,25 +124,45 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
+    from edgerev.memory.account import account_step
     from edgerev.memory.autoplan import plan_training, verify
-    from edgerev.memory.planner import parse_bytes
     from edgerev.models import create_model
+    from edgerev.sizes import parse_bytes
+    from edgerev.train.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+    from edgerev.train.memory import loss_of, step_shape
 
-    budget = parse_bytes(args.budget)
+    try:
+        budget = parse_bytes(args.budget)
+    except EdgerevError as e:
+        raise EdgerevError(f"--budget: {e}") from None
     device = _device(args.device)
     model = create_model(_arch(args.arch)).to(device)
     model.check_input(torch.zeros(1, model.in_channels, args.size, args.size, device=device))
-    tp = plan_training(model, args.size, budget, device, estimate=args.estimate)
+    # the trainer's default recipe at this size and batch: the same step the trainer accounts and plans
+    momentum = OptimConfig().momentum if args.momentum else 0.0
+    cfg = RunConfig(data=DataConfig(size=args.size), train=TrainConfig(batch=args.batch or TrainConfig().batch),
+                    optim=OptimConfig(momentum=momentum, nesterov=momentum > 0))
+    step = step_shape(cfg, model, None, args.batch)
+    tp = plan_training(model, args.size, budget, device, estimate=args.estimate, max_batch=args.batch, step=step,
+                       loss_fn=loss_of(cfg))
     batch, modes, segments, result = tp.batch, tp.modes, tp.segments, tp.summary
-    result = {"arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget, **result}
+    result = {"arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget,
+              "step_batch": args.batch, **result}
     if args.verify:
         result.update(verify(model, modes, batch, args.size, device, segments=segments))
+        if device == "cpu":  # the whole step as the trainer holds it, measured on real tensors
+            result["measured_peak_bytes"] = account_step(model, step, batch, tp.apply, loss_of(cfg), real=True).total
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{args.arch} at {args.size}x{args.size} on {device}, budget {budget:,} bytes, {result['planner']}")
-    print(f"batch {batch}, predicted peak {result['predicted_peak_bytes']:,} bytes, "
-          f"{result['samples_per_second']:.1f} samples/s predicted")
+    steps = f"step of {args.batch} samples in micro-batches of {batch}" if args.batch else f"batch {batch}"
+    print(f"{steps}, predicted peak "
+          f"{result['predicted_peak_bytes']:,} bytes, {result['samples_per_second'] or 0:.1f} samples/s predicted")
+    if tp.account is not None:
+        a = tp.account
+        print(f"  held: weights {a.weights:,}, buffers {a.buffers:,}, optimizer {a.optimizer:,}, batch "
+              f"{a.batch_input + a.labels:,}; the step: {a.step_bytes:,} (gradients {a.gradients:,} and activations)")
     if args.verify:
         print(f"measured peak {result['measured_peak_bytes']:,} bytes, "
               f"{result['measured_samples_per_second']:.1f} samples/s measured")
@@ -264,12 +284,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_memory)
 
     pl = sub.add_parser("plan", help="batch size and per-stage modes that train fastest under a byte budget",
-                        description="Choose a batch size and a mode per stage (invert, recompute, store, store8, "
-                                    "store4) that maximize samples per second while the peak stays under the "
-                                    "budget. Stage costs are measured once per model, size and device and cached.")
+                        description="Choose a micro-batch and a mode per stage (invert, recompute, store, store8, "
+                                    "store4; checkpoint segments for a plain model) that maximize samples per "
+                                    "second while the peak of the whole training step, as the trainer counts it, "
+                                    "stays under the budget. A budget below the smallest step is refused at once, "
+                                    "naming it. Stage costs are measured once per model, size and device and "
+                                    "cached.")
     pl.add_argument("--arch", required=True, help="registry name")
     pl.add_argument("--size", type=_positive("--size"), required=True, help="input height and width")
-    pl.add_argument("--budget", required=True, help="bytes, e.g. 400MiB, 1.5GB or 1000000")
+    pl.add_argument("--budget", required=True, help="bytes, e.g. 400MiB, 1.5GB or 1000000: the whole step, as the "
+                    "trainer counts it (weights, gradients, momentum, the batch, activations)")
+    pl.add_argument("--batch", type=_positive("--batch"), default=None,
+                    help="samples per optimizer step, split into micro-batches as the budget needs, as a recipe's "
+                         "train.batch (default: no accumulation, the planner picks the batch)")
+    pl.add_argument("--no-momentum", dest="momentum", action="store_false",
+                    help="an optimizer without momentum state (the recipe's SGD keeps one buffer per weight)")
     pl.add_argument("--device", default="cpu", help="cpu or cuda")
     pl.add_argument("--verify", action="store_true", help="run real training steps with the plan and measure them")
     pl.add_argument("--estimate", action="store_true", help="estimate costs (fake tensors, FLOPs) instead of measuring")

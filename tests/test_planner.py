@@ -15,30 +15,14 @@ from edgerev.engine import supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers import HybridBlock
 from edgerev.memory import profile as profile_mod
-from edgerev.memory.autoplan import fake_step_peak, plan_model, verify
-from edgerev.memory.planner import (
-    BudgetTooSmall,
-    Choice,
-    Plan,
-    choices_at,
-    parse_bytes,
-    peak_of,
-    plan,
-    smallest_budget,
-    solve,
-)
-from edgerev.memory.profile import (
-    PROFILE_VERSION,
-    Curve,
-    Linear,
-    ModeCost,
-    Profile,
-    cache_dir,
-    estimate_profile,
-    load_or_measure,
-)
+from edgerev.memory.autoplan import plan_model, verify
+from edgerev.memory.costs import PROFILE_VERSION, BudgetTooSmall, Curve, Linear, ModeCost, Plan, Profile
+from edgerev.memory.knapsack import Choice, choices_at, peak_of, plan, smallest_budget, solve
+from edgerev.memory.measure import fake_step_peak
+from edgerev.memory.profile import cache_dir, estimate_profile, load_or_measure
 from edgerev.models import EngineModel, create_model
 from edgerev.models.base import stem
+from edgerev.sizes import parse_bytes
 from tests.profiles import SMALL_RESNET, SMALL_REVNEXT, measured, recorded, small_model
 
 MODES = ("invert", "recompute", "store", "store8", "store4")
@@ -404,7 +388,7 @@ def test_plan_model_finds_a_plan_when_one_fits(cache):
 
 
 def test_plan_model_rejects_a_budget_below_the_weights(cache):
-    from edgerev.memory.autoplan import fake_step_peak, minimal_modes
+    from edgerev.memory.autoplan import minimal_modes
 
     model = small_model()
     with pytest.raises(BudgetTooSmall) as info:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from edgerev.config import check
+from edgerev.sizes import ByteSize
 
 SCHEDULES = ("onecycle", "constant")
 MODES = ("auto", "plain", "invert", "recompute", "store", "store8", "store4")
@@ -138,22 +139,27 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """``budget``: the hard cap on training memory ("400MiB", "1.5GB"; null: none). ``mode``: ``auto``
+    """``budget``: the hard cap on training memory, bytes as an int or a size such as "400MiB" or "1.5GB"
+    (read once into an int; null: none). It bounds the whole step as :mod:`edgerev.memory.account`
+    counts it: weights, gradients, optimizer state, the teacher, the batch and the planned micro-batch's
+    activations. On CPU it bounds tensors, not the interpreter (see deploy/edgerev.service's
+    ``MemoryMax=`` for the outer guard). ``mode``: ``auto``
     lets the planner choose per-stage modes (the model's least-memory modes when there is no budget);
     ``plain`` trains through plain autograd; a mode name runs every stage in it. ``profile``: the
     planner's per-stage costs, ``measure``d once per model and size (cached) or ``estimate``d."""
 
-    budget: str | None = None
+    budget: ByteSize | None = None
     mode: Literal["auto", "plain", "invert", "recompute", "store", "store8", "store4"] = "auto"
     profile: Literal["measure", "estimate"] = "measure"
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            from edgerev.memory.planner import parse_bytes
+        if self.budget is not None and not isinstance(self.budget, ByteSize):  # built in code, not from a file
+            from edgerev.errors import EdgerevError
+            from edgerev.sizes import parse_bytes
 
             try:
-                parse_bytes(self.budget)
-            except ValueError as e:
+                object.__setattr__(self, "budget", parse_bytes(self.budget))
+            except EdgerevError as e:
                 check(False, "budget", str(e))
         check(self.budget is None or self.mode == "auto", "mode", "a budget needs mode auto (the planner picks)")
 

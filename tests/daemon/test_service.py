@@ -30,8 +30,9 @@ SMALL = {
     "heldout_fraction": 0.2,
     "ingest": {"settle_seconds": 0.0},
     "schedule": {"min_new_samples": 100, "max_interval_seconds": 3600.0},
-    "training": {"arch": "revnext", "model_args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}, "epochs": 2, "batch": 32,
-                 "lr": 0.05, "replay": 200, "distill": 1.0},
+    "training": {"model": {"arch": "revnext", "args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}},
+                 "train": {"epochs": 2, "batch": 32}, "optim": {"lr": 0.05},
+                 "continual": {"replay": 200, "distill": 1.0}},
     "promotion": {"tolerance": 0.1, "keep_last": 2},
 }
 
@@ -230,10 +231,10 @@ def test_second_daemon_refuses_to_start(tmp_path):
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"training": {"epochs": "ten"}}, "training.epochs: expected int, got str 'ten'"),
+    ({"training": {"train": {"epochs": "ten"}}}, "training.train.epochs: expected int, got str 'ten'"),
     ({"trainig": {}}, "trainig: unknown key"),
-    ({"training": {**SMALL["training"], "memory_budget": "100KiB"}}, "training.memory_budget: 102,400 bytes is too "
-                                                                     "small to train revnext at 16x16"),
+    ({"training": {**SMALL["training"], "memory": {"budget": "100KiB"}}},
+     "training.memory.budget: 102,400 bytes is too small to train revnext at 16x16"),
     ({"image_size": 24}, "divisible by 16"),
 ])
 def test_bad_starts_touch_nothing(tmp_path, over, message):
@@ -298,9 +299,9 @@ def test_presets_are_valid():
 
 @pytest.mark.slow
 def test_a_job_trains_under_the_memory_cap(tmp_path, monkeypatch):
-    """The planner fits the job under training.memory_budget; on CPU the tracker enforces it."""
+    """The planner fits the job under training.memory.budget; on CPU the tracker enforces it."""
     monkeypatch.setenv("EDGEREV_CACHE", str(tmp_path / "cache"))
-    config, _ = make_config(tmp_path, training={**SMALL["training"], "memory_budget": "6MiB"})
+    config, _ = make_config(tmp_path, training={**SMALL["training"], "memory": {"budget": "6MiB"}})
     drop(config, 160, range(2))
     with Daemon(config, clock=Clock()) as d:
         job = d.cycle().job
