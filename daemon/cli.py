@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from edgerev_daemon.signals import handling
+
 # syslog priorities: journald reads a "<N>" prefix on each line of a service's stderr
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
@@ -45,10 +47,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = _config(args)
     setup_logging(config.log_level)
-    with Daemon(config, config_path=args.config) as daemon:
-        signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop())
-        signal.signal(signal.SIGINT, lambda s, f: daemon.request_stop())
-        signal.signal(signal.SIGHUP, lambda s, f: daemon.request_reload())
+    with Daemon(config, config_path=args.config) as daemon, handling({
+            signal.SIGTERM: daemon.request_stop, signal.SIGINT: daemon.request_stop,
+            signal.SIGHUP: daemon.request_reload}):
         server = _http(daemon)
         try:
             daemon.serve(poll_seconds=args.poll)
@@ -74,8 +75,7 @@ def cmd_once(args: argparse.Namespace) -> int:
 
     config = _config(args)
     setup_logging(config.log_level if not args.json else "WARNING")
-    with Daemon(config, config_path=args.config) as daemon:
-        signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop())
+    with Daemon(config, config_path=args.config) as daemon, handling({signal.SIGTERM: daemon.request_stop}):
         report = daemon.cycle()
     if args.json:
         print(json.dumps(report.to_json(), indent=2))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from edgerev_daemon.lock import DataDirLock
 from edgerev_daemon.promote import decide, export, held_out_groups, version_files
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
+from edgerev_daemon.signals import Wakeup
 from edgerev_daemon.store import Store
 
 log = logging.getLogger("edgerev.daemon")
@@ -80,14 +80,16 @@ class Daemon:
         except BaseException:
             self.lock.release()
             raise
+        # set from signal handlers: plain booleans and a self-pipe, nothing that takes a lock (signals.py)
         self._stop_asked = False
         self._reload = False
-        self._wake = threading.Event()  # set by a signal to cut the sleep between cycles short
+        self._wakeup = Wakeup()
 
     # lifecycle --------------------------------------------------------------------------------------
 
     def close(self) -> None:
         self.store.close()
+        self._wakeup.close()
         self.lock.release()
 
     def __enter__(self) -> Daemon:
@@ -97,14 +99,21 @@ class Daemon:
         self.close()
 
     def request_stop(self) -> None:
-        """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM)."""
+        """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM).
+
+        Safe to call from a signal handler, any number of times, re-entered or not: it sets a flag and
+        writes a byte to a pipe, and takes no lock (see :mod:`edgerev_daemon.signals`).
+        """
         self._stop_asked = True
-        self._wake.set()
+        self._wakeup.notify()
 
     def request_reload(self) -> None:
-        """Re-read the config file before the next cycle (SIGHUP)."""
+        """Re-read the config file before the next cycle (SIGHUP); a burst of requests is one reload.
+
+        Safe to call from a signal handler, like :meth:`request_stop`.
+        """
         self._reload = True
-        self._wake.set()
+        self._wakeup.notify()
 
     @property
     def stopping(self) -> bool:
@@ -273,7 +282,10 @@ class Daemon:
     # the long-running loop --------------------------------------------------------------------------
 
     def serve(self, poll_seconds: float = 5.0) -> None:
-        """Cycle until :meth:`request_stop`; sleep ``poll_seconds`` between cycles (a signal wakes it)."""
+        """Cycle until :meth:`request_stop`; wait ``poll_seconds`` between cycles (a request wakes it).
+
+        The logging a signal deserves happens here, never in its handler: the handler only set a flag.
+        """
         log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
         while not self.stopping:
             if self._reload:
@@ -285,11 +297,11 @@ class Daemon:
                 self.store.add_event(EventKind.ERROR, {"where": "cycle", "error": str(e)})
             if self.stopping:
                 break
-            self._wake.wait(poll_seconds)
-            self._wake.clear()
+            self._wakeup.wait(poll_seconds)
         log.info("stopped")
 
     def _apply_reload(self) -> None:
+        # cleared before reading, so a request that lands while the file is read is not lost: it reloads again
         self._reload = False
         if self.config_path is None:
             return

@@ -1,0 +1,89 @@
+"""Signal handling that cannot wedge the service: flags plus a self-pipe.
+
+A Python signal handler runs in the main thread between two bytecodes of whatever that thread was doing,
+and a new signal can interrupt the handler itself. A handler that takes a lock (``threading.Event.set``,
+``logging``) therefore deadlocks on the lock its own thread already holds when the signal lands inside
+``Event.clear``/``Event.wait`` or a log call; every further signal nests one more blocked handler until
+``RecursionError``. A burst of SIGHUP did exactly that to the service.
+
+So the handlers here only assign a boolean and write one byte to a non-blocking pipe: no lock, no
+allocation that can block, no logging, and re-entry is harmless (the second run assigns the same flag).
+The loop waits on the read end with ``select`` and a timeout, drains it, and does the logging and the
+reload itself. A burst of N signals leaves at most a pipe full of bytes, drained in one read: the reload
+it asks for runs once (coalesced), and SIGTERM's flag is seen at the next check whatever came before it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+
+class Wakeup:
+    """A self-pipe: :meth:`notify` (safe in a signal handler) makes the next :meth:`wait` return at once."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def notify(self) -> None:
+        """Wake the waiter; takes no lock and never blocks (a full pipe already holds a wake-up)."""
+        try:
+            os.write(self._write, b"\0")
+        except (BlockingIOError, OSError):  # full (a wake-up is pending) or closed (the daemon is gone)
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds or until notified; drain every pending wake-up.
+
+        Returns:
+            True when woken by :meth:`notify` (once, however many notifications piled up).
+        """
+        ready, _, _ = select.select([self._read], [], [], max(0.0, timeout))
+        woken = False
+        while ready:
+            try:
+                woken |= bool(os.read(self._read, 4096))
+            except BlockingIOError:
+                break
+        return woken
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._read = self._write = -1
+
+
+Handler = Callable[[], None]
+
+
+@contextmanager
+def handling(handlers: dict[signal.Signals, Handler]) -> Iterator[None]:
+    """Install ``handlers`` (each called with no argument; it must only set flags and notify a
+    :class:`Wakeup`) for the block, then put the previous ones back.
+
+    Also turns on ``siginterrupt(False)`` so a signal never makes a system call of a worker thread (the
+    status page's) fail with EINTR; the main thread's ``select`` is retried by Python itself (PEP 475).
+    """
+    previous = {}
+    try:
+        for signum, fn in handlers.items():
+            previous[signum] = signal.signal(signum, _call(fn))
+            signal.siginterrupt(signum, False)
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _call(fn: Handler) -> Callable[[int, FrameType | None], None]:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        fn()
+
+    return handler
