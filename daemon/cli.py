@@ -5,35 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
-import sys
 from pathlib import Path
 
+from edgerev_daemon.logs import setup_logging
 from edgerev_daemon.signals import handling
 
-# syslog priorities: journald reads a "<N>" prefix on each line of a service's stderr
-_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
-
-
-class _JournalFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"<{_PRIORITY.get(record.levelno, 6)}>{record.name}: {record.getMessage()}"
-
-
-def setup_logging(level: str = "INFO") -> None:
-    """Log lines to stderr: with syslog priority prefixes under systemd (journald adds the time), with
-    a time stamp on a terminal."""
-    handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("JOURNAL_STREAM"):
-        handler.setFormatter(_JournalFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for noisy in ("onnx_ir", "onnxscript", "torch.onnx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+__all__ = ["add_parser", "setup_logging"]
 
 
 def _config(args: argparse.Namespace):
