@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 from edgerev_daemon.logs import setup_logging
-from edgerev_daemon.signals import handling
+from edgerev_daemon.signals import Requests, handling
 
 __all__ = ["add_parser", "setup_logging"]
 
@@ -23,18 +23,28 @@ def _config(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     from edgerev_daemon.service import Daemon
 
-    config = _config(args)
-    setup_logging(config.log_level)
-    with Daemon(config, config_path=args.config) as daemon, handling({
-            signal.SIGTERM: daemon.request_stop, signal.SIGINT: daemon.request_stop,
-            signal.SIGHUP: daemon.request_reload}):
+    # handlers first: a signal during the start (reading the config, recovery) is kept for the loop
+    # instead of killing the process with the default action
+    requests = Requests()
+    try:
+        with handling({signal.SIGTERM: requests.ask_stop, signal.SIGINT: requests.ask_stop,
+                       signal.SIGHUP: requests.ask_reload}, ignore_after=(signal.SIGHUP,)):
+            config = _config(args)
+            setup_logging(config.log_level)
+            _serve(Daemon(config, config_path=args.config, requests=requests), args.poll)
+    finally:
+        requests.close()
+    return 0
+
+
+def _serve(daemon, poll: float) -> None:
+    with daemon:
         server = _http(daemon)
         try:
-            daemon.serve(poll_seconds=args.poll)
+            daemon.serve(poll_seconds=poll)
         finally:
             if server is not None:
                 server.stop()
-    return 0
 
 
 def _http(daemon):
@@ -53,8 +63,13 @@ def cmd_once(args: argparse.Namespace) -> int:
 
     config = _config(args)
     setup_logging(config.log_level if not args.json else "WARNING")
-    with Daemon(config, config_path=args.config) as daemon, handling({signal.SIGTERM: daemon.request_stop}):
-        report = daemon.cycle()
+    requests = Requests()
+    try:
+        with handling({signal.SIGTERM: requests.ask_stop}), Daemon(config, config_path=args.config,
+                                                                    requests=requests) as daemon:
+            report = daemon.cycle()
+    finally:
+        requests.close()
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

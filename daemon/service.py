@@ -37,7 +37,7 @@ from edgerev_daemon.lock import DataDirLock
 from edgerev_daemon.promote import decide, export, held_out_groups, version_files
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
-from edgerev_daemon.signals import Wakeup
+from edgerev_daemon.signals import Requests
 from edgerev_daemon.store import Store
 
 log = logging.getLogger("edgerev.daemon")
@@ -62,10 +62,12 @@ class Daemon:
         config: the daemon's configuration (paths are validated before anything is touched).
         config_path: the file it came from (re-read on :meth:`request_reload`).
         clock: seconds since the epoch (tests inject their own).
+        requests: the stop and reload flags the signal handlers set (the CLI makes them before the
+            daemon starts, so a signal during the start is not lost); by default the daemon's own.
     """
 
     def __init__(self, config: DaemonConfig, config_path: str | Path | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, requests: Requests | None = None) -> None:
         validate_paths(config)
         check_training(config)
         onnxruntime()  # every promoted version is exported and verified with it: refuse to start without
@@ -81,15 +83,15 @@ class Daemon:
             self.lock.release()
             raise
         # set from signal handlers: plain booleans and a self-pipe, nothing that takes a lock (signals.py)
-        self._stop_asked = False
-        self._reload = False
-        self._wakeup = Wakeup()
+        self._owns_requests = requests is None
+        self.requests = Requests() if requests is None else requests
 
     # lifecycle --------------------------------------------------------------------------------------
 
     def close(self) -> None:
         self.store.close()
-        self._wakeup.close()
+        if self._owns_requests:
+            self.requests.close()
         self.lock.release()
 
     def __enter__(self) -> Daemon:
@@ -104,20 +106,18 @@ class Daemon:
         Safe to call from a signal handler, any number of times, re-entered or not: it sets a flag and
         writes a byte to a pipe, and takes no lock (see :mod:`edgerev_daemon.signals`).
         """
-        self._stop_asked = True
-        self._wakeup.notify()
+        self.requests.ask_stop()
 
     def request_reload(self) -> None:
         """Re-read the config file before the next cycle (SIGHUP); a burst of requests is one reload.
 
         Safe to call from a signal handler, like :meth:`request_stop`.
         """
-        self._reload = True
-        self._wakeup.notify()
+        self.requests.ask_reload()
 
     @property
     def stopping(self) -> bool:
-        return self._stop_asked
+        return self.requests.stop
 
     def _recover(self) -> None:
         removed = self.registry.recover()
@@ -288,7 +288,7 @@ class Daemon:
         """
         log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
         while not self.stopping:
-            if self._reload:
+            if self.requests.reload:
                 self._apply_reload()
             try:
                 self.cycle()
@@ -297,12 +297,12 @@ class Daemon:
                 self.store.add_event(EventKind.ERROR, {"where": "cycle", "error": str(e)})
             if self.stopping:
                 break
-            self._wakeup.wait(poll_seconds)
+            self.requests.wakeup.wait(poll_seconds)
         log.info("stopped")
 
     def _apply_reload(self) -> None:
         # cleared before reading, so a request that lands while the file is read is not lost: it reloads again
-        self._reload = False
+        self.requests.reload = False
         if self.config_path is None:
             return
         try:

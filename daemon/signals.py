@@ -60,16 +60,50 @@ class Wakeup:
         self._read = self._write = -1
 
 
+class Requests:
+    """What the signal handlers ask of the service, and the pipe that wakes it to look.
+
+    Created before the service opens its data directory, so that a signal during the start (recovery can
+    take a while) is kept for the loop instead of killing the process with the default action.
+    """
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.reload = False
+        self.wakeup = Wakeup()
+
+    def ask_stop(self) -> None:
+        """Ask the service to stop (safe in a signal handler: a flag and a byte, no lock)."""
+        self.stop = True
+        self.wakeup.notify()
+
+    def ask_reload(self) -> None:
+        """Ask the service to re-read its config (safe in a signal handler)."""
+        self.reload = True
+        self.wakeup.notify()
+
+    def close(self) -> None:
+        self.wakeup.close()
+
+
 Handler = Callable[[], None]
 
 
 @contextmanager
-def handling(handlers: dict[signal.Signals, Handler]) -> Iterator[None]:
+def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal.Signals, ...] = ()
+             ) -> Iterator[None]:
     """Install ``handlers`` (each called with no argument; it must only set flags and notify a
     :class:`Wakeup`) for the block, then put the previous ones back.
 
-    Also turns on ``siginterrupt(False)`` so a signal never makes a system call of a worker thread (the
-    status page's) fail with EINTR; the main thread's ``select`` is retried by Python itself (PEP 475).
+    Args:
+        handlers: what each signal calls.
+        ignore_after: signals ignored after the block instead of getting their previous handler back:
+            a reload asked for while the service is already stopping has nothing left to reload, and
+            the default action of SIGHUP would kill a process that is exiting cleanly.
+
+    Also turns on ``siginterrupt(False)`` so a signal does not make a system call of another thread (the
+    status page's) fail with EINTR; the main thread's ``select`` is woken all the same (Linux never restarts
+    it) and the byte the handler writes makes the next one return at once.
     """
     previous = {}
     try:
@@ -79,7 +113,7 @@ def handling(handlers: dict[signal.Signals, Handler]) -> Iterator[None]:
         yield
     finally:
         for signum, old in previous.items():
-            signal.signal(signum, old)
+            signal.signal(signum, signal.SIG_IGN if signum in ignore_after else old)
 
 
 def _call(fn: Handler) -> Callable[[int, FrameType | None], None]:
