@@ -51,7 +51,7 @@ def _emit(journal: bool, message: str, args: tuple, exc: bool) -> str:
     return raw.getvalue().decode("utf-8")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(journal=st.booleans(), message=ANY_TEXT, name=FILE_NAMES, exc=st.booleans())
 def test_every_record_is_one_line_without_control_characters(journal, message, name, exc):
     out = _emit(journal, message, (name,), exc)

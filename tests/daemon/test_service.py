@@ -23,7 +23,7 @@ from edgerev_daemon.records import EventKind, JobState
 from edgerev_daemon.registry import REQUIRED, RegistryError
 from edgerev_daemon.service import Daemon
 from tests.daemon.conftest import Clock
-from tests.daemon.running import Running
+from tests.daemon.running import LIMIT, Running
 
 SMALL = {
     "image_size": 16,
@@ -171,7 +171,7 @@ def _child(config_path: Path, point: str | None = None) -> subprocess.CompletedP
     args = [sys.executable, str(Path(__file__).parent / "service_child.py"), str(config_path)]
     if point:
         args.append(point)
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+    return subprocess.run(args, capture_output=True, text=True, timeout=LIMIT)
 
 
 def _invariants(config, samples: int) -> None:
