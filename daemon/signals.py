@@ -8,7 +8,7 @@ and a new signal can interrupt the handler itself. A handler that takes a lock (
 
 So the handlers here only assign a boolean and write one byte to a non-blocking pipe: no lock, no
 allocation that can block, no logging, and re-entry is harmless (the second run assigns the same flag).
-The loop waits on the read end with ``select`` and a timeout, drains it, and does the logging and the
+The loop waits on the read end with ``poll`` and a timeout, drains it, and does the logging and the
 reload itself. A burst of N signals leaves at most a pipe full of bytes, drained in one read: the reload
 it asks for runs once (coalesced), and SIGTERM's flag is seen at the next check whatever came before it.
 """
@@ -42,7 +42,9 @@ class Wakeup:
         Returns:
             True when woken by :meth:`notify` (once, however many notifications piled up).
         """
-        ready, _, _ = select.select([self._read], [], [], max(0.0, timeout))
+        poller = select.poll()  # not select.select: that one fails on a descriptor numbered 1024 or above
+        poller.register(self._read, select.POLLIN)
+        ready = poller.poll(max(0.0, timeout) * 1000.0)
         woken = False
         while ready:
             try:
@@ -102,7 +104,7 @@ def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal
             the default action of SIGHUP would kill a process that is exiting cleanly.
 
     Also turns on ``siginterrupt(False)`` so a signal does not make a system call of another thread (the
-    status page's) fail with EINTR; the main thread's ``select`` is woken all the same (Linux never restarts
+    status page's) fail with EINTR; the main thread's ``poll`` is woken all the same (Linux never restarts
     it) and the byte the handler writes makes the next one return at once.
     """
     previous = {}
