@@ -5,35 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
 from edgerev.exits import PARTIAL as EXIT_PARTIAL
+from edgerev_daemon.logs import setup_logging
+from edgerev_daemon.signals import Requests, handling
 
-# syslog priorities: journald reads a "<N>" prefix on each line of a service's stderr
-_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
-
-
-class _JournalFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"<{_PRIORITY.get(record.levelno, 6)}>{record.name}: {record.getMessage()}"
-
-
-def setup_logging(level: str = "INFO") -> None:
-    """Log lines to stderr: with syslog priority prefixes under systemd (journald adds the time), with
-    a time stamp on a terminal."""
-    handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("JOURNAL_STREAM"):
-        handler.setFormatter(_JournalFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for noisy in ("onnx_ir", "onnxscript", "torch.onnx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+__all__ = ["add_parser", "setup_logging"]
 
 
 def _config(args: argparse.Namespace):
@@ -45,19 +25,28 @@ def _config(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     from edgerev_daemon.service import Daemon
 
-    config = _config(args)
-    setup_logging(config.log_level)
-    with Daemon(config, config_path=args.config) as daemon:
-        signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop())
-        signal.signal(signal.SIGINT, lambda s, f: daemon.request_stop())
-        signal.signal(signal.SIGHUP, lambda s, f: daemon.request_reload())
+    # handlers first: a signal during the start (reading the config, recovery) is kept for the loop
+    # instead of killing the process with the default action
+    requests = Requests()
+    try:
+        with handling({signal.SIGTERM: requests.ask_stop, signal.SIGINT: requests.ask_stop,
+                       signal.SIGHUP: requests.ask_reload}, ignore_after=(signal.SIGHUP,)):
+            config = _config(args)
+            setup_logging(config.log_level)
+            _serve(Daemon(config, config_path=args.config, requests=requests), args.poll)
+    finally:
+        requests.close()
+    return 0
+
+
+def _serve(daemon, poll: float) -> None:
+    with daemon:
         server = _http(daemon)
         try:
-            daemon.serve(poll_seconds=args.poll)
+            daemon.serve(poll_seconds=poll)
         finally:
             if server is not None:
                 server.stop()
-    return 0
 
 
 def _http(daemon):
@@ -76,9 +65,13 @@ def cmd_once(args: argparse.Namespace) -> int:
 
     config = _config(args)
     setup_logging(config.log_level if not args.json else "WARNING")
-    with Daemon(config, config_path=args.config) as daemon:
-        signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop())
-        report = daemon.cycle()
+    requests = Requests()
+    try:
+        with handling({signal.SIGTERM: requests.ask_stop}), Daemon(config, config_path=args.config,
+                                                                    requests=requests) as daemon:
+            report = daemon.cycle()
+    finally:
+        requests.close()
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

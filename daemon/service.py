@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import shutil
 import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
 from edgerev_daemon.schedule import next_job
+from edgerev_daemon.signals import Requests
 from edgerev_daemon.store import Store
 from edgerev_daemon.watch import InboxWatch
 
@@ -83,10 +83,12 @@ class Daemon:
         config: the daemon's configuration (paths are validated before anything is touched).
         config_path: the file it came from (re-read on :meth:`request_reload`).
         clock: seconds since the epoch (tests inject their own).
+        requests: the stop and reload flags the signal handlers set (the CLI makes them before the
+            daemon starts, so a signal during the start is not lost); by default the daemon's own.
     """
 
     def __init__(self, config: DaemonConfig, config_path: str | Path | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, requests: Requests | None = None) -> None:
         validate_paths(config)
         check_training(config)
         onnxruntime()  # every promoted version is exported and verified with it: refuse to start without
@@ -106,9 +108,9 @@ class Daemon:
                 self.store.close()
             self.lock.release()
             raise
-        self._stop_asked = False
-        self._reload = False
-        self._wake = threading.Event()  # set by a signal to cut the sleep between cycles short
+        # set from signal handlers: plain booleans and a self-pipe, nothing that takes a lock (signals.py)
+        self._owns_requests = requests is None
+        self.requests = Requests() if requests is None else requests
         self.watch = InboxWatch()  # settling and reported folders, across this process's cycles
 
     # lifecycle --------------------------------------------------------------------------------------
@@ -116,6 +118,8 @@ class Daemon:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+        if self._owns_requests:
+            self.requests.close()
         self.lock.release()
 
     def __enter__(self) -> Daemon:
@@ -125,18 +129,23 @@ class Daemon:
         self.close()
 
     def request_stop(self) -> None:
-        """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM)."""
-        self._stop_asked = True
-        self._wake.set()
+        """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM).
+
+        Safe to call from a signal handler, any number of times, re-entered or not: it sets a flag and
+        writes a byte to a pipe, and takes no lock (see :mod:`edgerev_daemon.signals`).
+        """
+        self.requests.ask_stop()
 
     def request_reload(self) -> None:
-        """Re-read the config file before the next cycle (SIGHUP)."""
-        self._reload = True
-        self._wake.set()
+        """Re-read the config file before the next cycle (SIGHUP); a burst of requests is one reload.
+
+        Safe to call from a signal handler, like :meth:`request_stop`.
+        """
+        self.requests.ask_reload()
 
     @property
     def stopping(self) -> bool:
-        return self._stop_asked
+        return self.requests.stop
 
     def _try_recover(self) -> bool:
         """Open the store and :meth:`_recover`, with a storage fault turned into a condition (retried at
@@ -255,7 +264,7 @@ class Daemon:
         try:
             # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
             report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping,
-                                         watch=self.watch, wait=self._wake.wait).to_json()
+                                         watch=self.watch, wait=self.requests.wakeup.wait).to_json()
             if self.stopping:
                 return report
             schedule = next_job(self.store, self.config.schedule, now)
@@ -373,10 +382,13 @@ class Daemon:
     # the long-running loop --------------------------------------------------------------------------
 
     def serve(self, poll_seconds: float = 5.0) -> None:
-        """Cycle until :meth:`request_stop`; sleep ``poll_seconds`` between cycles (a signal wakes it)."""
+        """Cycle until :meth:`request_stop`; wait ``poll_seconds`` between cycles (a request wakes it).
+
+        The logging a signal deserves happens here, never in its handler: the handler only set a flag.
+        """
         log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
         while not self.stopping:
-            if self._reload:
+            if self.requests.reload:
                 self._apply_reload()
             try:
                 self.cycle()
@@ -386,12 +398,12 @@ class Daemon:
                 self.conditions.end("cycle failed")
             if self.stopping:
                 break
-            self._wake.wait(poll_seconds)
-            self._wake.clear()
+            self.requests.wakeup.wait(poll_seconds)
         log.info("stopped")
 
     def _apply_reload(self) -> None:
-        self._reload = False
+        # cleared before reading, so a request that lands while the file is read is not lost: it reloads again
+        self.requests.reload = False
         if self.config_path is None:
             return
         try:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from edgerev_daemon.records import EventKind, JobState
 from edgerev_daemon.registry import REQUIRED, RegistryError
 from edgerev_daemon.service import Daemon
 from tests.daemon.conftest import Clock
+from tests.daemon.running import LIMIT, Running
 
 SMALL = {
     "image_size": 16,
@@ -179,7 +179,7 @@ def _child(config_path: Path, point: str | None = None) -> subprocess.CompletedP
     args = [sys.executable, str(Path(__file__).parent / "service_child.py"), str(config_path)]
     if point:
         args.append(point)
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+    return subprocess.run(args, capture_output=True, text=True, timeout=LIMIT)
 
 
 def _invariants(config, samples: int) -> None:
@@ -254,35 +254,22 @@ def test_inbox_that_is_a_file(tmp_path):
 
 @pytest.mark.slow
 def test_run_reloads_on_sighup_and_stops_on_sigterm_with_a_checkpoint(tmp_path):
-    config, path = make_config(tmp_path, training={**SMALL["training"], "epochs": 40})
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "edgerev", "daemon", "run", "--config", str(path), "--poll", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-    def wait_for(condition, what):
-        deadline = time.monotonic() + 120
-        while not condition():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"{what}: {proc.communicate()}")
-            time.sleep(0.05)
-
-    wait_for(config.layout.database.exists, "the daemon did not start")
-    time.sleep(0.5)
-    path.write_text(path.read_text().replace("min_new_samples: 100", "min_new_samples: 150"))
-    proc.send_signal(signal.SIGHUP)
-    time.sleep(1.0)
-    drop(config, 160, range(2))
+    """Every wait is on a line of the daemon's log: nothing depends on how fast the machine is."""
+    config, path = make_config(tmp_path, training={**SMALL["training"], "epochs": 1000})
+    with Running(path) as d:
+        d.wait_for("serving")
+        path.write_text(path.read_text().replace("min_new_samples: 100", "min_new_samples: 150"))
+        d.send(signal.SIGHUP)
+        d.wait_for("config reloaded")
+        drop(config, 160, range(2))
+        d.wait_for("new samples (threshold 150)")  # the reloaded schedule started the job
+        d.send(signal.SIGTERM)
+        assert d.finish() == 0, d.log()[-3000:]
+        log = d.log()
+    assert "stopped at step" in log and "it resumes at the next start" in log
     latest = Path(config.data_dir) / "jobs" / "job-00001" / "checkpoints" / "latest.json"
-    wait_for(latest.exists, "no training checkpoint appeared")
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    assert "config reloaded" in err
-    assert "160 new samples (threshold 150)" in err  # the reloaded schedule
-    assert "stopped at step" in err and "it resumes at the next start" in err
     step = json.loads(latest.read_text())["step"]
-    assert 0 < step < 40 * 4
+    assert 0 < step < 1000 * 4
 
 
 def test_presets_are_valid():
