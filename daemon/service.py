@@ -44,6 +44,7 @@ from edgerev_daemon.ingest import ingest_inbox
 from edgerev_daemon.jobs import check_training, job_dir, run_job
 from edgerev_daemon.layout import prepare
 from edgerev_daemon.lock import DataDirLock
+from edgerev_daemon.notify import Notifier
 from edgerev_daemon.promote import decide, export, held_out_groups, version_files
 from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
@@ -70,6 +71,20 @@ class CycleReport:
         return {"ingest": self.ingest, "due": self.due, "not_due": self.not_due, "job": self.job,
                 "waiting": self.waiting}
 
+    def summary(self) -> str:
+        """One line for systemd's STATUS=: what this cycle did."""
+        i = self.ingest or {}
+        parts = [f"ingest {i.get('accepted', 0)} stored"] if i else []
+        if self.job is not None:
+            j = self.job
+            what = j.get("status") or ("promoted" if j.get("promoted") else "kept out")
+            parts.append(f"job {j.get('job')} {what}" + (f" ({j['version']})" if j.get("version") else ""))
+        elif self.not_due:
+            parts.append(f"next job: {self.not_due}")
+        if self.waiting:
+            parts.append(f"waiting for {self.waiting}")
+        return "; ".join(parts) or "idle"
+
     @property
     def failed(self) -> bool:
         """The cycle did not do what it should: its job failed, or a storage condition held it back."""
@@ -85,10 +100,13 @@ class Daemon:
         clock: seconds since the epoch (tests inject their own).
         requests: the stop and reload flags the signal handlers set (the CLI makes them before the
             daemon starts, so a signal during the start is not lost); by default the daemon's own.
+        notifier: systemd's notification socket (by default from the environment; nothing outside systemd).
     """
 
     def __init__(self, config: DaemonConfig, config_path: str | Path | None = None,
-                 clock: Callable[[], float] = time.time, requests: Requests | None = None) -> None:
+                 clock: Callable[[], float] = time.time, requests: Requests | None = None,
+                 notifier: Notifier | None = None) -> None:
+        self.notifier = notifier if notifier is not None else Notifier()
         validate_paths(config)
         check_training(config)
         onnxruntime()  # every promoted version is exported and verified with it: refuse to start without
@@ -263,7 +281,7 @@ class Daemon:
         self.conditions.end("disk space")
         try:
             # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
-            report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping,
+            report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=self._alive,
                                          watch=self.watch, wait=self.requests.wakeup.wait).to_json()
             if self.stopping:
                 return report
@@ -292,7 +310,7 @@ class Daemon:
         if done is not None:  # decided before a crash: finish that decision instead of deciding again
             return self._conclude(job, done, out, current_name)
         try:
-            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, lambda: self.stopping)
+            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, self._alive)
         except (EdgerevError, OSError, RuntimeError) as e:
             return self._fail(job, f"training failed: {e}")
         if outcome.status == "stopped":
@@ -381,25 +399,47 @@ class Daemon:
 
     # the long-running loop --------------------------------------------------------------------------
 
+    def _alive(self) -> bool:
+        """Asked at every training step and between ingest batches: pings systemd's watchdog (a wedged
+        loop stops pinging), and says whether to stop."""
+        self.notifier.watchdog()
+        return self.stopping
+
     def serve(self, poll_seconds: float = 5.0) -> None:
         """Cycle until :meth:`request_stop`; wait ``poll_seconds`` between cycles (a request wakes it).
 
         The logging a signal deserves happens here, never in its handler: the handler only set a flag.
+        Under systemd (``Type=notify``) it says ``READY=1`` before the first cycle, a ``STATUS=`` line after
+        each, and pings the watchdog (:mod:`edgerev_daemon.notify`).
         """
         log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
+        self.notifier.ready(f"serving {self.config.data_dir}")
         while not self.stopping:
             if self.requests.reload:
                 self._apply_reload()
             try:
-                self.cycle()
+                report = self.cycle()
             except CYCLE_ERRORS as e:  # keep running: the next cycle tries again (logged once while it lasts)
                 self.conditions.begin("cycle failed", str(e))
+                self.notifier.status(f"cycle failed: {e}")
             else:
                 self.conditions.end("cycle failed")
+                self.notifier.status(report.summary())
             if self.stopping:
                 break
-            self.requests.wakeup.wait(poll_seconds)
+            self._sleep(poll_seconds)
+        self.notifier.stopping()
         log.info("stopped")
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` or until a request, pinging the watchdog at its pace meanwhile."""
+        end = time.monotonic() + seconds
+        half = self.notifier.watchdog_seconds / 2 if self.notifier.watchdog_seconds else seconds
+        while True:
+            self.notifier.watchdog()
+            left = end - time.monotonic()
+            if left <= 0 or self.requests.wakeup.wait(min(left, half)):
+                return
 
     def _apply_reload(self) -> None:
         # cleared before reading, so a request that lands while the file is read is not lost: it reloads again
