@@ -37,6 +37,11 @@ SMALL = {
 }
 
 
+def epochs(n: int) -> dict:
+    """SMALL's training section with ``n`` epochs."""
+    return {**SMALL["training"], "train": {**SMALL["training"]["train"], "epochs": n}}
+
+
 def make_config(tmp_path: Path, **over) -> tuple:
     data = {**SMALL, "data_dir": str(tmp_path / "data"), **over}
     path = tmp_path / "daemon.yaml"
@@ -255,7 +260,7 @@ def test_inbox_that_is_a_file(tmp_path):
 @pytest.mark.slow
 def test_run_reloads_on_sighup_and_stops_on_sigterm_with_a_checkpoint(tmp_path):
     """Every wait is on a line of the daemon's log: nothing depends on how fast the machine is."""
-    config, path = make_config(tmp_path, training={**SMALL["training"], "epochs": 1000})
+    config, path = make_config(tmp_path, training=epochs(1000))
     with Running(path) as d:
         d.wait_for("serving")
         path.write_text(path.read_text().replace("min_new_samples: 100", "min_new_samples: 150"))

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.service import CycleReport, Daemon
 from edgerev_daemon.signals import Requests, Wakeup, handling
 from tests.daemon.conftest import Clock
 from tests.daemon.running import LIMIT, Running
-from tests.daemon.test_service import SMALL, drop, make_config
+from tests.daemon.test_service import drop, epochs, make_config
 
 
 def _handled(d: Daemon):
@@ -71,7 +71,7 @@ def test_a_burst_of_sighup_is_one_reload(tmp_path, monkeypatch, caplog):
         for _ in range(2000):
             os.kill(os.getpid(), signal.SIGHUP)
         cycles = []
-        monkeypatch.setattr(d, "cycle", lambda: cycles.append(1) or d.request_stop())
+        monkeypatch.setattr(d, "cycle", lambda: cycles.append(1) or d.request_stop() or CycleReport())
         with caplog.at_level(logging.INFO, logger="edgerev.daemon"):
             d.serve(poll_seconds=LIMIT)
     assert cycles == [1]
@@ -105,7 +105,7 @@ def test_sigterm_during_training_stops_after_the_step_under_way(tmp_path, monkey
     (and its checkpoint), which is what the unit's TimeoutStopSec has to cover."""
     import edgerev.train.trainer as trainer
 
-    config, _ = make_config(tmp_path, training={**SMALL["training"], "epochs": 50})
+    config, _ = make_config(tmp_path, training=epochs(50))
     drop(config, 160, range(2))
     real, calls = trainer.train_step, []
 
@@ -142,7 +142,7 @@ finally:
 def test_a_storm_of_sighup_from_another_process_never_wedges_the_loop(tmp_path):
     """SIGHUP without pause from another process: the daemon goes on ingesting and starts its job, a
     SIGTERM in the middle of the storm stops it at a step boundary, and the reloads are coalesced."""
-    config, path = make_config(tmp_path, training={**SMALL["training"], "epochs": 1000})
+    config, path = make_config(tmp_path, training=epochs(1000))
     with Running(path) as d:
         d.wait_for("serving")
         storm = subprocess.Popen([sys.executable, "-c", STORM, str(d.pid)], stdout=subprocess.PIPE, text=True)
