@@ -256,9 +256,20 @@ class DaemonConfig:
         return Path(self.inbox) if self.inbox is not None else self.layout.default_inbox
 
 
+# the flat keys of the ``training:`` section before it embedded the trainer's recipe, and where each went
+MOVED_TRAINING_KEYS = {"arch": "model.arch", "model_args": "model.args", "epochs": "train.epochs",
+                       "batch": "train.batch", "lr": "optim.lr", "clip_grad_norm": "optim.clip_grad_norm",
+                       "replay": "continual.replay", "distill": "continual.distill",
+                       "temperature": "continual.temperature", "memory_budget": "memory.budget"}
+
+
 def config_from_dict(data: dict, base: str | Path | None = None) -> DaemonConfig:
     """Validate ``data`` (a parsed YAML mapping); relative paths are taken relative to ``base``."""
     if isinstance(data, dict) and isinstance(data.get("training", {}), dict):
+        moved = [k for k in (data.get("training") or {}) if k in MOVED_TRAINING_KEYS]
+        if moved:  # a config written for an earlier edgerev: say where each key went
+            raise ConfigError("; ".join(f"training.{k} is now training.{MOVED_TRAINING_KEYS[k]}" for k in moved)
+                              + " (the training section takes the trainer's recipe sections; see configs/daemon/)")
         data = {**data, "training": _merged(TRAINING_DEFAULTS, data.get("training") or {})}
     cfg = from_dict(DaemonConfig, data)
     base = Path(base) if base is not None else Path.cwd()

@@ -215,3 +215,10 @@ def test_cuda_gradients_match_cpu(mode):
     for (n, a), b in zip(cpu.named_parameters(), gpu.parameters()):
         torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-8, atol=1e-10, msg=n)
         assert cosine(b.grad.cpu(), a.grad) > 0.999999
+
+
+def test_the_light_names_are_the_registry():
+    """edgerev.models.names (what configs check model.arch against, without torch) lists the registry."""
+    from edgerev.models.names import ARCHS
+
+    assert ARCHS == tuple(list_models())

@@ -27,10 +27,9 @@ class ModelConfig:
     init: str | None = None
 
     def __post_init__(self) -> None:
-        from edgerev.models import list_models
+        from edgerev.models.names import ARCHS  # no torch: the daemon's config and status stay light
 
-        check(self.arch in list_models(), "arch", f"unknown architecture {self.arch!r}; choose from "
-              f"{', '.join(list_models())}")
+        check(self.arch in ARCHS, "arch", f"unknown architecture {self.arch!r}; choose from {', '.join(ARCHS)}")
         check("num_classes" not in self.args, "args.num_classes", "set by the data's classes, not here")
 
 

@@ -82,3 +82,25 @@ def test_once_says_why_no_job_runs_and_exits_1_when_its_job_failed(tmp_path, cap
     assert "no job due (job 1 failed; retried after schedule.retry_seconds, in" in capsys.readouterr().out
     assert main(["daemon", "status", "--config", str(config)]) == 0
     assert "next job: not yet: job 1 failed; retried after schedule.retry_seconds" in capsys.readouterr().out
+
+
+def test_status_and_check_import_no_torch(tmp_path):
+    """A monitoring loop calls status: it reads the store and imports no torch (nor does check)."""
+    import subprocess
+    import sys
+
+    from tests.daemon.conftest import image_bytes, write
+
+    config = tmp_path / "d.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\ningest: {{settle_seconds: 0}}\n"
+                      "schedule: {min_new_samples: 1000}\n")
+    for i in range(4):
+        write(tmp_path / "data" / "inbox" / "a" / f"{i}.png", image_bytes(i))
+    assert main(["daemon", "once", "--config", str(config)]) == 0
+    code = ("import sys\nfrom edgerev.cli import main\n"
+            f"assert main(['daemon', 'status', '--config', {str(config)!r}, '--json']) == 0\n"
+            f"assert main(['daemon', 'check', '--config', {str(config)!r}]) == 0\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert '"total": 4' in done.stdout and "consistent" in done.stdout

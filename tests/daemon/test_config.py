@@ -157,3 +157,11 @@ def test_write_probe_is_real(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "mkstemp", refuse)
     with pytest.raises(ConfigError, match=r"data_dir: cannot write in directory .* \(Read-only file system\)"):
         validate_paths(config_from_dict({"data_dir": str(tmp_path)}))
+
+
+def test_a_config_written_before_the_training_section_embedded_the_recipe_says_where_each_key_went():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"data_dir": "d", "training": {"arch": "revnext", "epochs": 3, "memory_budget": "6MiB"}})
+    assert str(e.value) == ("training.arch is now training.model.arch; training.epochs is now training.train.epochs; "
+                            "training.memory_budget is now training.memory.budget (the training section takes the "
+                            "trainer's recipe sections; see configs/daemon/)")
