@@ -17,6 +17,8 @@ Mini-batches are drawn from ``numpy.random.default_rng(seed)``, one permutation 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-6
@@ -64,6 +66,22 @@ class _SGD:
             p -= (self.lr * g).astype(p.dtype)
 
 
+def run_epochs(step: Callable[[np.ndarray], float], n: int, *, epochs: int, batch: int, seed: int) -> list[float]:
+    """Call ``step(indices)`` on shuffled mini-batches of ``range(n)`` (one permutation per epoch from
+    ``default_rng(seed)``: every backend sees the same batches); ``step`` returns the batch's mean loss.
+    Returns the mean loss of each epoch."""
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        total = 0.0
+        for i in range(0, n, batch):
+            idx = order[i:i + batch]
+            total += step(idx) * len(idx)
+        losses.append(total / n)
+    return losses
+
+
 def train_head(feats: np.ndarray, labels: np.ndarray, w: np.ndarray, b: np.ndarray, *, epochs: int, lr: float,
                batch: int, optimizer: str, seed: int) -> tuple[np.ndarray, np.ndarray, list[float]]:
     """Train the head ``(w [C, F], b [C])`` on ``feats [N, F]``; returns the new ``(w, b)`` and the
@@ -71,15 +89,11 @@ def train_head(feats: np.ndarray, labels: np.ndarray, w: np.ndarray, b: np.ndarr
     w, b = w.astype(np.float32).copy(), b.astype(np.float32).copy()
     params = [w, b]
     opt = {"adamw": _AdamW, "sgd": _SGD}[optimizer](params, lr)
-    rng = np.random.default_rng(seed)
-    losses = []
-    for _ in range(epochs):
-        order = rng.permutation(len(labels))
-        total = 0.0
-        for i in range(0, len(order), batch):
-            idx = order[i:i + batch]
-            loss, dw, db = loss_and_grad(feats[idx], labels[idx], w, b)
-            opt.step(params, [dw, db])
-            total += loss * len(idx)
-        losses.append(total / len(order))
+
+    def step(idx: np.ndarray) -> float:
+        loss, dw, db = loss_and_grad(feats[idx], labels[idx], w, b)
+        opt.step(params, [dw, db])
+        return loss
+
+    losses = run_epochs(step, len(labels), epochs=epochs, batch=batch, seed=seed)
     return w, b, losses

@@ -17,6 +17,7 @@ import numpy as np
 
 from edgerev.errors import ExportError
 from edgerev.export import graph
+from edgerev.export.head_numpy import run_epochs
 from edgerev.export.runtime import first_line, onnxruntime, quiet_artifact_generation, training_modules
 
 
@@ -70,18 +71,14 @@ def _train(head_proto, head: graph.Head, feats: np.ndarray, labels: np.ndarray, 
     opt = api.Optimizer(str(folder / "optimizer_model.onnx"), module)
     opt.set_learning_rate(lr)
     module.train()
-    rng = np.random.default_rng(seed)
-    losses = []
-    for _ in range(epochs):
-        order = rng.permutation(len(labels))
-        total = 0.0
-        for i in range(0, len(order), batch):
-            idx = order[i:i + batch]
-            loss = module(feats[idx], labels[idx])
-            opt.step()
-            module.lazy_reset_grad()
-            total += float(loss) * len(idx)
-        losses.append(total / len(order))
+
+    def step(idx: np.ndarray) -> float:
+        loss = module(feats[idx], labels[idx])
+        opt.step()
+        module.lazy_reset_grad()
+        return float(loss)
+
+    losses = run_epochs(step, len(labels), epochs=epochs, batch=batch, seed=seed)
     return state, losses
 
 

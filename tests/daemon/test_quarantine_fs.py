@@ -11,14 +11,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 from pathlib import Path
-
-import pytest
 
 from edgerev_daemon import EventKind, confined, ingest_inbox
 
-from .conftest import image_bytes, make_config, open_data_dir
+from .conftest import image_bytes, make_config, open_data_dir, tmpfs
 
 
 def used_bytes(folder: Path) -> int:
@@ -71,12 +68,7 @@ def test_a_file_system_without_hard_links(datadir, monkeypatch):
 
 
 def test_an_inbox_on_a_real_tmpfs(tmp_path):
-    inbox = tmp_path / "inbox"
-    inbox.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(inbox)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "inbox", "4m") as inbox:
         assert os.stat(inbox).st_dev != os.stat(tmp_path).st_dev
         d = open_data_dir(make_config(tmp_path, inbox=str(inbox)))
         try:
@@ -84,5 +76,3 @@ def test_an_inbox_on_a_real_tmpfs(tmp_path):
         finally:
             d.store.close()
             d.lock.release()
-    finally:
-        subprocess.run(["umount", str(inbox)], check=True)

@@ -10,7 +10,6 @@ import errno
 import logging
 import os
 import sqlite3
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from edgerev_daemon.records import EventKind
 from edgerev_daemon.service import Daemon
 from edgerev_daemon.status import status
 from edgerev_daemon.store import Store
-from tests.daemon.conftest import Clock
+from tests.daemon.conftest import Clock, tmpfs
 from tests.daemon.test_service import drop, make_config
 
 
@@ -147,15 +146,8 @@ def test_the_floor_key_is_validated(tmp_path):
 def small_fs(tmp_path):
     """A 2 MiB tmpfs, mounted for the test (root only: skipped elsewhere; the injected tests above
     cover the same paths)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "2m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def _fill(folder: Path) -> Path:
