@@ -8,12 +8,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from edgerev import __version__
-from edgerev.errors import EdgerevError
-from edgerev.exits import EPILOG
-from edgerev.exits import PARTIAL as EXIT_PARTIAL
-from edgerev.exits import PIPE as EXIT_PIPE
-from edgerev.exits import USAGE as EXIT_USAGE
+# Before torch (and its OpenMP runtime) is imported: threads waiting for work sleep instead of spinning,
+# so training does not take cores from the device's other work (the systemd unit sets the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from edgerev import __version__  # noqa: E402
+from edgerev.errors import EdgerevError  # noqa: E402
+from edgerev.exits import EPILOG  # noqa: E402
+from edgerev.exits import PARTIAL as EXIT_PARTIAL  # noqa: E402
+from edgerev.exits import PIPE as EXIT_PIPE  # noqa: E402
+from edgerev.exits import USAGE as EXIT_USAGE  # noqa: E402
 
 # RevNeXt paper (Hascoet et al. 2023), batch 32 at 240x240: peak training memory per architecture
 PAPER_PEAK_BYTES = {

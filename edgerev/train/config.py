@@ -121,7 +121,9 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """``batch``: samples per optimizer step (split into micro-batches when the cap needs it);
-    ``checkpoint_every``: steps between checkpoints (and at each epoch's end)."""
+    ``checkpoint_every``: steps between checkpoints (and at each epoch's end). ``threads``: the CPU
+    threads training uses (null: one fewer than the cores this process may run on, at least one: a
+    device usually also serves predictions)."""
 
     epochs: int = 10
     batch: int = 128
@@ -129,11 +131,31 @@ class TrainConfig:
     checkpoint_every: int = 50
     log_every: int = 10
     eval_batch: int = 256
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch", "checkpoint_every", "log_every", "eval_batch"):
             value = getattr(self, name)
             check(value >= 1, name, f"must be at least 1, got {value}")
+        if self.threads is not None:
+            cores = available_cores()
+            check(1 <= self.threads <= cores, "threads",
+                  f"must lie in 1..{cores} (the cores this process may run on), got {self.threads}")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and cpusets narrow)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """Training threads when the recipe says none: one fewer than the cores, at least one."""
+    return max(1, available_cores() - 1)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from edgerev.errors import EdgerevError, NonFiniteError
 from edgerev.memory.cap import train_step
 from edgerev.train.augment import Augment
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
-from edgerev.train.config import RunConfig
+from edgerev.train.config import RunConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
@@ -196,9 +197,22 @@ def resolve_run(cfg: RunConfig | None, out: Path, resume: bool) -> RunConfig:
     return cfg
 
 
+@contextmanager
+def training_threads(n: int | None) -> Iterator[int]:
+    """torch's CPU threads for the block: ``n``, or one fewer than the cores (``train.threads``); the
+    previous count is restored after, so a library caller's setting survives a run."""
+    before = torch.get_num_threads()
+    n = default_threads() if n is None else n
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
 def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Callable[[], bool] | None = None,
           progress: bool | None = None, data: tuple[LabeledImages, LabeledImages | None] | None = None) -> RunResult:
-    """Run the recipe ``cfg`` into ``out`` (see the module docstring).
+    """Run the recipe ``cfg`` into ``out`` (see the module docstring), with ``train.threads`` CPU threads.
 
     Args:
         resume: continue the run in ``out`` from its latest checkpoint (``cfg`` None or the same).
@@ -211,6 +225,12 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
     """
     out = Path(out)
     cfg = resolve_run(cfg, out, resume)
+    with training_threads(cfg.train.threads):
+        return _train(cfg, out, resume, stop, progress, data)
+
+
+def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | None, progress: bool | None,
+           data: tuple[LabeledImages, LabeledImages | None] | None) -> RunResult:
     device = _device(cfg.device)
     s = _prepare(cfg, device, data)
     model, info = s.model, s.info
