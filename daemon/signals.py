@@ -7,7 +7,11 @@ and a new signal can interrupt the handler itself. A handler that takes a lock (
 ``RecursionError``. A burst of SIGHUP did exactly that to the service.
 
 So the handlers here only assign a boolean and write one byte to a non-blocking pipe: no lock, no
-allocation that can block, no logging, and re-entry is harmless (the second run assigns the same flag).
+allocation that can block, no logging. And they do not run as Python signal handlers in the thread that
+trains: :func:`handling` blocks the signals and one thread receives them with ``sigwait``, calling the
+handler there. A Python handler can be re-entered at its first bytecode by the next signal, so a storm
+from another process nested handler frames on top of the training step under way until RecursionError
+(seen in the storm test); ``sigwait`` takes one signal at a time and nests nothing.
 The loop waits on the read end with ``poll`` and a timeout, drains it, and does the logging and the
 reload itself. A burst of N signals leaves at most a pipe full of bytes, drained in one read: the reload
 it asks for runs once (coalesced), and SIGTERM's flag is seen at the next check whatever came before it.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -108,14 +113,49 @@ def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal
     it) and the byte the handler writes makes the next one return at once.
     """
     previous = {}
+    waiter = None
+    blocked = None
     try:
         for signum, fn in handlers.items():
             previous[signum] = signal.signal(signum, _call(fn))
             signal.siginterrupt(signum, False)
+        # Then take the signals off every thread started from here on (threads inherit the mask) and
+        # receive them in one thread with sigwait: no handler frame runs at all, so a storm of thousands
+        # of signals cannot nest handlers inside the training step under way (a Python handler can be
+        # re-entered at its first bytecode, and a storm nested them into a RecursionError). The Python
+        # handlers above stay for a thread started earlier that a signal may still reach.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(handlers))
+        waiter = _Waiter(handlers)
+        waiter.start()
         yield
     finally:
         for signum, old in previous.items():
             signal.signal(signum, signal.SIG_IGN if signum in ignore_after else old)
+        if waiter is not None:
+            waiter.stop()
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class _Waiter(threading.Thread):
+    """Receives the blocked signals with ``sigwait`` and calls their handlers, one at a time."""
+
+    def __init__(self, handlers: dict[signal.Signals, Handler]) -> None:
+        super().__init__(name="edgerev-signals", daemon=True)
+        self.handlers = handlers
+        self._stopping = False
+
+    def run(self) -> None:
+        while True:
+            signum = signal.sigwait(set(self.handlers))
+            if self._stopping:
+                return
+            self.handlers[signal.Signals(signum)]()
+
+    def stop(self) -> None:
+        self._stopping = True
+        signal.pthread_kill(self.ident, next(iter(self.handlers)))  # wakes its sigwait; consumed there
+        self.join()
 
 
 def _call(fn: Handler) -> Callable[[int, FrameType | None], None]:

@@ -7,6 +7,7 @@ inside the code under test, so the moment a signal lands is fixed, not left to t
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -58,10 +59,32 @@ def test_handlers_are_restored_and_sighup_can_be_ignored_after():
     r = Requests()
     with handling({signal.SIGTERM: r.ask_stop, signal.SIGHUP: r.ask_reload}, ignore_after=(signal.SIGHUP,)):
         os.kill(os.getpid(), signal.SIGHUP)
-        assert r.reload
+        assert r.wakeup.wait(600) and r.reload  # received by the signal thread, which wakes the loop
     assert signal.getsignal(signal.SIGTERM) == before[0]
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     signal.signal(signal.SIGHUP, before[1])
+    r.close()
+
+
+def test_signals_are_received_in_a_thread_not_by_a_handler_in_the_step_under_way():
+    """The signals are blocked in this thread and taken by sigwait in another: no handler frame can nest
+    inside the code running here, however many signals arrive."""
+    r = Requests()
+    with handling({signal.SIGTERM: r.ask_stop, signal.SIGHUP: r.ask_reload}, ignore_after=(signal.SIGHUP,)):
+        assert {signal.SIGTERM, signal.SIGHUP} <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        depth = []
+
+        def deep(n: int) -> None:  # what a training step's stack looks like to a handler
+            if n:
+                deep(n - 1)
+            else:
+                for _ in range(5000):
+                    os.kill(os.getpid(), signal.SIGHUP)
+                depth.append(len(inspect.stack()))
+
+        deep(200)
+        assert r.wakeup.wait(600) and r.reload and not r.stop
+    assert signal.SIGHUP not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the mask is restored
     r.close()
 
 
