@@ -98,6 +98,11 @@ class Profile:
                        d["names"], lin(d["head_seconds"]))
 
 
+def rate(batch: int, step_seconds: float) -> float:
+    """Samples per second of a plan (unbounded for a step of no measured time): one definition for both kinds."""
+    return batch / step_seconds if step_seconds > 0 else math.inf
+
+
 @dataclass(frozen=True)
 class Plan:
     """Stage modes for an invertible body: a micro-batch, a mode per stage, its peak and step time."""
@@ -109,7 +114,7 @@ class Plan:
 
     @property
     def samples_per_second(self) -> float:
-        return self.batch / self.step_seconds if self.step_seconds > 0 else math.inf
+        return rate(self.batch, self.step_seconds)
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,7 @@ class SegmentPlan:
 
     @property
     def samples_per_second(self) -> float:
-        return self.batch / self.step_seconds
+        return rate(self.batch, self.step_seconds)
 
     def stage_modes(self) -> list[str]:
         modes = []
