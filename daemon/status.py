@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
@@ -37,8 +38,11 @@ def holder_pid(config: DaemonConfig) -> int | None:
         os.close(fd)
 
 
-def status(config: DaemonConfig, events: int = 10) -> dict:
+def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = time.time) -> dict:
     """A JSON-ready snapshot: samples, labels, the model in service, versions, jobs, recent events.
+
+    ``clock`` gives the time the schedule is judged at (injected by tests: two snapshots of an idle
+    daemon taken a second apart are then equal).
 
     Raises:
         DaemonError: the data directory holds no store yet (the daemon never ran there).
@@ -84,7 +88,7 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
                         "heldout": store.count_samples(Split.HELDOUT)},
             "labels": store.labels(),
             "new_samples_since_last_job": store.new_samples_since_last_job(),
-            "schedule": next_job(store, config.schedule, time.time()).to_json(),
+            "schedule": next_job(store, config.schedule, clock()).to_json(),
             "inbox_problems": store.inbox_problems(),
             "quarantined_files": sum(1 for p in quarantine.iterdir() if not p.name.endswith(".reason.json"))
             if quarantine.is_dir() else 0,
