@@ -120,16 +120,21 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """``batch``: samples per optimizer step (split into micro-batches when the cap needs it);
-    ``checkpoint_every``: steps between checkpoints (and at each epoch's end). ``threads``: the CPU
-    threads training uses (null: one fewer than the cores this process may run on, at least one: a
-    device usually also serves predictions)."""
+    """``epochs``: the number of epochs, or with ``patience`` their maximum; ``patience``: stop once
+    this many epochs in a row bring no held-out gain (null: run every epoch; see
+    :class:`edgerev.train.progress.Plateau`); ``batch``: samples per optimizer step (split into
+    micro-batches when the cap needs it); ``checkpoint_every``: steps between checkpoints (and at each
+    epoch's end); ``progress_seconds``: within an epoch, seconds between progress lines (one is printed
+    at every epoch's end). ``threads``: the CPU threads training uses (null: one fewer than the cores
+    this process may run on, at least one: a device usually also serves predictions)."""
 
     epochs: int = 10
+    patience: int | None = None
     batch: int = 128
     seed: int = 0
     checkpoint_every: int = 50
     log_every: int = 10
+    progress_seconds: float = 60.0
     eval_batch: int = 256
     threads: int | None = None
 
@@ -137,6 +142,9 @@ class TrainConfig:
         for name in ("epochs", "batch", "checkpoint_every", "log_every", "eval_batch"):
             value = getattr(self, name)
             check(value >= 1, name, f"must be at least 1, got {value}")
+        check(self.patience is None or self.patience >= 1, "patience",
+              f"must be at least 1 epoch (or null: no early stopping), got {self.patience}")
+        check(self.progress_seconds > 0, "progress_seconds", f"must be positive, got {self.progress_seconds}")
         if self.threads is not None:
             cores = available_cores()
             check(1 <= self.threads <= cores, "threads",
