@@ -24,6 +24,7 @@ import torch
 from edgerev.train.config import AugmentConfig, DataConfig, RunConfig
 from edgerev.train.data import decode_image
 from edgerev.train.labeled import LabeledImages
+from edgerev.train.progress import Progress
 from edgerev.train.state import has_checkpoint
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
@@ -76,12 +77,16 @@ def job_data(store: Store, blobs: BlobStore, job: Job, base_batch: int) -> tuple
 
 
 def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, current: Path | None,
-            base_batch: int, stop: Callable[[], bool]) -> JobOutcome:
+            base_batch: int, stop: Callable[[], bool],
+            report: Callable[[Progress], None] | None = None) -> JobOutcome:
     """Train (or resume) ``job``'s candidate from ``current`` (a version directory, or None).
 
     Args:
         base_batch: the last ingest batch the current version was trained on (0: none).
         stop: polled after every training step; the job checkpoints and returns ``"stopped"``.
+        report: called with the trainer's progress reports (each epoch's end, and every
+            ``training.train.progress_seconds`` within one); the latest is also in ``progress.json`` in the
+            job's folder, which ``status`` reads.
     """
     from edgerev.train.trainer import train
 
@@ -103,7 +108,7 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
         val = val.restrict([c for c in val.classes if c in known])
     elif val is not None:
         val = val.restrict(train_new.present())
-    result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False,
+    result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False, report=report,
                    data=(train_new, val if val is not None and len(val) else None))
     if result.status == "stopped":
         return JobOutcome("stopped", out, f"stopped at step {result.step} of {result.total_steps}")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from edgerev.errors import EdgerevError
 from edgerev.export.runtime import onnxruntime
+from edgerev.train.progress import Progress
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
@@ -310,7 +311,8 @@ class Daemon:
         if done is not None:  # decided before a crash: finish that decision instead of deciding again
             return self._conclude(job, done, out, current_name)
         try:
-            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, self._alive)
+            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, self._alive,
+                              report=lambda p: self._progress(job.id, p))
         except (EdgerevError, OSError, RuntimeError) as e:
             return self._fail(job, f"training failed: {e}")
         if outcome.status == "stopped":
@@ -331,6 +333,12 @@ class Daemon:
         log.info("job %d: candidate %s %s: %s", job.id, version.id,
                  "promoted" if decision.promote else "kept out", decision.reason)
         return self._conclude(job, version, out, current_name)
+
+    def _progress(self, job_id: int, progress: Progress) -> None:
+        """A training report: one log line, and systemd's ``STATUS=``."""
+        line = f"job {job_id}: {progress.line()}"
+        log.info("%s", line)
+        self.notifier.status(line)
 
     def _version_of(self, job: Job) -> Version | None:
         found = [v for v in self.store.versions() if v.job_id == job.id]

@@ -118,12 +118,28 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
 
 
 def _job(job) -> dict:
+    """A job as JSON; a running one with its trainer's latest report (``progress``: step, epoch, loss, ETA)."""
+    from edgerev.train.progress import read_progress  # no torch
+
+    running = job.state == JobState.RUNNING and job.checkpoint_dir
     return {"id": job.id, "state": job.state.value, "reason": job.reason, "started_at": job.started_at,
-            "finished_at": job.finished_at, "error": job.error}
+            "finished_at": job.finished_at, "error": job.error,
+            "progress": read_progress(job.checkpoint_dir) if running else None}
 
 
-def format_status(s: dict) -> str:
-    """The human-readable form of :func:`status` (``edgerev daemon status``)."""
+def progress_line(progress: dict | None) -> str | None:
+    """A job's progress report as the trainer prints it (None: none, or from another edgerev)."""
+    from edgerev.train.progress import Progress
+
+    try:
+        return Progress(**progress).line() if progress else None
+    except (TypeError, ValueError):
+        return None
+
+
+def format_status(s: dict, versions: bool = True) -> str:
+    """The human-readable form of :func:`status` (``edgerev daemon status``); ``versions``: list the last
+    five (the HTML page has a table of its own)."""
     lines = [f"data directory {s['data_dir']} (inbox {s['inbox']})",
              "daemon: " + (f"running, pid {s['daemon_pid']}" if s["daemon_pid"] else "not running"),
              f"samples: {s['samples']['total']} ({s['samples']['train']} train, {s['samples']['heldout']} held out), "
@@ -150,12 +166,15 @@ def format_status(s: dict) -> str:
         if per_class:
             lines.append("  per class: " + ", ".join(f"{c} {'-' if a is None else f'{100 * a:.0f} %'}"
                                                      for c, a in per_class.items()))
-    for v in s["versions"][-5:]:
+    for v in s["versions"][-5:] if versions else ():
         mark = "promoted" if v["promoted"] else "kept out"
         lines.append(f"  {v['version']} {mark}{'' if v['on_disk'] else ' (pruned)'}: {v['reason']}")
     if s["job"] is not None:
         j = s["job"]
-        lines.append(f"last job: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
+        what = "job" if j["state"] in ("queued", "running") else "last job"
+        lines.append(f"{what}: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
+        if (line := progress_line(j.get("progress"))) is not None:
+            lines.append(f"  {line}")
     sched = s.get("schedule") or {}
     if sched.get("due"):
         lines.append(f"next job: due now ({sched['due']})")
