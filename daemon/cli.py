@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -54,10 +53,7 @@ def _http(daemon):
         return None
     from edgerev_daemon.http import StatusServer
 
-    server = StatusServer(daemon.config)
-    server.start()
-    logging.getLogger("edgerev.daemon").info("status page on http://%s:%d/", daemon.config.http.host, server.port)
-    return server
+    return StatusServer(daemon.config).start()  # which logs the one "status page on" line
 
 
 def cmd_once(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import logging
 import os
 import re
 import socket
@@ -310,3 +311,17 @@ def test_a_running_job_shows_its_step_epoch_loss_and_eta(tmp_path):
     s = status(cfg)
     assert s["job"]["progress"] is None and "edgerev_job_step" not in parse_metrics(format_metrics(s))
     assert f"last job: {job.id} done" in format_status(s)
+
+
+def test_the_start_up_line_is_logged_once(config, caplog):
+    from types import SimpleNamespace
+
+    from edgerev_daemon.cli import _http
+
+    with caplog.at_level(logging.INFO):
+        server = _http(SimpleNamespace(config=config))
+        try:
+            lines = [m for m in caplog.messages if "status page on" in m]
+            assert lines == [f"status page on {server.url}"]
+        finally:
+            server.stop()
