@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,10 +110,13 @@ def accuracy(model_dir: Path, data: LabeledImages) -> float | None:
     return score(model_dir, {"all": data}).accuracy["all"]
 
 
-def held_out_groups(store: Store, blobs: BlobStore, job: Job, base_batch: int) -> dict[str, LabeledImages]:
-    """The held-out samples up to the job's data: ``old`` (up to ``base_batch``), ``new``, ``all``."""
+def held_out_groups(store: Store, blobs: BlobStore, job: Job, base_batch: int,
+                    held_back: Collection[str] = ()) -> dict[str, LabeledImages]:
+    """The held-out samples up to the job's data: ``old`` (up to ``base_batch``), ``new``, ``all``; none
+    of a ``held_back`` label (neither model was trained on it)."""
     classes = store.labels()
-    held: list[Sample] = store.samples(Split.HELDOUT, upto_batch=job.data_batch_id)
+    held: list[Sample] = [s for s in store.samples(Split.HELDOUT, upto_batch=job.data_batch_id)
+                          if s.label not in held_back]
     old = [s for s in held if s.batch_id <= base_batch]
     new = [s for s in held if s.batch_id > base_batch]
     return {"old": load_samples(old, blobs, classes), "new": load_samples(new, blobs, classes),

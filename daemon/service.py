@@ -315,6 +315,8 @@ class Daemon:
                               report=lambda p: self._progress(job.id, p))
         except (EdgerevError, OSError, RuntimeError) as e:
             return self._fail(job, f"training failed: {e}")
+        if outcome.held_back:
+            self._report_held_back(job.id, outcome.held_back)
         if outcome.status == "stopped":
             log.info("job %d %s; it resumes at the next start", job.id, outcome.reason)
             return {"job": job.id, "status": "stopped", "reason": outcome.reason}
@@ -323,16 +325,25 @@ class Daemon:
             self.store.add_event(EventKind.INFO, {"message": f"job {job.id} skipped: {outcome.reason}"})
             shutil.rmtree(out, ignore_errors=True)
             return {"job": job.id, "status": "skipped", "reason": outcome.reason}
-        groups = held_out_groups(self.store, self.blobs, job, base_batch)
+        groups = held_out_groups(self.store, self.blobs, job, base_batch, outcome.held_back)
         decision = decide(outcome.run_dir, current, groups, self.config.promotion.gate)
         summary = outcome.summary or {}
         metrics = {"data_batch_id": job.data_batch_id, "base_batch": base_batch, "promote": decision.promote,
                    "evaluation": decision.metrics, "classes": summary.get("classes"),
-                   "training": {k: summary.get(k) for k in ("steps", "train_samples", "forgetting", "plan")}}
+                   "training": {k: summary.get(k) for k in ("steps", "train_samples", "forgetting", "plan",
+                                                            "stopped_early")},
+                   "held_back": outcome.held_back}
         version = self.store.add_version(job.id, current_name, promoted=False, metrics=metrics, reason=decision.reason)
         log.info("job %d: candidate %s %s: %s", job.id, version.id,
                  "promoted" if decision.promote else "kept out", decision.reason)
         return self._conclude(job, version, out, current_name)
+
+    def _report_held_back(self, job_id: int, waiting: dict[str, int]) -> None:
+        minimum = self.config.training.min_samples_per_label
+        line = (f"job {job_id}: held back (fewer than {minimum} training samples): "
+                + ", ".join(f"{label} ({n})" for label, n in waiting.items()))
+        log.info("%s", line)
+        self.store.add_event(EventKind.INFO, {"message": line})
 
     def _progress(self, job_id: int, progress: Progress) -> None:
         """A training report: one log line, and systemd's ``STATUS=``."""

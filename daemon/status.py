@@ -14,7 +14,7 @@ from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
 from edgerev_daemon.records import JobState, Split
 from edgerev_daemon.registry import Registry, RegistryError
-from edgerev_daemon.schedule import next_job
+from edgerev_daemon.schedule import held_back, next_job
 from edgerev_daemon.store import Store
 
 
@@ -87,6 +87,8 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             "samples": {"total": store.count_samples(), "train": store.count_samples(Split.TRAIN),
                         "heldout": store.count_samples(Split.HELDOUT)},
             "labels": store.labels(),
+            # too few training samples to be trained as a class yet: label -> its training samples
+            "labels_held_back": held_back(store, None, config.training.min_samples_per_label),
             "new_samples_since_last_job": store.new_samples_since_last_job(),
             "schedule": next_job(store, config.schedule, clock()).to_json(),
             "inbox_problems": store.inbox_problems(),
@@ -150,6 +152,9 @@ def format_status(s: dict, versions: bool = True) -> str:
     if disk.get("below_floor"):
         lines.append(f"disk: {disk['free_bytes']} bytes free, below storage.min_free_space "
                      f"({disk['min_free_bytes']}): ingest and training wait")
+    if waiting := s.get("labels_held_back"):
+        lines.append("labels held back (too few training samples yet): "
+                     + ", ".join(f"{label} ({n})" for label, n in waiting.items()))
     for folder, error in s.get("inbox_problems", {}).items():
         lines.append(f"inbox folder {folder} skipped: {error}")
     cur = s["current"]
