@@ -52,8 +52,9 @@ log = logging.getLogger("edgerev.daemon.http")
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOW = "GET, HEAD"
-_CURVES = re.compile(r"/versions/(v\d{4,})/curves\.png")  # a version name as the registry writes it, nothing else
-_CURVES_LIMIT = 16 * 1024 * 1024  # a plot is well under 1 MiB; a bigger file is not read whole
+# a version name as the registry writes it and one of its pictures, nothing else
+_PICTURE = re.compile(r"/versions/(v\d{4,})/(curves|classes)\.png")
+_PICTURE_LIMIT = 16 * 1024 * 1024  # a plot is well under 1 MiB; a bigger file is not read whole
 _DRAIN_LIMIT = 64 * 1024  # request body bytes read (and dropped) before a 405, so the reply is not lost to a reset
 
 
@@ -228,8 +229,8 @@ td,th{{padding:.2em .8em;text-align:left}}</style>
 """
 
 
-class _Link(str):
-    """A cell that is a link to a path of this server (the path is built here, never from stored text)."""
+class _Links(tuple):
+    """A cell of links to paths of this server, ``(text, path)`` pairs (built here, never from stored text)."""
 
 
 def _table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
@@ -238,8 +239,9 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
         return "<p>none</p>"
 
     def cell(tag: str, v: object) -> str:
-        if isinstance(v, _Link):
-            return f'<{tag}><a href="{html.escape(v, quote=True)}">curves</a></{tag}>'
+        if isinstance(v, _Links):
+            links = " ".join(f'<a href="{html.escape(p, quote=True)}">{html.escape(t)}</a>' for t, p in v)
+            return f"<{tag}>{links}</{tag}>"
         return f"<{tag}>{html.escape('' if v is None else str(v))}</{tag}>"
 
     head = "<tr>" + "".join(cell("th", h) for h in header) + "</tr>"
@@ -266,11 +268,12 @@ def readable(message: object) -> str:
 
 def format_html(s: dict) -> str:
     """A :func:`~edgerev_daemon.status.status` snapshot as a small HTML page (every value escaped): the
-    summary, each version once (with a link to its curves while its folder is on disk), the events in
-    local time."""
-    versions = _table(("version", "promoted", "job", "reason", "curves"),
+    summary, each version once (with links to its curves and per-class picture while its folder is on
+    disk), the events in local time."""
+    versions = _table(("version", "promoted", "job", "reason", "pictures"),
                       ((v["version"], "yes" if v["promoted"] else "no", v["job"], v["reason"],
-                        _Link(f"/versions/{v['version']}/curves.png") if v["on_disk"] else "pruned")
+                        _Links((n, f"/versions/{v['version']}/{n}.png") for n in ("curves", "classes"))
+                        if v["on_disk"] else "pruned")
                        for v in reversed(s["versions"][-20:])))
     events = _table(("at", "kind", "message"),
                     ((local_time(e["at"]) + (f" (x{e['repeats']}, last {local_time(e['last_at'])})"
@@ -333,7 +336,7 @@ class _Handler(BaseHTTPRequestHandler):
             elif path == "/metrics":
                 if (s := self._snapshot(events=0)) is not None:
                     self._send(HTTPStatus.OK, format_metrics(s), METRICS_CONTENT_TYPE)
-            elif (m := _CURVES.fullmatch(path)) is not None and (png := self._curves(m.group(1))) is not None:
+            elif (m := _PICTURE.fullmatch(path)) is not None and (png := self._picture(*m.groups())) is not None:
                 self._send(HTTPStatus.OK, png, "image/png")
             else:
                 self._send(HTTPStatus.NOT_FOUND, "not found\n")
@@ -345,18 +348,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_HEAD = do_GET  # noqa: N815 (same headers, no body: see _send)
 
-    def _curves(self, version: str) -> bytes | None:
-        """A version's ``curves.png``, or None (no such version on disk): the name matched
-        :data:`VERSION_RE` and the file is opened without following links out of the version folder."""
+    def _picture(self, version: str, name: str) -> bytes | None:
+        """A version's ``NAME.png``, or None (no such version or file on disk): the name matched
+        :data:`_PICTURE` and the file is opened without following a link out of the version folder."""
         from edgerev_daemon.registry import Registry
 
         folder = Registry(self.server.config.layout.root).path(version)
         try:
-            fd = os.open(folder / "curves.png", os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(folder / f"{name}.png", os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return None
         with os.fdopen(fd, "rb") as f:
-            return f.read(_CURVES_LIMIT)
+            return f.read(_PICTURE_LIMIT)
 
     def _not_allowed(self) -> None:
         length = self.headers.get("Content-Length", "")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerev.train.checkpoint import load_model
+from edgerev.train.evaluate import confusion as confusion_of
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages
 from edgerev_daemon.blobs import BlobStore
@@ -97,11 +98,7 @@ def score(model_dir: Path, groups: dict[str, LabeledImages]) -> Scores:
                 counts = per_class.setdefault(t, [0, 0])
                 counts[0] += p == t
                 counts[1] += 1
-            columns = list(dict.fromkeys([*known, *labels]))
-            matrix = [[0] * len(columns) for _ in labels]
-            for t, p in zip(truth, predicted):
-                matrix[labels.index(t)][columns.index(p)] += 1
-            confusion = {"labels": labels, "predicted": columns, "matrix": matrix}
+            confusion = confusion_of(truth, predicted, labels, list(dict.fromkeys([*known, *labels])))
     return Scores(acc, per_class, known, confusion, samples)
 
 
@@ -176,7 +173,7 @@ def judge(cand: Scores, cur: Scores | None, gate: Gate) -> Decision:
 
 
 VERSION_FILES = ("model.safetensors", "model.json", "replay.safetensors", "config.yaml", "summary.json",
-                 "curves.png", "metrics.jsonl")
+                 "curves.png", "classes.png", "metrics.jsonl")
 
 
 def version_files(run_dir: Path, onnx: Path, metrics: dict) -> dict[str, Path | bytes]:

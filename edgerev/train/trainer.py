@@ -8,8 +8,8 @@
 - ``checkpoints/``: the latest step's weights and optimizer state (:mod:`edgerev.train.state`);
 - ``progress.json``: the latest progress report (:mod:`edgerev.train.progress`), for status readers;
 - at the end, ``model.safetensors`` + ``model.json`` (a model directory, see
-  :mod:`edgerev.train.checkpoint`), ``replay.safetensors`` when replay is on, ``summary.json`` and
-  ``curves.png``.
+  :mod:`edgerev.train.checkpoint`), ``replay.safetensors`` when replay is on, ``summary.json`` (with the
+  final per-class accuracy and confusion matrix), ``curves.png`` and ``classes.png`` (the same as a picture).
 
 Everything random is a function of the seed and the step: the weights' initialization, each
 epoch's order, each step's augmentation. A run resumed from a checkpoint therefore takes the same
@@ -345,7 +345,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             if end_of_epoch:
                 ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
                 metrics.write({"kind": "eval", "step": step, "epoch": step // per_epoch,
-                               **{k: v for k, v in ev.items() if k != "per_class"}})
+                               **{k: v for k, v in ev.items() if k not in ("per_class", "confusion")}})
                 plateau.update(step // per_epoch, ev["acc"], ev["loss"])
             stopping = stop is not None and stop()
             if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0:
@@ -393,9 +393,10 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
     summary["weights_sha256"] = save_model(out, model.cpu(), info, extra)
     write_json(out / SUMMARY, summary)
     try:
-        from edgerev.train.plots import plot_run
+        from edgerev.train.plots import plot_classes, plot_run
 
         plot_run(rows, plan_summary, out / "curves.png", title=f"{info.arch}: {out.name}")
+        plot_classes(final, out / "classes.png", title=f"{info.arch}: {out.name}, per class")
     except ImportError as e:  # matplotlib is a dependency; a broken install must not lose the model
         print(f"edgerev: curves not plotted: {e}", file=sys.stderr)
     return summary

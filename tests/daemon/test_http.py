@@ -269,10 +269,12 @@ def test_each_version_on_disk_links_its_curves(server, config):
     png = b"\x89PNG\r\n\x1a\nplot"
     (config.layout.root / "versions" / "v0002" / "curves.png").write_bytes(png)
     text = get(server, "/")[2].decode()
-    assert '<a href="/versions/v0002/curves.png">curves</a>' in text
+    assert '<a href="/versions/v0002/curves.png">curves</a> <a href="/versions/v0002/classes.png">classes</a>' in text
     assert "/versions/v0001/curves.png" not in text and "pruned" in text  # v0001 has no folder
     status, headers, body = get(server, "/versions/v0002/curves.png")
     assert (status, headers["Content-Type"], body) == (200, "image/png", png)
+    (config.layout.root / "versions" / "v0002" / "classes.png").write_bytes(png + b"2")
+    assert get(server, "/versions/v0002/classes.png")[2] == png + b"2"
     for path in ("/versions/v0001/curves.png", "/versions/../versions/v0002/curves.png",
                  "/versions/v0002/model.json", "/versions/x/curves.png", "/versions/v0002%2Fcurves.png"):
         assert get(server, path)[0] == 404, path
