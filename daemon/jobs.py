@@ -124,8 +124,11 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
         val = val.restrict([c for c in val.classes if c in known])
     elif val is not None:
         val = val.restrict(train_new.present())
+    source = (f"the daemon's store, job {job.id}: training samples of ingest batches {base_batch + 1}-"
+              f"{job.data_batch_id} (and earlier ones of labels new to the model in service), held-out samples "
+              f"up to batch {job.data_batch_id}")
     result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False, report=report,
-                   data=(train_new, val if val is not None and len(val) else None))
+                   data=(train_new, val if val is not None and len(val) else None), source=source)
     if result.status == "stopped":
         return JobOutcome("stopped", out, f"stopped at step {result.step} of {result.total_steps}",
                           held_back=waiting)

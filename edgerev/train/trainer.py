@@ -37,7 +37,7 @@ from edgerev.errors import EdgerevError, NonFiniteError
 from edgerev.memory.cap import train_step
 from edgerev.train.augment import Augment
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
-from edgerev.train.config import RunConfig, default_threads
+from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
@@ -218,7 +218,7 @@ def training_threads(n: int | None) -> Iterator[int]:
 def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Callable[[], bool] | None = None,
           progress: bool | None = None, data: tuple[LabeledImages, LabeledImages | None] | None = None,
           report: Callable[[Progress], None] | None = None,
-          clock: Callable[[], float] = time.monotonic) -> RunResult:
+          clock: Callable[[], float] = time.monotonic, source: str | None = None) -> RunResult:
     """Run the recipe ``cfg`` into ``out`` (see the module docstring), with ``train.threads`` CPU threads.
 
     Args:
@@ -232,11 +232,24 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
             given the same data.
         report: called with each progress report (at the pace of the lines, whatever stderr shows).
         clock: the monotonic clock that paces reports and measures speed (tests inject one).
+        source: what ``data`` is, for the saved recipe (whose ``data.train`` and ``data.val`` then say
+            ``kind: provided``, their sample counts and this: the recipe saved is what was trained).
     """
     out = Path(out)
     cfg = resolve_run(cfg, out, resume)
+    if data is not None and not resume:
+        cfg = as_given(cfg, data, source)
     with training_threads(cfg.train.threads):
         return _train(cfg, out, resume, stop, progress, data, report, clock)
+
+
+def as_given(cfg: RunConfig, data: tuple[LabeledImages, LabeledImages | None], source: str | None) -> RunConfig:
+    """``cfg`` with its data sources replaced by what the caller gave (``kind: provided``)."""
+    what = source or "images given by the program that ran the trainer"
+    train_src = SourceConfig(kind="provided", samples=max(1, len(data[0])), description=f"training: {what}")
+    val_src = None if data[1] is None else SourceConfig(kind="provided", samples=max(1, len(data[1])),
+                                                         description=f"validation: {what}")
+    return replace(cfg, data=replace(cfg.data, train=train_src, val=val_src))
 
 
 class _Reporter:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import yaml
 
 from edgerev.config import ConfigError
 from edgerev.train.checkpoint import read_info
@@ -48,6 +49,9 @@ def test_a_rare_label_waits_reported_then_trains_on_all_its_samples(tmp_path):
         assert waiting == {} and int((train.labels == train.classes.index("class2")).sum()) == every
         assert 0 < rare < every  # some waited: the scenario tests what it says
         assert read_info(config.layout.root / "current")[0].classes == ("class0", "class1", "class2")
+        trained = yaml.safe_load((config.layout.root / "current" / "config.yaml").read_text())
+        assert trained["data"]["train"]["kind"] == "provided" and f"job {job.id}" in trained["data"]["train"][
+            "description"] and "noise" not in trained["data"]["train"]  # what was trained, not the defaults
 
 
 def test_a_first_model_needs_two_labels_with_enough_samples(tmp_path):
