@@ -124,11 +124,16 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
         val = val.restrict([c for c in val.classes if c in known])
     elif val is not None:
         val = val.restrict(train_new.present())
+    if val is None or len(val) == 0:
+        val = None  # the trainer holds out data.val_fraction of the training samples
+        if cfg.train.patience is not None and len(train_new.held_out(cfg.data.val_fraction)[1]) == 0:
+            # too few samples to hold any out (the trainer's own split): no plateau to see, the maximum runs
+            cfg = replace(cfg, train=replace(cfg.train, patience=None))
     source = (f"the daemon's store, job {job.id}: training samples of ingest batches {base_batch + 1}-"
               f"{job.data_batch_id} (and earlier ones of labels new to the model in service), held-out samples "
               f"up to batch {job.data_batch_id}")
     result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False, report=report,
-                   data=(train_new, val if val is not None and len(val) else None), source=source)
+                   data=(train_new, val), source=source)
     if result.status == "stopped":
         return JobOutcome("stopped", out, f"stopped at step {result.step} of {result.total_steps}",
                           held_back=waiting)

@@ -84,3 +84,18 @@ def test_the_label_counts_cover_every_label_in_arrival_order(tmp_path):
         train, held = d.store.label_counts(Split.TRAIN), d.store.label_counts(Split.HELDOUT)
         assert {k: train[k] + held[k] for k in counts} == counts
         assert d.store.label_counts(upto_batch=0) == dict.fromkeys(counts, 0)
+
+
+def test_a_job_with_patience_but_too_few_samples_to_hold_any_out_runs_its_maximum(tmp_path):
+    training = {**SMALL["training"], "min_samples_per_label": 2,
+                "train": {**SMALL["training"]["train"], "epochs": 2, "patience": 1}}
+    config, _ = make_config(tmp_path, training=training, heldout_fraction=0.01,
+                            schedule={"min_new_samples": 4, "max_interval_seconds": 3600.0})
+    drop(config, 4, range(2))
+    with Daemon(config, clock=Clock()) as d:
+        r = d.cycle()
+        job = d.store.get_job(r.job["job"])
+        train, held, _ = job_data(d.store, d.blobs, job, 0, minimum=2)
+        assert len(held) == 0 and len(train.held_out(0.1)[1]) == 0  # the case this test is about
+        assert r.job.get("version") is not None, r.job  # trained (not failed on "no sample is held out")
+        assert d.store.get_version(r.job["version"]).metrics["training"]["steps"] == 2  # both epochs ran
