@@ -181,7 +181,11 @@ def format_status(s: dict, versions: bool = True) -> str:
         if (line := progress_line(j.get("progress"))) is not None:
             lines.append(f"  {line}")
     sched = s.get("schedule") or {}
-    if sched.get("due"):
+    job = s.get("job") or {}
+    if job.get("state") in ("queued", "running"):  # the job above is the next one: not "due", under way
+        lines.append(f"next job: job {job['id']} " + ("runs now" if s.get("daemon_pid") else
+                                                       "resumes from its checkpoint at the next start"))
+    elif sched.get("due"):
         lines.append(f"next job: due now ({sched['due']})")
     elif sched.get("waiting"):
         lines.append(f"next job: not yet: {sched['waiting']}")

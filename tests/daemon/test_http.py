@@ -302,6 +302,8 @@ def test_a_running_job_shows_its_step_epoch_loss_and_eta(tmp_path):
     s = status(cfg)
     assert s["job"]["progress"] == report.to_json()
     assert f"job: {job.id} running (20 new samples)\n  {report.line()}" in format_status(s)
+    assert f"next job: job {job.id} resumes from its checkpoint at the next start" in format_status(s)
+    assert f"next job: job {job.id} runs now" in format_status(s | {"daemon_pid": 4242})
     m = parse_metrics(format_metrics(s))
     assert {name: m[name]["samples"][""] for name in ("edgerev_job_step", "edgerev_job_total_steps",
                                                       "edgerev_job_epoch", "edgerev_job_loss",
