@@ -433,6 +433,7 @@ class Daemon:
         """
         log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
         self.notifier.ready(f"serving {self.config.data_dir}")
+        self.notifier.watchdog()  # the first ping at once: a first cycle may stop before any wait
         while not self.stopping:
             if self.requests.reload:
                 self._apply_reload()
