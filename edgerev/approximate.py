@@ -113,8 +113,13 @@ def saving(bits: int, modules: Iterable[nn.Module] = (), exact: Iterable[int] = 
     for m in modules:
         keep |= exact_storages(m.parameters()) | exact_storages(m.buffers())
     saver = _Saver(bits, keep)
-    with saved_tensors_hooks(saver.pack, saver.unpack):
-        yield
+    try:
+        with saved_tensors_hooks(saver.pack, saver.unpack):
+            yield
+    finally:
+        # the graph's saved variables hold the hooks, hence the saver: without this every copy would live
+        # until the whole graph dies, instead of dying with the last layer that reads it
+        saver.copies.clear()
 
 
 def forward(stage: nn.Module, x: Tensor, bits: int, input_grad: bool,
