@@ -28,7 +28,6 @@ from edgerev.layers.base import replaying
 from edgerev.layers.pooling import unpool_batch
 from edgerev.quantize import channel_range
 
-
 # ---- the former scheme: one sign-and-magnitude copy of each stage input, the stage recomputed from it ----------
 
 
@@ -65,6 +64,13 @@ def _old_forward(model, x: torch.Tensor, bits: int) -> torch.Tensor:
     return model.head(unpool_batch(h, x.shape[0]).mean(dim=(1, 3, 4)))
 
 
+def _grads(model, y: torch.Tensor, forward, *args) -> torch.Tensor:
+    """The flattened parameter gradient of the cross-entropy of ``forward(*args)``."""
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(forward(*args), y).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
 def gradient_errors(archs: list[str], batch: int, size: int, seeds: int) -> dict:
     rows = {}
     for arch in archs:
@@ -74,19 +80,14 @@ def gradient_errors(archs: list[str], batch: int, size: int, seeds: int) -> dict
             model = create_model(arch).train()
             x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
 
-            def grads(run) -> torch.Tensor:
-                model.zero_grad(set_to_none=True)
-                F.cross_entropy(run(), y).backward()
-                return torch.cat([p.grad.flatten() for p in model.parameters()])
-
             with plain(model):
-                ref = grads(lambda: model(x))
+                ref = _grads(model, y, model, x)
             for bits in (8, 4):
                 mode = f"store{bits}"
                 model.set_modes(mode)
-                new = grads(lambda: model(x))
+                new = _grads(model, y, model, x)
                 with plain(model):
-                    old = grads(lambda bits=bits: _old_forward(model, x, bits))
+                    old = _grads(model, y, _old_forward, model, x, bits)
                 row = rows[arch].setdefault(mode, {"new": [], "old": []})
                 row["new"].append(float((new - ref).norm() / ref.norm()))
                 row["old"].append(float((old - ref).norm() / ref.norm()))
