@@ -30,6 +30,19 @@ SMALL = {
 BOUNDS = {"store8": 0.03, "store4": 0.15}
 
 
+def plain_and_engine(seq: InvertibleSequence, x: torch.Tensor, u: torch.Tensor,
+                     params: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``(seq(x) * u).sum()`` by plain autograd, then through the engine: the input's,
+    followed by the parameters' when ``params`` (flattened into one vector)."""
+    out = []
+    for reference in (True, False):
+        xx = x.clone().requires_grad_()
+        with plain(seq, enabled=reference):
+            grads = torch.autograd.grad((seq(xx) * u).sum(), [xx, *(seq.parameters() if params else ())])
+        out.append(torch.cat([g.flatten() for g in grads]))
+    return out[0], out[1]
+
+
 def param_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str | None) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     if mode is not None:
@@ -92,12 +105,7 @@ def test_masks_are_exact_even_at_four_bits():
     x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
     x[0, 0, 0, :] = 0.0
     u = torch.randn_like(x)
-    grads = []
-    for reference in (True, False):
-        xx = x.clone().requires_grad_()
-        with plain(seq, enabled=reference):
-            (g,) = torch.autograd.grad((seq(xx) * u).sum(), [xx])
-        grads.append(g)
+    grads = plain_and_engine(seq, x, u)
     assert torch.equal(grads[0], grads[1])
 
 
@@ -121,12 +129,7 @@ def test_a_stage_before_that_rebuilds_from_its_output_gets_it_exactly(case, mode
         seq = _mixed(Coupling(8, residual_fn(4), residual_fn(4)), "recompute", nn.ReLU(), mode)
     x = torch.randn(4, 8, 6, 6, dtype=torch.float64)
     u = torch.randn(4, 8, 6, 6, dtype=torch.float64)
-    res = []
-    for reference in (True, False):
-        xx = x.clone().requires_grad_()
-        with plain(seq, enabled=reference):
-            grads = torch.autograd.grad((seq(xx) * u).sum(), [xx, *seq.parameters()])
-        res.append(torch.cat([g.flatten() for g in grads]))
+    res = plain_and_engine(seq, x, u, params=True)
     torch.testing.assert_close(res[1], res[0], rtol=1e-9, atol=1e-11)
 
 
@@ -205,12 +208,7 @@ def test_batch_norm_gradient_error_stays_in_the_variance_term():
                                             nn.Conv2d(8, 4, 3, padding=1))], modes=["store4"], pool=None).double()
     x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
     u = torch.randn(8, 4, 8, 8, dtype=torch.float64)
-    g = []
-    for reference in (True, False):
-        xx = x.clone().requires_grad_()
-        with plain(seq, enabled=reference):
-            (gx,) = torch.autograd.grad((seq(xx) * u).sum(), [xx])
-        g.append(gx)
+    g = plain_and_engine(seq, x, u)
     assert rel_err(g[1], g[0]) < 0.03
 
 
