@@ -29,7 +29,7 @@ from edgerev.train.state import has_checkpoint
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.records import Job, Sample, Split
-from edgerev_daemon.schedule import held_back
+from edgerev_daemon.schedule import held_back, listed
 from edgerev_daemon.store import Store
 
 
@@ -111,7 +111,7 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
     if current is None and len(present) < 2:
         return JobOutcome("skipped", out, f"a first model needs two labels with at least "
                           f"{config.training.min_samples_per_label} training samples each, the store has "
-                          f"{list(present)}" + (f" (held back: {_listed(waiting)})" if waiting else ""),
+                          f"{list(present)}" + (f" (held back: {listed(waiting)})" if waiting else ""),
                           held_back=waiting)
     val = held if len(held) else None
     resume = has_checkpoint(out)
@@ -138,11 +138,6 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
         return JobOutcome("stopped", out, f"stopped at step {result.step} of {result.total_steps}",
                           held_back=waiting)
     return JobOutcome("trained", out, "", result.summary, waiting)
-
-
-def _listed(waiting: dict[str, int]) -> str:
-    """``cat (2), dog (0)``: held-back labels with their training samples."""
-    return ", ".join(f"{label} ({n})" for label, n in waiting.items())
 
 
 def _classes_of(model_dir: Path) -> tuple[str, ...]:

@@ -69,3 +69,8 @@ def held_back(store: Store, upto_batch: int | None, minimum: int) -> dict[str, i
     then trained on every sample it has (see :func:`edgerev_daemon.jobs.job_data`).
     """
     return {label: n for label, n in store.label_counts(Split.TRAIN, upto_batch=upto_batch).items() if n < minimum}
+
+
+def listed(waiting: dict[str, int]) -> str:
+    """``cat (2), dog (0)``: held-back labels with their training samples (log, events, status alike)."""
+    return ", ".join(f"{label} ({n})" for label, n in waiting.items())

@@ -50,7 +50,7 @@ from edgerev_daemon.promote import decide, export, held_out_groups, version_file
 from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
-from edgerev_daemon.schedule import next_job
+from edgerev_daemon.schedule import listed, next_job
 from edgerev_daemon.signals import Requests
 from edgerev_daemon.store import Store
 from edgerev_daemon.watch import InboxWatch
@@ -341,7 +341,7 @@ class Daemon:
     def _report_held_back(self, job_id: int, waiting: dict[str, int]) -> None:
         minimum = self.config.training.min_samples_per_label
         line = (f"job {job_id}: held back (fewer than {minimum} training samples): "
-                + ", ".join(f"{label} ({n})" for label, n in waiting.items()))
+                + listed(waiting))
         log.info("%s", line)
         self.store.add_event(EventKind.INFO, {"message": line})
 

@@ -14,7 +14,7 @@ from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
 from edgerev_daemon.records import JobState, Split
 from edgerev_daemon.registry import Registry, RegistryError
-from edgerev_daemon.schedule import held_back, next_job
+from edgerev_daemon.schedule import held_back, listed, next_job
 from edgerev_daemon.store import Store
 
 
@@ -154,7 +154,7 @@ def format_status(s: dict, versions: bool = True) -> str:
                      f"({disk['min_free_bytes']}): ingest and training wait")
     if waiting := s.get("labels_held_back"):
         lines.append("labels held back (too few training samples yet): "
-                     + ", ".join(f"{label} ({n})" for label, n in waiting.items()))
+                     + listed(waiting))
     for folder, error in s.get("inbox_problems", {}).items():
         lines.append(f"inbox folder {folder} skipped: {error}")
     cur = s["current"]
