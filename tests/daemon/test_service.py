@@ -3,6 +3,7 @@ kill -9 during training and promotion, a full disk during promotion, a second da
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -125,11 +126,19 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
     drop(config, 160, range(2))
     with Daemon(config, clock=Clock()) as d:
         assert d.cycle().job["promoted"]
-        real = promote.accuracy
-        monkeypatch.setattr(promote, "accuracy", lambda folder, data: 0.0 if "jobs" in str(folder)
-                            else real(folder, data))
+        real, scored = promote.score, []
+
+        def candidate_at_zero(folder, groups):  # the candidate (still under jobs/) scores 0 on every group
+            s = real(folder, groups)
+            if "jobs" in str(folder):
+                scored.append(folder)
+                s = dataclasses.replace(s, accuracy={k: None if v is None else 0.0 for k, v in s.accuracy.items()})
+            return s
+
+        monkeypatch.setattr(promote, "score", candidate_at_zero)
         drop(config, 160, range(2), start=5000)
         r = d.cycle()
+        assert scored, "the gate no longer scores through promote.score: this test would test nothing"
         assert not r.job["promoted"] and r.job["reason"].startswith("not better")
         assert d.registry.current() == "v0001"
         assert not d.store.get_version(r.job["version"]).promoted
