@@ -35,7 +35,7 @@ from torch.autograd.function import once_differentiable
 from edgerev.errors import ModeError, NonFiniteError
 from edgerev.layers.base import Grads, Tape, add_grads, is_fake, replaying
 from edgerev.layers.norm import InvBatchNorm2d
-from edgerev.layers.pooling import unpool_batch
+from edgerev.layers.pooling import POOLS, global_pool, global_pool_grad
 from edgerev.quantize import bn_range, dequantize, quantize
 
 
@@ -91,17 +91,18 @@ class InvertibleSequence(nn.Module):
             downsampling) is run in ``store`` mode.
         modes: one mode per stage, or one mode for all; by default the cheapest in memory that each
             stage supports (``invert``, else ``recompute``, else ``store``).
-        pool: ``"mean"`` makes the sequence return per-sample features averaged over space and over
-            the sub-images of batch pooling (``[B, C]``); the activation itself then never leaves
-            the engine, so its backward can work in place on its own buffers. ``None`` returns the
-            last activation (its incoming gradient is then copied before being overwritten).
+        pool: ``"mean"`` (``"max"``) makes the sequence return per-sample features averaged (the
+            maximum) over space and over the sub-images of batch pooling (``[B, C]``); the activation
+            itself then never leaves the engine, so its backward can work in place on its own buffers.
+            ``None`` returns the last activation (its incoming gradient is then copied before being
+            overwritten).
     """
 
     def __init__(self, stages: Sequence[nn.Module], modes: Sequence[Mode | str] | Mode | str | None = None,
                  pool: str | None = "mean") -> None:
         super().__init__()
-        if pool not in ("mean", None):
-            raise ValueError(f"pool must be 'mean' or None, got {pool!r}")
+        if pool is not None and pool not in POOLS:
+            raise ValueError(f"pool must be one of {', '.join(POOLS)} or None, got {pool!r}")
         self.stages = nn.ModuleList(stages)
         self.pool = pool
         self.plain = False
@@ -148,17 +149,12 @@ class InvertibleSequence(nn.Module):
             from edgerev.memory.reforward import run_segments
 
             x = run_segments(self.stages, self.segments, x)
-            return _pool(x, samples) if self.pool else x
+            return global_pool(x, samples, self.pool) if self.pool else x
         if not use_engine:
             for stage in self.stages:
                 x = stage(x)
-            return _pool(x, samples) if self.pool else x
+            return global_pool(x, samples, self.pool) if self.pool else x
         return _Engine.apply(x, self, samples, *params)
-
-
-def _pool(y: Tensor, samples: int) -> Tensor:
-    """Mean over space and over the sub-images that batch pooling moved to the batch axis."""
-    return unpool_batch(y, samples).mean(dim=(1, 3, 4))
 
 
 def _quant_range(seq: InvertibleSequence, i: int) -> tuple[Tensor, Tensor] | None:
@@ -213,7 +209,7 @@ class _Engine(torch.autograd.Function):
         ctx.used = False
         if seq.pool:
             ctx.y = h  # never handed out, so the backward may overwrite it
-            return _pool(h, samples)
+            return global_pool(h, samples, seq.pool)
         ctx.save_for_backward(h)
         return h
 
@@ -231,10 +227,7 @@ class _Engine(torch.autograd.Function):
         if seq.pool:
             y = ctx.y
             del ctx.y
-            b = ctx.samples
-            per = y.shape[0] // b
-            gy = (gout / (per * y.shape[2] * y.shape[3])).view(b, 1, -1, 1, 1).expand(b, per, *y.shape[1:])
-            gy = gy.contiguous().view(y.shape)
+            gy = global_pool_grad(y, gout, ctx.samples, seq.pool)
         else:
             # the output and its incoming gradient belong to the caller: work on copies
             (y,) = ctx.saved_tensors

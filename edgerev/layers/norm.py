@@ -13,7 +13,7 @@ class InvBatchNorm2d(Invertible):
     r"""Batch norm whose scale is bounded away from zero, so it can be inverted.
 
     .. math::
-        s = \operatorname{sign}(\gamma)\,(|\gamma| + \epsilon_i), \qquad
+        s = |\gamma| + \epsilon_i, \qquad
         y = s\,\frac{x - \mu}{\sigma} + \beta, \qquad
         x = \frac{y - \beta}{s}\,\sigma + \mu
 
@@ -21,6 +21,10 @@ class InvBatchNorm2d(Invertible):
     estimates in eval mode). Only the per-channel :math:`\mu, \sigma` are kept for the backward;
     the normalized input :math:`\hat x = (y - \beta) / s` is recovered from the output. Running
     statistics are updated once per training forward and never while the engine replays.
+
+    The scale is the authors' ``|gamma| + eps_i``, continuous in ``gamma``. A signed variant,
+    ``sign(gamma) (|gamma| + eps_i)``, jumps by ``2 eps_i`` where ``gamma`` crosses zero: a step that
+    moves ``gamma`` across it changes the output by far more than the gradient predicts.
 
     Args:
         channels: number of channels.
@@ -45,9 +49,8 @@ class InvBatchNorm2d(Invertible):
         return f"{self.channels}, eps_i={self.eps_i}, momentum={self.momentum}"
 
     def scale(self) -> Tensor:
-        """The bounded scale ``s``; its derivative with respect to ``gamma`` is 1."""
-        sign = torch.where(self.weight.detach() >= 0, 1.0, -1.0).to(self.weight.dtype)
-        return self.weight + self.eps_i * sign
+        """The bounded scale ``s = |gamma| + eps_i``; its derivative with respect to ``gamma`` is ``sign(gamma)``."""
+        return self.weight.abs() + self.eps_i
 
     def _view(self, v: Tensor) -> Tensor:
         return v.view(1, -1, 1, 1)
@@ -101,8 +104,8 @@ class InvBatchNorm2d(Invertible):
         r"""Gradients from the output alone, with ``xhat = (y - beta) / s``:
 
         .. math::
-            deta = \sum g, \quad d\gamma = \sum g \hat x, \quad
-            g_x = rac{s}{\sigma}\Big(g - rac{deta}{N} - \hat x rac{d\gamma}{N}\Big)
+            d\beta = \sum g, \quad ds = \sum g \hat x, \quad d\gamma = \operatorname{sign}(\gamma)\, ds, \quad
+            g_x = \frac{s}{\sigma}\Big(g - \frac{d\beta}{N} - \hat x \frac{ds}{N}\Big)
 
         (training mode; in eval mode ``g_x = s g / \sigma``), written over ``gy`` in two passes,
         while ``y`` becomes the input ``x = \sigma \hat x + \mu`` in place.
@@ -113,17 +116,18 @@ class InvBatchNorm2d(Invertible):
         gyy = torch.zeros_like(dbeta)
         for sl in batch_slices(y):
             gyy += (gy[sl] * y[sl]).sum(dim=(0, 2, 3))
-        dgamma = (gyy - beta * dbeta) / s
+        ds = (gyy - beta * dbeta) / s
         a = s / sigma
         if self.training:
             n = y.numel() // y.shape[1]
-            # g_x = a g - (a dgamma / (n s)) y + a (dgamma beta / (n s) - dbeta / n)
-            k = a * dgamma / (n * s)
-            const = a * (dgamma * beta / (n * s) - dbeta / n)
+            # g_x = a g - (a ds / (n s)) y + a (ds beta / (n s) - dbeta / n)
+            k = a * ds / (n * s)
+            const = a * (ds * beta / (n * s) - dbeta / n)
             torch.addcmul(self._view(const), gy, self._view(a), out=gy)
             gy.addcmul_(y, self._view(-k))
         else:
             gy.mul_(self._view(a))
-        add_grad(grads, self.weight, dgamma)
+        # ds/dgamma = sign(gamma) (0 at gamma = 0, as autograd's abs has it)
+        add_grad(grads, self.weight, ds * self.weight.detach().sign())
         add_grad(grads, self.bias, dbeta)
         return self.inverse_(y, tape), gy
