@@ -197,7 +197,10 @@ def test_default_models_float32_cosine(name):
 
 @pytest.mark.parametrize("name", ["revnext", "revnet"])
 def test_float32_reconstruction_error(name):
-    """Every stage input the backward rebuilds is within 1e-5 (relative) of the plain forward's input."""
+    """Every stage input the backward rebuilds is within 1e-5 (relative) of the plain forward's input;
+    2e-4 for revnext, whose faithful initialization (every batch-norm scale at ``gamma = 1``) lets the
+    activations grow about 12x in RMS from the stem to the last block: the block inverses keep the
+    absolute float32 error, so the relative error at the stem reaches 9e-5 (81 dB; seeds 0-2)."""
     torch.manual_seed(0)
     model = create_model(name)
     x = torch.randn(4, 3, 32, 32)
@@ -220,7 +223,7 @@ def test_float32_reconstruction_error(name):
     model.body.probe = probe
     model(x).sum().backward()
     assert sorted(errors) == list(range(len(stages)))
-    assert max(errors.values()) <= 1e-5, errors
+    assert max(errors.values()) <= (2e-4 if name == "revnext" else 1e-5), errors
 
 
 # ---- modes ----------------------------------------------------------------------------------------
@@ -286,7 +289,7 @@ def test_unknown_single_mode():
 
 def test_bad_pool_argument():
     with pytest.raises(ValueError):
-        InvertibleSequence([InvLeakyReLU()], pool="max")
+        InvertibleSequence([InvLeakyReLU()], pool="median")
 
 
 # ---- the caller's tensors ------------------------------------------------------------------------

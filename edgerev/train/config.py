@@ -12,7 +12,7 @@ from typing import Literal
 
 from edgerev.config import check
 
-SCHEDULES = ("onecycle", "constant")
+SCHEDULES = ("onecycle", "linear", "constant")
 MODES = ("auto", "plain", "invert", "recompute", "store", "store8", "store4")
 
 
@@ -90,7 +90,11 @@ class AugmentConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """SGD; ``lr`` is the peak of the one-cycle schedule (reached after ``warmup`` of the steps).
+    """SGD; ``lr`` is the peak of the schedule (reached after ``warmup`` of the steps).
+
+    ``schedule``: ``onecycle`` (warm-up from ``lr/25``, cosine down), ``linear`` (the RevNeXt authors'
+    cycle: from 0 up to ``lr``, then straight down to 0; their CIFAR-10 runs: ``warmup: 0.1``, i.e. 5 of
+    50 epochs) or ``constant``.
 
     ``clip_grad_norm``: scale each step's gradient down to this norm (None: never). RevNeXt at the
     paper's peak lr 0.4 diverged on the generated data set without it (batch 256: the stem's output,
@@ -103,7 +107,7 @@ class OptimConfig:
     nesterov: bool = True
     weight_decay: float = 5e-4
     label_smoothing: float = 0.0
-    schedule: Literal["onecycle", "constant"] = "onecycle"
+    schedule: Literal["onecycle", "linear", "constant"] = "onecycle"
     warmup: float = 0.25
     clip_grad_norm: float | None = None
 
