@@ -96,10 +96,11 @@ class OptimConfig:
     cycle: from 0 up to ``lr``, then straight down to 0; their CIFAR-10 runs: ``warmup: 0.1``, i.e. 5 of
     50 epochs) or ``constant``.
 
-    ``clip_grad_norm``: scale each step's gradient down to this norm (None: never). RevNeXt at the
-    paper's peak lr 0.4 diverged on the generated data set without it (batch 256: the stem's output,
-    then every activation, grows without bound within 15 steps, in plain autograd as in the engine);
-    with a clip of 2 it trains. The presets that use lr >= 0.1 set it.
+    ``clip_grad_norm``: scale each step's gradient down to this norm (None: never). edgerev's earlier
+    RevNeXt (a bare convolution as stem, a mean and a biased linear layer as head) diverged at the
+    paper's peak lr 0.4 without it (batch 256: the stem's output, then every activation, grew without
+    bound within 15 steps); the paper's stem and head remove the cause. The presets that use
+    lr >= 0.1 still set it.
     """
 
     lr: float = 0.4
