@@ -490,3 +490,18 @@ def test_invert_mode_peak_does_not_grow_with_depth():
     assert b["after_forward"] - a["after_forward"] < 0.05 * a["volume"], (a, b)
     s8, s16 = _hybrid_step(8, "store"), _hybrid_step(16, "store")
     assert s16["peak"] - s8["peak"] > 4 * a["volume"]  # the measurement can see growth
+
+
+@pytest.mark.parametrize("kind", ["mean", "max"])
+def test_global_pool_gradient_equals_autograd_with_ties(kind):
+    """The engine's pooling gradient is autograd's, ties included (amax splits the gradient evenly)."""
+    from edgerev.layers import global_pool, global_pool_grad
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(-2, 3, (8, 4, 2, 2), generator=g).double()  # batch-pooled: 2 samples x 4 sub-images
+    gout = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    leaf = y.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(global_pool(leaf, 2, kind), leaf, gout)
+    with chunk_budget(64):  # several batch slices
+        got = global_pool_grad(y, gout, 2, kind)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)
