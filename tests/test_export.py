@@ -226,7 +226,7 @@ def test_cli_export_errors(exported, capsys, tmp_path, argv, message):
 
 @pytest.mark.slow
 def test_default_revnext_exports(tmp_path):
-    """The full-size RevNeXt (stem width 32, 1.94 M parameters) at 32x32."""
+    """The full-size RevNeXt (stem width 32, 3.86 M parameters) at 32x32."""
     from edgerev.models import create_model
 
     model = create_model("revnext", num_classes=10)
