@@ -1,15 +1,15 @@
-"""ONNX export, inference and ONNX Runtime head fine-tuning figures, written as JSON.
+"""ONNX export, inference and head fine-tuning figures, written as JSON.
 
 * every registry model at its default width, 10 classes, 32x32: export seconds, verification seconds,
   file size, opset, and the largest difference of logits between ONNX Runtime and PyTorch;
 * ``Predictor`` latency per image at batch 1 (RevNeXt, stem width 32, 32x32): end to end (decode a PNG,
   resize, normalize, run, softmax) and the ONNX Runtime call alone, median over repeats;
-* head fine-tuning with ONNX Runtime training on the generated data set (10 classes): accuracy on a
-  held-out range before and after, and the time it took (backbone features included). The backbone
-  has random weights: the figure shows the mechanism, not a trained model's accuracy;
+* head fine-tuning with each backend installed (numpy; ONNX Runtime training) on the generated data
+  set (10 classes): accuracy on a held-out range before and after, and the time it took (backbone
+  features included). The backbone has random weights: the figure shows the mechanism, not a trained model's accuracy;
 * with ``--run DIR``, a model directory trained on the generated data set (``configs/cpu-demo.yaml``):
   its export's accuracy against PyTorch's on the held-out range the recipe validates on, then the
-  same model with its head re-initialized, fine-tuned with ONNX Runtime on 1000 training images.
+  same model with its head re-initialized, fine-tuned by each backend on 1000 training images.
 
     edgerev train --config configs/cpu-demo.yaml --out runs/cpu-demo
     python benchmarks/export.py --run runs/cpu-demo --out results/export.json
@@ -30,9 +30,9 @@ import torch
 from _common import write_json
 
 from edgerev.engine import plain
+from edgerev.export.finetune import finetune_head
 from edgerev.export.images import normalize
 from edgerev.export.onnx import export_onnx
-from edgerev.export.ort_training import finetune_head
 from edgerev.export.predict import Predictor
 from edgerev.models import create_model, list_models
 from edgerev.train.checkpoint import ModelInfo, load_model, save_model
@@ -84,16 +84,25 @@ def predict_latency(path: Path, folder: Path, size: int, repeats: int) -> dict:
             "session_run_ms": 1e3 * statistics.median(session_only)}
 
 
+def backends() -> list[str]:
+    """The head-training backends installed here: numpy always, ONNX Runtime training where present."""
+    return ["numpy", "onnxruntime"] if (Path(onnxruntime.__file__).parent / "training" / "api").is_dir() else ["numpy"]
+
+
 def finetune(path: Path, folder: Path, size: int, n_train: int, n_val: int, epochs: int) -> dict:
     train, val = images(n_train, size), images(n_val, size, start=n_train)
-    r = finetune_head(path, train, folder / "tuned.onnx", val=val, epochs=epochs)
     keep = ("samples", "val_samples", "epochs", "lr", "optimizer", "train_accuracy_before", "train_accuracy_after",
-            "val_accuracy_before", "val_accuracy_after", "max_abs_diff", "seconds")
-    return {**{k: v for k, v in r.to_json().items() if k in keep}, "first_loss": r.losses[0], "last_loss": r.losses[-1]}
+            "val_accuracy_before", "val_accuracy_after", "max_abs_diff", "seconds", "backend")
+    out = {}
+    for backend in backends():
+        r = finetune_head(path, train, folder / "tuned.onnx", val=val, epochs=epochs, backend=backend)
+        out[backend] = {**{k: v for k, v in r.to_json().items() if k in keep}, "first_loss": r.losses[0],
+                        "last_loss": r.losses[-1]}
+    return out
 
 
 def trained_run(run: Path, folder: Path, n_train: int, epochs: int, val_start: int = 1_000_000) -> dict:
-    """A trained model: ONNX against PyTorch accuracy, then ORT fine-tuning of a re-initialized head."""
+    """A trained model: ONNX against PyTorch accuracy, then head fine-tuning of a re-initialized head, per backend."""
     model, info, _ = load_model(run)
     model.eval()
     r = export_onnx(run, folder / "run.onnx", batch=8)
@@ -105,15 +114,18 @@ def trained_run(run: Path, folder: Path, n_train: int, epochs: int, val_start: i
     model.head.reset_parameters()
     save_model(folder / "reinit", model, info)
     export_onnx(folder / "reinit", folder / "reinit.onnx")
-    tuned = finetune_head(folder / "reinit.onnx", images(n_train, info.input_size), folder / "tuned.onnx", val=val,
-                          epochs=epochs)
+    reinit = {}
+    for backend in backends():
+        tuned = finetune_head(folder / "reinit.onnx", images(n_train, info.input_size), folder / "tuned.onnx",
+                              val=val, epochs=epochs, backend=backend)
+        reinit[backend] = {"samples": tuned.samples, "epochs": tuned.epochs,
+                           "val_accuracy_before": tuned.val_accuracy_before,
+                           "val_accuracy_after": tuned.val_accuracy_after, "seconds": tuned.seconds}
     return {"run": str(run), "export_seconds": r.seconds, "max_abs_diff": r.max_abs_diff,
             "onnx_val_accuracy": float(np.mean(onnx_pred == val[1])),
             "torch_val_accuracy": float(np.mean(torch_pred == val[1])),
             "onnx_torch_agreement": float(np.mean(onnx_pred == torch_pred)),
-            "reinit_head_finetune": {"samples": tuned.samples, "epochs": tuned.epochs,
-                                     "val_accuracy_before": tuned.val_accuracy_before,
-                                     "val_accuracy_after": tuned.val_accuracy_after, "seconds": tuned.seconds}}
+            "reinit_head_finetune": reinit}
 
 
 def main() -> None:

@@ -5,7 +5,9 @@ model's input size, and larger JPEGs that ingest decodes and shrinks. Each is in
 data directory on the disk the script is pointed at (``--dir``; a temporary folder by default), with
 every fsync the daemon does for real; the time covers the scan, hashing, decoding, normalization,
 blob writes, the SQLite commits and the inbox removals. ``--fsync-each`` makes blobs durable with one
-fsync per file and folder instead of one ``syncfs`` per batch (the fallback off Linux).
+fsync per file and folder instead of one ``syncfs`` per batch (the fallback off Linux). ``journal_share``
+is the fraction of the ingest time spent appending and fsyncing the sample journal, measured in the
+same run.
 
     python benchmarks/ingest.py --out results/ingest.json
 """
@@ -44,7 +46,19 @@ def make_inbox(inbox: Path, n: int, size: int, fmt: str, classes: int, seed: int
 def run_case(root: Path, name: str, n: int, size: int, fmt: str, image_size: int, batch_files: int) -> dict:
     from edgerev_daemon import DataDirLock, Store, check_consistency, config_from_dict, ingest_inbox, prepare
     from edgerev_daemon.blobs import BlobStore
+    from edgerev_daemon.journal import Journal
 
+    spent = [0.0]
+    real_append = Journal.append
+
+    def timed_append(self, records):  # the journal's own cost, as a share of the same run
+        t0 = time.perf_counter()
+        try:
+            return real_append(self, records)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    Journal.append = timed_append
     folder = root / name
     cfg = config_from_dict({"data_dir": str(folder / "data"), "image_size": image_size,
                             "ingest": {"settle_seconds": 0, "batch_files": batch_files}})
@@ -56,10 +70,12 @@ def run_case(root: Path, name: str, n: int, size: int, fmt: str, image_size: int
             report = ingest_inbox(cfg, store)
             wall = time.perf_counter() - t
             check = check_consistency(store, BlobStore(cfg.layout.blobs))
+    Journal.append = real_append
     assert report.accepted == n and check.clean, (report.to_json(), check.to_json())
     return {"case": name, "images": n, "input": f"{fmt} {size}x{size}", "stored": f"PNG {image_size}x{image_size}",
             "input_mib": round(input_bytes / 2**20, 2), "batch_files": batch_files, "batches": report.batches,
-            "seconds": round(wall, 3), "images_per_second": round(n / wall, 1)}
+            "seconds": round(wall, 3), "images_per_second": round(n / wall, 1),
+            "journal_share": round(spent[0] / wall, 4)}
 
 
 def main() -> None:

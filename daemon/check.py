@@ -3,18 +3,24 @@
 
 Problems (``ok`` is false): a sample whose blob is missing, a blob whose bytes do not hash to what
 the sample row recorded (damaged on disk), and anything ``PRAGMA integrity_check`` or
-``foreign_key_check`` reports. Garbage (harmless, removable with :func:`remove_garbage` while the
-daemon's lock is held): orphan blobs that no sample names (written by a batch that a crash cut short
-and whose file then left the inbox) and stray files (a crash's temporary files).
+``foreign_key_check`` reports; a store that lost rows (journal samples the store lacks whose files have
+left the inbox: only a commit removes them) or a journal that lacks stored samples (the store could not
+be rebuilt); and, when a registry is given, a version in service that is not complete or not intact
+(its files against the SHA-256 recorded in its manifest). Garbage (harmless, removable with
+:func:`remove_garbage` while the daemon's lock is held): orphan blobs that neither a sample nor the journal
+names (written by a batch that a crash cut short before its journal lines) and stray files (a crash's
+temporary files).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.registry import Registry
 from edgerev_daemon.store import Store
 
 
@@ -27,11 +33,17 @@ class CheckReport:
     orphans: list[str] = field(default_factory=list)    # blob keys no sample names
     strays: list[Path] = field(default_factory=list)    # other files in the blob folder
     database: list[str] = field(default_factory=list)   # integrity and foreign-key findings
+    journal: int = 0                                     # samples the journal knows
+    lost: list[str] = field(default_factory=list)       # journal samples the store lost (file gone from the inbox)
+    pending: list[str] = field(default_factory=list)    # journal samples not yet committed (file still in the inbox)
+    unjournaled: list[str] = field(default_factory=list)  # stored samples the journal lacks
+    service: list[str] = field(default_factory=list)    # what is wrong with the version in service
 
     @property
     def ok(self) -> bool:
-        """No sample lost or damaged and a sound database (garbage allowed)."""
-        return not (self.missing or self.corrupt or self.database)
+        """No sample lost or damaged, a sound database, a journal that knows every sample, and an intact
+        version in service (garbage and pending journal lines allowed)."""
+        return not (self.missing or self.corrupt or self.database or self.lost or self.unjournaled or self.service)
 
     @property
     def clean(self) -> bool:
@@ -41,17 +53,26 @@ class CheckReport:
     def to_json(self) -> dict:
         return {"ok": self.ok, "clean": self.clean, "samples": self.samples, "blobs": self.blobs,
                 "missing": self.missing, "corrupt": self.corrupt, "orphans": self.orphans,
-                "strays": [str(p) for p in self.strays], "database": self.database}
+                "strays": [str(p) for p in self.strays], "database": self.database, "journal": self.journal,
+                "lost": self.lost, "pending": self.pending, "unjournaled": self.unjournaled, "service": self.service}
 
 
-def check_consistency(store: Store, blobs: BlobStore, verify: bool = True) -> CheckReport:
-    """Compare every sample row with its blob and the blob folder with the rows.
+def check_consistency(store: Store, blobs: BlobStore, verify: bool = True, inbox: Path | None = None,
+                      registry: Registry | None = None) -> CheckReport:
+    """Compare every sample row with its blob and the journal, and the blob folder with the rows.
 
     Args:
         verify: hash every blob (reads them all); ``False`` checks only that each exists.
+        inbox: where the samples came from: a journal sample the store lacks is *lost* when its file
+            has left the inbox, *pending* when it is still there. Without it, every such sample counts
+            as pending.
+        registry: also check that the version in service is complete and intact.
     """
     expected = store.blob_hashes()
     report = CheckReport(samples=len(expected), database=store.integrity_problems())
+    journaled = _compare_journal(store, report, inbox)
+    if registry is not None:
+        report.service = service_problems(registry)
     on_disk: set[str] = set()
     for key, path in blobs.scan():
         if key is None:
@@ -59,7 +80,8 @@ def check_consistency(store: Store, blobs: BlobStore, verify: bool = True) -> Ch
             continue
         on_disk.add(key)
         if key not in expected:
-            report.orphans.append(key)
+            if key not in journaled:  # a journaled blob is a sample the store lacks, never garbage
+                report.orphans.append(key)
         elif verify and hashlib.sha256(path.read_bytes()).hexdigest() != expected[key]:
             report.corrupt.append(key)
     report.blobs = len(on_disk)
@@ -67,11 +89,49 @@ def check_consistency(store: Store, blobs: BlobStore, verify: bool = True) -> Ch
     return report
 
 
+def _compare_journal(store: Store, report: CheckReport, inbox: Path | None) -> set[str]:
+    """Fill the journal findings; returns the hashes the journal names."""
+    if not store.journal.exists():
+        report.unjournaled = sorted(store.blob_hashes()) if report.samples else []
+        return set()
+    journaled = store.journal.read().samples()
+    stored = store.blob_hashes()
+    report.journal = len(journaled)
+    for sha, r in journaled.items():
+        if sha in stored:
+            continue
+        if inbox is not None and not os.path.lexists(inbox / r.source):
+            report.lost.append(sha)
+        else:
+            report.pending.append(sha)
+    report.unjournaled = sorted(sha for sha in stored if sha not in journaled)
+    return set(journaled)
+
+
+def service_problems(registry: Registry) -> list[str]:
+    """What is wrong with ``current`` and the version it links to (empty: in service and intact)."""
+    state, name = registry.link_state()
+    if state == "missing":
+        return [f"{registry.link} is missing"] if registry.versions() else []
+    if state != "ok":
+        return [f"{registry.link} {state}"]
+    return registry.verify(name)
+
+
 def remove_garbage(report: CheckReport, blobs: BlobStore) -> int:
     """Delete the orphans and strays a report found; returns how many files went. Call it only while
-    holding the data directory's lock: an orphan may be a blob of a batch not yet committed."""
+    holding the data directory's lock: an orphan may be a blob of a batch not yet committed.
+
+    Blobs are deleted only on the word of an intact store that holds samples and a journal that does
+    not name them either: a store that was emptied or lost rows (see :mod:`edgerev_daemon.rebuild`)
+    would call every blob an orphan.
+    """
     n = 0
-    for key in report.orphans:
+    if report.samples == 0 or report.database or report.lost or report.unjournaled or report.journal < report.samples:
+        orphans: list[str] = []
+    else:
+        orphans = report.orphans
+    for key in orphans:
         blobs.remove(key)
         n += 1
     for path in report.strays:

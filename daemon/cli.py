@@ -1,37 +1,19 @@
-"""``edgerev daemon ...``: run, once, status, rollback, check, demo (thin: parse, build, call, print)."""
+"""``edgerev daemon ...``: run, once, status, rollback, check, rebuild, demo (thin: parse, build, call, print)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
-# syslog priorities: journald reads a "<N>" prefix on each line of a service's stderr
-_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+from edgerev.exits import PARTIAL as EXIT_PARTIAL
+from edgerev_daemon.logs import setup_logging
+from edgerev_daemon.signals import Requests, handling
 
-
-class _JournalFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"<{_PRIORITY.get(record.levelno, 6)}>{record.name}: {record.getMessage()}"
-
-
-def setup_logging(level: str = "INFO") -> None:
-    """Log lines to stderr: with syslog priority prefixes under systemd (journald adds the time), with
-    a time stamp on a terminal."""
-    handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("JOURNAL_STREAM"):
-        handler.setFormatter(_JournalFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for noisy in ("onnx_ir", "onnxscript", "torch.onnx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+__all__ = ["add_parser", "setup_logging"]
 
 
 def _config(args: argparse.Namespace):
@@ -43,19 +25,28 @@ def _config(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     from edgerev_daemon.service import Daemon
 
-    config = _config(args)
-    setup_logging(config.log_level)
-    with Daemon(config, config_path=args.config) as daemon:
-        signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop())
-        signal.signal(signal.SIGINT, lambda s, f: daemon.request_stop())
-        signal.signal(signal.SIGHUP, lambda s, f: daemon.request_reload())
+    # handlers first: a signal during the start (reading the config, recovery) is kept for the loop
+    # instead of killing the process with the default action
+    requests = Requests()
+    try:
+        with handling({signal.SIGTERM: requests.ask_stop, signal.SIGINT: requests.ask_stop,
+                       signal.SIGHUP: requests.ask_reload}, ignore_after=(signal.SIGHUP,)):
+            config = _config(args)
+            setup_logging(config.log_level)
+            _serve(Daemon(config, config_path=args.config, requests=requests), args.poll)
+    finally:
+        requests.close()
+    return 0
+
+
+def _serve(daemon, poll: float) -> None:
+    with daemon:
         server = _http(daemon)
         try:
-            daemon.serve(poll_seconds=args.poll)
+            daemon.serve(poll_seconds=poll)
         finally:
             if server is not None:
                 server.stop()
-    return 0
 
 
 def _http(daemon):
@@ -74,16 +65,26 @@ def cmd_once(args: argparse.Namespace) -> int:
 
     config = _config(args)
     setup_logging(config.log_level if not args.json else "WARNING")
-    with Daemon(config, config_path=args.config) as daemon:
-        signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop())
-        report = daemon.cycle()
+    requests = Requests()
+    try:
+        with handling({signal.SIGTERM: requests.ask_stop}), Daemon(config, config_path=args.config,
+                                                                    requests=requests) as daemon:
+            report = daemon.cycle()
+    finally:
+        requests.close()
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
         i = report.ingest
         print(f"ingest: {i['accepted']} stored, {i['duplicates']} duplicates, {len(i['quarantined'])} quarantined, "
               f"{len(i['refused'])} refused")
-        print(f"job: {json.dumps(report.job)}" if report.job else f"no job due ({report.due or 'not enough new data'})")
+        print(f"job: {json.dumps(report.job)}" if report.job else f"no job due ({report.not_due})")
+        if report.waiting:
+            print(f"waiting: {report.waiting} (see the log and status)")
+    if report.failed:
+        why = report.job.get("error") if report.job and report.job.get("error") else f"waiting for {report.waiting}"
+        print(f"edgerev daemon once: error: {why}", file=sys.stderr)
+        return EXIT_PARTIAL
     return 0
 
 
@@ -113,23 +114,57 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from edgerev_daemon.blobs import BlobStore
     from edgerev_daemon.check import check_consistency
-    from edgerev_daemon.errors import DaemonError
+    from edgerev_daemon.errors import DaemonError, StoreError
+    from edgerev_daemon.rebuild import evidence, store_state
+    from edgerev_daemon.registry import Registry
     from edgerev_daemon.store import Store
 
     config = _config(args)
-    if not config.layout.database.is_file():
-        raise DaemonError(f"{config.data_dir} holds no store yet")
+    why = store_state(config.layout.database)
+    if why is not None:
+        found = evidence(config.layout)
+        if not found:
+            raise DaemonError(f"{config.data_dir} holds no store yet")
+        raise StoreError(f"{config.layout.database} {why}, next to {found.describe()}: run edgerev daemon rebuild "
+                         f"--config {args.config}" + (" --move-aside" if why != "is missing" else ""))
     with Store(config.layout.database) as store:
-        report = check_consistency(store, BlobStore(config.layout.blobs), verify=True)
+        report = check_consistency(store, BlobStore(config.layout.blobs), verify=True, inbox=config.inbox_path,
+                                   registry=Registry(config.layout.root))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        print(f"{report.samples} samples, {report.blobs} blobs: " + ("consistent" if report.ok else "INCONSISTENT"))
-        for name in ("missing", "corrupt", "orphans", "database"):
+        print(f"{report.samples} samples, {report.blobs} blobs: " + ("consistent" if report.ok else "INCONSISTENT")
+              + f" ({report.journal} samples in the journal)")
+        for name in ("missing", "corrupt", "lost", "unjournaled", "pending", "orphans", "database", "service"):
             values = getattr(report, name)
             if values:
                 print(f"  {name}: {len(values)} ({', '.join(map(str, values[:3]))}{' ...' if len(values) > 3 else ''})")
+        if report.lost or report.unjournaled:
+            print(f"  the store lost rows or the journal is incomplete: stop the daemon, then run edgerev daemon "
+                  f"rebuild --config {args.config} --move-aside (or start the daemon: it records journal lines again)")
     return 0 if report.ok else 1
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    from edgerev_daemon.lock import DataDirLock
+    from edgerev_daemon.rebuild import rebuild
+
+    config = _config(args)
+    setup_logging("WARNING" if args.json else config.log_level)
+    with DataDirLock(config.layout.root):
+        report = rebuild(config, move_aside=args.move_aside)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        labels = ", ".join(report.labels) or "none"
+        print(f"rebuilt {config.layout.database}: {report.samples} samples, labels {labels}, "
+              f"versions {', '.join(report.versions) or 'none'}")
+        if report.moved_aside:
+            print(f"  the old store was moved aside: {', '.join(report.moved_aside)}")
+        if report.without_blob or report.unlabeled_blobs or report.bad_lines:
+            print(f"  not recorded: {report.without_blob} journal records without blob, {report.unlabeled_blobs} "
+                  f"blobs no journal record names (kept on disk), {len(report.bad_lines)} unreadable journal lines")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -156,7 +191,8 @@ def add_parser(sub) -> None:
     r.add_argument("--poll", type=float, default=5.0, help="seconds between inbox scans (default 5)")
     r.set_defaults(fn=cmd_run)
     o = with_config(dsub.add_parser("once", help="one full cycle (ingest, train if due, evaluate, promote, "
-                                                 "export), then exit"))
+                                                 "export), then exit (status 1 if its job failed or a storage "
+                                                 "condition held it back)"))
     o.add_argument("--json", action="store_true", help="print the cycle's report as JSON")
     o.set_defaults(fn=cmd_once)
     s = with_config(dsub.add_parser("status", help="samples, labels, the model in service, versions, jobs"))
@@ -168,9 +204,16 @@ def add_parser(sub) -> None:
     b.add_argument("--to", help="version (default: the promoted version before the current one)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(fn=cmd_rollback)
-    c = with_config(dsub.add_parser("check", help="consistency of the store and the blob files (exit 1 if not)"))
+    c = with_config(dsub.add_parser("check", help="consistency of the store, the journal, the blob files and the "
+                                                  "version in service (exit 1 if not)"))
     c.add_argument("--json", action="store_true", help="print JSON")
     c.set_defaults(fn=cmd_check)
+    e = with_config(dsub.add_parser("rebuild", help="recreate a lost or damaged store from the journal, the blobs "
+                                                    "and the version directories (stop the daemon first)"))
+    e.add_argument("--move-aside", action="store_true",
+                   help="replace an existing store: it is renamed to store.sqlite.damaged-<time>, never deleted")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.set_defaults(fn=cmd_rebuild)
     m = dsub.add_parser("demo", help="generate images into an inbox and run one cycle on embedded defaults")
     m.add_argument("--dir", default="runs/daemon-demo", help="data directory of the demo (default runs/daemon-demo)")
     m.add_argument("--images", type=int, default=600, help="generated images dropped into the inbox (default 600)")

@@ -9,8 +9,7 @@ Start-up order (each step raises before the next touches anything)::
 
     config = load_config(path)   # keys, types, ranges
     validate_paths(config)       # inbox is a folder, data directory writable: nothing is created
-    # the trainer's check that the memory cap fits the model belongs here, once the trainer
-    # exposes it: a function of (config.training, config.image_size) that raises ConfigError
+    check_training(config)       # the model takes image_size; training.memory.budget is above the floor
     lock = DataDirLock(config.layout.root).acquire()
     prepare(config.layout, config.inbox_path)
 """
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from edgerev.config import ConfigError, check, from_dict, load_yaml
+from edgerev.train.config import ContinualConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig
 from edgerev_daemon.layout import Layout
 
 SUPPORTED_EXTENSIONS = (".png", ".jpg", ".jpeg")
@@ -34,7 +34,7 @@ def _bytes(value: int | str | None, key: str) -> int | None:
     """A size in bytes from an int or a string such as ``"400MiB"``."""
     if value is None:
         return None
-    from edgerev.memory.planner import parse_bytes
+    from edgerev.sizes import parse_bytes
 
     try:
         n = value if isinstance(value, int) else parse_bytes(value)
@@ -75,8 +75,9 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """``batch_files``: files recorded per database transaction. ``settle_seconds``: a file whose
-    modification time is more recent than this is left for the next scan (it may still be copied)."""
+    """``batch_files``: files recorded per database transaction. ``settle_seconds``: a file is ingested
+    once its size and modification time stayed the same across scans this many seconds apart by the
+    daemon's clock (it may still be being copied; its times are not trusted); 0: at once."""
 
     batch_files: int = 256
     settle_seconds: float = 2.0
@@ -103,61 +104,102 @@ class ScheduleConfig:
         check(self.retry_seconds >= 0, "retry_seconds", f"must be >= 0, got {self.retry_seconds}")
 
 
+# What a daemon job trains with when its config says nothing: smaller and shorter than the trainer's
+# recipe (a job fine-tunes on what arrived since the last one). Merged under the file's values, key by
+# key, so ``training: {train: {epochs: 5}}`` keeps the daemon's batch.
+TRAINING_DEFAULTS = {
+    "train": {"epochs": 3, "batch": 64, "checkpoint_every": 20, "log_every": 10},
+    "optim": {"lr": 0.05},
+    "continual": {"replay": 2000, "distill": 1.0},
+}
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
-    """One fine-tuning job; the names follow the trainer's recipe (``edgerev.train.config``).
+    """One fine-tuning job: the trainer's own recipe sections (``edgerev.train.config``), same keys.
 
-    ``arch``, ``model_args``: the registry model and its overrides (``num_classes`` comes from the
-    labels). ``replay``: samples of earlier data mixed into each job. ``distill``, ``temperature``:
-    the distillation loss from the current model on old classes. ``memory_budget``: the hard cap on
-    training memory (bytes or ``"400MiB"``; null: none). ``device``: where jobs train.
-    ``clip_grad_norm``: the trainer's gradient clipping (see ``edgerev.train.config.OptimConfig``).
+    ``model``: ``arch`` and ``args`` (``init`` is the daemon's: the current version). ``train``,
+    ``optim``, ``continual``: as in a recipe (the daemon's defaults in :data:`TRAINING_DEFAULTS`).
+    ``memory``: ``budget``, the hard cap on a job's training memory (bytes or ``"400MiB"``, read once
+    into an int; null: none), and the planner's ``mode`` and ``profile``. ``device``: where jobs train.
+    The data, its size (``image_size``) and augmentation are the daemon's.
     """
 
-    arch: str = "revnext"
-    model_args: dict = field(default_factory=dict)
-    epochs: int = 3
-    batch: int = 64
-    lr: float = 0.05
-    replay: int = 2000
-    distill: float = 1.0
-    temperature: float = 2.0
-    memory_budget: int | str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(**TRAINING_DEFAULTS["train"]))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(**TRAINING_DEFAULTS["optim"]))
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    continual: ContinualConfig = field(default_factory=lambda: ContinualConfig(**TRAINING_DEFAULTS["continual"]))
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
-        from edgerev.models import list_models
+        check(self.model.init is None, "model.init", "is the daemon's (the current version); leave it out")
 
-        check(self.arch in list_models(), "arch",
-              f"unknown architecture {self.arch!r}; choose from {', '.join(list_models())}")
-        check("num_classes" not in self.model_args, "model_args.num_classes", "set by the labels, not here")
-        for name in ("epochs", "batch"):
-            check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
-        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
-        check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm",
-              f"must be positive (or null), got {self.clip_grad_norm}")
-        check(self.replay >= 0, "replay", f"must be >= 0, got {self.replay}")
-        check(self.distill >= 0, "distill", f"must be >= 0, got {self.distill}")
-        check(self.temperature > 0, "temperature", f"must be positive, got {self.temperature}")
-        _bytes(self.memory_budget, "memory_budget")
 
-    @property
-    def memory_budget_bytes(self) -> int | None:
-        return _bytes(self.memory_budget, "memory_budget")
+def _merged(defaults: dict, given) -> dict:
+    """``given`` over ``defaults``, mapping by mapping (a non-mapping ``given`` is left for the type check)."""
+    if not isinstance(given, dict):
+        return given
+    out = dict(defaults)
+    for k, v in given.items():
+        out[k] = _merged(defaults[k], v) if isinstance(defaults.get(k), dict) and isinstance(v, dict) else v
+    return out
 
 
 @dataclass(frozen=True)
 class PromotionConfig:
     """``tolerance``: how much held-out accuracy on old classes a candidate may lose (0.02: two
-    points) and still be promoted. ``keep_last``: version directories kept on disk."""
+    points) and still be promoted. ``keep_last``: version directories kept on disk.
+    ``refuse_class_at_zero``: refuse a candidate that gets none of a known class's held-out samples
+    right, when the class has at least ``min_heldout_per_class`` of them."""
 
     tolerance: float = 0.02
     keep_last: int = 5
+    refuse_class_at_zero: bool = True
+    min_heldout_per_class: int = 5
 
     def __post_init__(self) -> None:
         check(0.0 <= self.tolerance <= 1.0, "tolerance", f"is a fraction of accuracy in [0, 1], got {self.tolerance}")
         check(self.keep_last >= 1, "keep_last", f"must be at least 1, got {self.keep_last}")
+        check(self.min_heldout_per_class >= 1, "min_heldout_per_class",
+              f"must be at least 1, got {self.min_heldout_per_class}")
+
+    @property
+    def gate(self):
+        from edgerev_daemon.promote import Gate  # promote imports torch; the config must not
+
+        return Gate(self.tolerance, self.min_heldout_per_class, self.refuse_class_at_zero)
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """``min_free_space``: below this much free space on the data directory's file system (bytes, or a
+    size such as ``"200MiB"``; 0: no floor) the daemon stops ingesting and training, keeps serving
+    status, and resumes by itself once space returns. Ingest then never fills the disk to the last
+    byte, which SQLite, the journal and a promotion need to finish what they started."""
+
+    min_free_space: int | str = "100MiB"
+
+    def __post_init__(self) -> None:
+        if self.min_free_space not in (0, "0"):
+            _bytes(self.min_free_space, "min_free_space")
+
+    @property
+    def min_free_bytes(self) -> int:
+        return 0 if self.min_free_space in (0, "0") else _bytes(self.min_free_space, "min_free_space")
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """The event log is bounded whatever happens: events older than ``keep_days`` and all but the
+    latest ``keep_count`` are pruned at every cycle; a fault that lasts is one event with a repeat count."""
+
+    keep_days: float = 90.0
+    keep_count: int = 20_000
+
+    def __post_init__(self) -> None:
+        check(self.keep_days > 0, "keep_days", f"must be positive, got {self.keep_days}")
+        check(self.keep_count >= 100, "keep_count", f"must be at least 100, got {self.keep_count}")
 
 
 @dataclass(frozen=True)
@@ -194,6 +236,8 @@ class DaemonConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     promotion: PromotionConfig = field(default_factory=PromotionConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     def __post_init__(self) -> None:
@@ -212,8 +256,21 @@ class DaemonConfig:
         return Path(self.inbox) if self.inbox is not None else self.layout.default_inbox
 
 
+# the flat keys of the ``training:`` section before it embedded the trainer's recipe, and where each went
+MOVED_TRAINING_KEYS = {"arch": "model.arch", "model_args": "model.args", "epochs": "train.epochs",
+                       "batch": "train.batch", "lr": "optim.lr", "clip_grad_norm": "optim.clip_grad_norm",
+                       "replay": "continual.replay", "distill": "continual.distill",
+                       "temperature": "continual.temperature", "memory_budget": "memory.budget"}
+
+
 def config_from_dict(data: dict, base: str | Path | None = None) -> DaemonConfig:
     """Validate ``data`` (a parsed YAML mapping); relative paths are taken relative to ``base``."""
+    if isinstance(data, dict) and isinstance(data.get("training", {}), dict):
+        moved = [k for k in (data.get("training") or {}) if k in MOVED_TRAINING_KEYS]
+        if moved:  # a config written for an earlier edgerev: say where each key went
+            raise ConfigError("; ".join(f"training.{k} is now training.{MOVED_TRAINING_KEYS[k]}" for k in moved)
+                              + " (the training section takes the trainer's recipe sections; see configs/daemon/)")
+        data = {**data, "training": _merged(TRAINING_DEFAULTS, data.get("training") or {})}
     cfg = from_dict(DaemonConfig, data)
     base = Path(base) if base is not None else Path.cwd()
 

@@ -15,8 +15,9 @@ DEMO_CONFIG = {
     "heldout_fraction": 0.15,
     "ingest": {"settle_seconds": 0.0},
     "schedule": {"min_new_samples": 100, "max_interval_seconds": 3600.0},
-    "training": {"arch": "revnext", "model_args": {"width": 16, "blocks": [1, 1, 1, 1, 1]}, "epochs": 4,
-                 "batch": 64, "lr": 0.03, "replay": 1000, "distill": 1.0},
+    "training": {"model": {"arch": "revnext", "args": {"width": 16, "blocks": [1, 1, 1, 1, 1]}},
+                 "train": {"epochs": 4, "batch": 64}, "optim": {"lr": 0.03},
+                 "continual": {"replay": 1000, "distill": 1.0}},
     "promotion": {"tolerance": 0.05, "keep_last": 3},
 }
 

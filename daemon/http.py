@@ -34,7 +34,8 @@ import socket
 import socketserver
 import sqlite3
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -259,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _snapshot(self, events: int) -> dict | None:
         """:func:`status`, or None after answering 503 (the store is missing, locked too long or broken)."""
         try:
-            return status(self.server.config, events=events)
+            return status(self.server.config, events=events, clock=self.server.clock)
         except (EdgerevError, sqlite3.Error, OSError) as e:
             line = " ".join(str(e).split()) or type(e).__name__
             log.warning("status page: store unavailable: %s", line)
@@ -330,11 +331,14 @@ class StatusServer:
             listen (port 0: any free port, see :attr:`port`). ``config.http.enabled`` is the caller's
             business: this class serves whenever it is started.
         poll_interval: seconds between the serving thread's checks for :meth:`stop`.
+        clock: the time snapshots are taken at (``time.time``; tests inject a fixed one).
     """
 
-    def __init__(self, config: DaemonConfig, poll_interval: float = 0.5) -> None:
+    def __init__(self, config: DaemonConfig, poll_interval: float = 0.5,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.poll_interval = poll_interval
+        self.clock = clock
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -375,6 +379,7 @@ class StatusServer:
             raise DaemonError(f"http: cannot listen on {self.config.http.host}:{self.config.http.port}: "
                               f"{e.strerror or e}") from None
         server.config = self.config
+        server.clock = self.clock
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, args=(self.poll_interval,),
                                         name="edgerev-http", daemon=True)

@@ -3,33 +3,44 @@
 Two ways to drop images:
 
 - ``inbox/<label>/<any sub-folders>/<file>``: the label is the top-level folder's name.
-- ``inbox/<name>.jsonl``: one ``{"path": ..., "label": ...}`` object per line; ``path`` is relative
-  to the inbox and must stay inside it (no ``..``, not absolute, no symbolic link on the way out,
-  not a link itself). Such an entry is *refused*: recorded with its reason, and nothing it names is
-  touched. Put a manifest's files in a hidden folder (``inbox/.upload-1/``), which the folder scan
-  skips, and write the manifest last; a manifest's claim wins over the folder a file sits in.
+- ``inbox/<name>.jsonl``: one ``{"path": ..., "label": ...}`` object per line (see
+  :mod:`edgerev_daemon.manifest` for what a line may hold); ``path`` is relative to the inbox and must
+  stay inside it (no ``..``, not absolute, no symbolic link on the way, not a link itself). Such an
+  entry is *refused*: recorded with its reason, and nothing it names is touched. Put a manifest's
+  files in a hidden folder (``inbox/.upload-1/``), which the folder scan skips, and write the
+  manifest last; a manifest's claim wins over the folder a file sits in.
 
 Names starting with ``.`` are skipped everywhere (the usual mark of a file still being written: write
-``.x.png``, then rename it to ``x.png``), and so is any file modified less than ``settle_seconds`` ago
-(it may still be being copied); both are picked up by a later scan. A file directly in the inbox
-(not a manifest) has no label and is quarantined.
+``.x.png``, then rename it to ``x.png``), and so is a file that has not yet settled (its size and
+modification time unchanged for ``settle_seconds`` by the daemon's clock, see
+:mod:`edgerev_daemon.watch`); both are picked up by a later scan. A file directly in the inbox (not a
+manifest) has no label and is quarantined. A folder that cannot be listed, or lies deeper than
+:data:`MAX_DEPTH`, is reported (:attr:`Scan.problems`) and skipped.
 
-The scan only lists; :mod:`edgerev_daemon.ingest` decides what happens to each file.
+The scan walks folders by descriptor without following links (:mod:`edgerev_daemon.confined`) and
+keeps each file's path as its components, the names exactly as the file system gives them; what is
+recorded is their :func:`~edgerev_daemon.names.shown` form. The scan only lists;
+:mod:`edgerev_daemon.ingest` decides what happens to each file.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+
+from edgerev_daemon import confined
+from edgerev_daemon.confined import NotConfined
+from edgerev_daemon.manifest import Entry, LineRefused, lines, parse_line
+from edgerev_daemon.names import shown, shown_path
+from edgerev_daemon.watch import InboxWatch
 
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 LABEL_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
 MANIFEST_SUFFIX = ".jsonl"
+MAX_DEPTH = 32  # folders below a label folder; deeper ones are reported, not walked
 
 
 def valid_label(name: object) -> bool:
@@ -38,14 +49,20 @@ def valid_label(name: object) -> bool:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A file to examine: ``source`` is its path relative to the inbox (what events name);
-    ``label`` is ``None`` for a file with no label folder; ``manifest`` names the manifest that
-    listed it, if one did."""
+    """A file to examine: ``parts`` its path from the inbox, names as the file system gives them;
+    ``source`` the recorded form of that path (what events name); ``label`` is ``None`` for a file
+    with no label folder; ``manifest`` names the manifest that listed it, if one did; ``inode``: its
+    device and inode when the scan saw it (what may be moved to quarantine: nothing swapped in since)."""
 
-    path: Path
+    parts: tuple[str, ...]
     source: str
     label: str | None
     manifest: str | None = None
+    inode: tuple[int, int] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.parts[-1]
 
 
 @dataclass(frozen=True)
@@ -62,8 +79,9 @@ class Refusal:
 class Scan:
     candidates: list[Candidate] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
-    manifests: dict[str, tuple[Path, os.stat_result]] = field(default_factory=dict)  # read; removed once done
+    manifests: dict[str, tuple[tuple[str, ...], confined.Identity]] = field(default_factory=dict)  # removed once done
     bad_manifests: list[tuple[Candidate, str]] = field(default_factory=list)  # to quarantine, with the reason
+    problems: dict[str, str] = field(default_factory=dict)  # folders not walked -> why
     unsettled: int = 0
 
 
@@ -71,129 +89,145 @@ def _hidden(name: str) -> bool:
     return name.startswith(".")
 
 
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
+class _Scanner:
+    def __init__(self, root_fd: int, now: float, settle_seconds: float, max_manifest_bytes: int,
+                 seen: Callable[[str], bool], watch: InboxWatch) -> None:
+        self.root_fd, self.now, self.settle = root_fd, now, settle_seconds
+        self.max_manifest_bytes, self.seen, self.watch = max_manifest_bytes, seen, watch
+        self.scan = Scan()
+        self.claimed: dict[tuple[str, ...], str] = {}
 
+    def settled(self, parts: tuple[str, ...], st: os.stat_result) -> bool:
+        if self.watch.settled(parts, (st.st_size, st.st_mtime_ns), self.now, self.settle):
+            return True
+        self.scan.unsettled += 1
+        return False
 
-def _rel(path: Path, inbox: Path) -> str:
-    return path.relative_to(inbox).as_posix()
+    def top(self) -> None:
+        folders = []
+        for name in sorted(os.listdir(self.root_fd)):
+            if _hidden(name):
+                continue
+            try:
+                st = confined.lstat(self.root_fd, name)
+            except OSError:
+                continue  # vanished since the listing
+            if stat.S_ISDIR(st.st_mode):
+                folders.append(name)
+            elif not self.settled((name,), st):
+                continue
+            elif name.endswith(MANIFEST_SUFFIX) and stat.S_ISREG(st.st_mode):
+                self.manifest(name)
+            else:
+                self.scan.candidates.append(Candidate((name,), shown(name), None, inode=(st.st_dev, st.st_ino)))
+        for name in folders:
+            self.folder(self.root_fd, (name,), name, 0)
 
-
-def _confine(inbox: Path, raw: object) -> tuple[Path | None, str | None]:
-    """The real path a manifest entry names inside ``inbox`` (a resolved folder), or why not."""
-    if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:
-        return None, "path must be a non-empty string"
-    rel = PurePosixPath(raw)
-    if rel.is_absolute():
-        return None, f"absolute path {raw!r}: paths are relative to the inbox"
-    if ".." in rel.parts:
-        return None, f"path traversal {raw!r}: '..' is not allowed"
-    full = inbox.joinpath(*rel.parts)
-    real_parent = Path(os.path.realpath(full.parent))
-    real = real_parent / full.name
-    if not _inside(real_parent, inbox) or real == inbox:
-        return None, f"{raw!r} leaves the inbox through a symbolic link"
-    if real.is_symlink():
-        return None, f"{raw!r} is a symbolic link (not followed)"
-    return real, None
-
-
-def _settled(st: os.stat_result, now: float, settle: float) -> bool:
-    return now - st.st_mtime >= settle
-
-
-def _read_manifest(path: Path, name: str, inbox: Path, max_bytes: int, scan: Scan,
-                   claimed: dict[str, str], seen: Callable[[str], bool]) -> None:
-    cand = Candidate(path, name, None)
-    try:
-        st = path.lstat()
-        raw = path.read_bytes()[: max_bytes + 1]
-    except OSError as e:
-        scan.bad_manifests.append((cand, f"cannot read the manifest: {e.strerror or e}"))
-        return
-    if len(raw) > max_bytes:
-        scan.bad_manifests.append((cand, f"manifest above limits.max_file_size ({max_bytes} bytes)"))
-        return
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        scan.bad_manifests.append((cand, "manifest is not UTF-8 text"))
-        return
-    entries = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    def folder(self, parent_fd: int, parts: tuple[str, ...], label: str, depth: int) -> None:
+        """Walk one folder (opened from its parent without following a link) and those below it."""
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            scan.refusals.append(Refusal(name, number, None, f"not JSON: {e.msg}"))
-            continue
-        if not isinstance(obj, dict) or "path" not in obj or "label" not in obj:
-            scan.refusals.append(Refusal(name, number, None, 'expected an object with "path" and "label"'))
-            continue
-        real, why = _confine(inbox, obj["path"])
-        if why is not None:
-            scan.refusals.append(Refusal(name, number, str(obj["path"]), why))
-            continue
-        source = _rel(real, inbox)
-        if source in claimed:
-            scan.refusals.append(Refusal(name, number, source, f"already listed by {claimed[source]}"))
-            continue
-        if not real.exists():
-            if not seen(source):  # not a file this manifest had us store before a crash
-                scan.refusals.append(Refusal(name, number, source, "no such file in the inbox"))
-            continue
-        if real.is_dir():
-            scan.refusals.append(Refusal(name, number, source, "is a directory"))
-            continue
-        claimed[source] = name
-        label = obj["label"] if isinstance(obj["label"], str) else repr(obj["label"])
-        entries.append(Candidate(real, source, label, name))
-    scan.candidates.extend(entries)
-    scan.manifests[name] = (path, st)
+            fd = confined.open_dir(parent_fd, parts[-1])
+        except (FileNotFoundError, NotConfined):
+            return  # gone, or swapped for a link since it was listed: the next scan sees what it is now
+        except OSError as e:
+            self.scan.problems[shown_path(parts)] = f"cannot open the folder: {e.strerror or e}"
+            return
+        try:
+            try:
+                names = sorted(os.listdir(fd))
+            except OSError as e:
+                self.scan.problems[shown_path(parts)] = f"cannot list the folder: {e.strerror or e}"
+                return
+            below = []
+            for name in names:
+                if _hidden(name):
+                    continue
+                path = parts + (name,)
+                try:
+                    st = confined.lstat(fd, name)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    below.append(path)
+                elif path not in self.claimed and self.settled(path, st):
+                    self.scan.candidates.append(Candidate(path, shown_path(path), label, inode=(st.st_dev, st.st_ino)))
+            for path in below:
+                if depth + 1 > MAX_DEPTH:
+                    self.scan.problems[shown_path(path)] = f"deeper than {MAX_DEPTH} folders below its label folder"
+                else:
+                    self.folder(fd, path, label, depth + 1)
+        finally:
+            os.close(fd)
+
+    def manifest(self, name: str) -> None:
+        cand = Candidate((name,), shown(name), None)
+        try:
+            fd = confined.open_file(self.root_fd, name)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            self.scan.bad_manifests.append((cand, f"cannot read the manifest: {e.strerror or e}"))
+            return
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            raw = f.read(self.max_manifest_bytes + 1)
+        cand = Candidate((name,), cand.source, None, inode=(st.st_dev, st.st_ino))
+        if len(raw) > self.max_manifest_bytes:
+            self.scan.bad_manifests.append((cand, f"manifest above limits.max_file_size ({self.max_manifest_bytes} "
+                                                  "bytes)"))
+            return
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.scan.bad_manifests.append((cand, "manifest is not UTF-8 text"))
+            return
+        entries = []
+        for number, line in lines(text):
+            try:
+                entries.append(self.entry(cand.source, parse_line(line)))
+            except LineRefused as e:
+                path = None if e.path is None else shown(e.path)
+                self.scan.refusals.append(Refusal(cand.source, number, path, e.reason))
+        self.scan.candidates.extend(c for c in entries if c is not None)
+        self.scan.manifests[cand.source] = ((name,), confined.identity(st))
+
+    def entry(self, manifest: str, entry: Entry) -> Candidate | None:
+        """The file a manifest entry names, found component by component from the inbox."""
+        source, raw = shown_path(entry.parts), "/".join(entry.parts)
+        try:
+            with confined.parent(self.root_fd, entry.parts) as fd:
+                st = confined.lstat(fd, entry.parts[-1])
+        except NotConfined:
+            raise LineRefused(f"'{source}' leaves the inbox through a symbolic link or a file on the way",
+                              source) from None
+        except FileNotFoundError:
+            if not self.seen(source):  # not a file this manifest had us store before a crash
+                raise LineRefused("no such file in the inbox", raw) from None
+            return None
+        except OSError as e:
+            raise LineRefused(f"cannot reach '{source}': {e.strerror or e}", raw) from None
+        if entry.parts in self.claimed:
+            raise LineRefused(f"already listed by {self.claimed[entry.parts]}", raw)
+        if stat.S_ISLNK(st.st_mode):
+            raise LineRefused(f"'{source}' is a symbolic link (not followed)", raw)
+        if stat.S_ISDIR(st.st_mode):
+            raise LineRefused("is a directory", raw)
+        self.claimed[entry.parts] = manifest
+        return Candidate(entry.parts, source, entry.label, manifest, inode=(st.st_dev, st.st_ino))
 
 
-def scan_inbox(inbox: Path, now: float, settle_seconds: float, max_manifest_bytes: int,
-               seen: Callable[[str], bool] = lambda source: False) -> Scan:
-    """List the inbox (sorted, so runs are reproducible).
+def scan_inbox(root_fd: int, now: float, settle_seconds: float, max_manifest_bytes: int,
+               seen: Callable[[str], bool] = lambda source: False, watch: InboxWatch | None = None) -> Scan:
+    """List the inbox open as ``root_fd`` (sorted, so runs are reproducible).
 
     Args:
-        now: the current time, against files' modification times.
+        now: the daemon's clock, for settling (see :mod:`edgerev_daemon.watch`).
         seen: whether a file from this inbox path was already stored or quarantined; a manifest
             entry whose file is gone is silently done when it was, refused when it was not.
+        watch: what earlier scans saw (a fresh one when ``None``: nothing settles but with
+            ``settle_seconds`` 0).
     """
-    inbox = Path(os.path.realpath(inbox))
-    scan = Scan()
-    claimed: dict[str, str] = {}
-    entries = sorted(os.scandir(inbox), key=lambda e: e.name)
-    folders = []
-    for e in entries:
-        if _hidden(e.name):
-            continue
-        st = e.stat(follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            folders.append(e)
-        elif not _settled(st, now, settle_seconds):
-            scan.unsettled += 1
-        elif e.name.endswith(MANIFEST_SUFFIX) and stat.S_ISREG(st.st_mode):
-            _read_manifest(Path(e.path), e.name, inbox, max_manifest_bytes, scan, claimed, seen)
-        else:
-            scan.candidates.append(Candidate(Path(e.path), e.name, None))
-    for folder in folders:
-        for root, dirs, files in os.walk(folder.path):  # never follows a link to a folder
-            dirs[:] = sorted(d for d in dirs if not _hidden(d))
-            links = [d for d in dirs if os.path.islink(os.path.join(root, d))]
-            for name in sorted(f for f in files if not _hidden(f)) + links:
-                path = Path(root, name)
-                source = _rel(path, inbox)
-                if source in claimed:
-                    continue
-                try:
-                    st = path.lstat()
-                except FileNotFoundError:
-                    continue
-                if not _settled(st, now, settle_seconds):
-                    scan.unsettled += 1
-                    continue
-                scan.candidates.append(Candidate(path, source, folder.name))
-    return scan
+    scanner = _Scanner(root_fd, now, settle_seconds, max_manifest_bytes, seen, watch or InboxWatch())
+    scanner.top()
+    scanner.watch.end_scan()
+    return scanner.scan

@@ -3,9 +3,12 @@
 For each batch of at most ``ingest.batch_files`` files (see :mod:`edgerev_daemon.inbox` for what a
 scan finds):
 
-1. Examine each file: a symbolic link or anything but a regular file, a label that is not a valid
-   name, an extension not allowed, an empty file or one above ``limits.max_file_size`` is
-   quarantined at once; otherwise its bytes are read and hashed (SHA-256).
+1. Examine each file: a symbolic link or anything but a regular file (a FIFO, a socket, a device), a
+   label that is not a valid name, an extension not allowed, an empty file or one above
+   ``limits.max_file_size`` is quarantined at once; otherwise its bytes are read and hashed (SHA-256).
+   Every file is reached from the inbox's descriptor, folder by folder, without following a link
+   (:mod:`edgerev_daemon.confined`): a folder swapped for a link at any instant makes the file vanish
+   for this batch, never reach outside the inbox.
 2. A hash already stored (or seen earlier in the batch) is a *duplicate*: not stored again, recorded
    as a duplicate event, removed from the inbox in step 6. When the stored copy came from the same
    inbox path, or this path's duplicate event is already recorded, the file is a *leftover* of a
@@ -17,7 +20,8 @@ scan finds):
 5. One transaction records the batch, its samples, new labels and the batch's events; the commit is
    durable when it returns (``synchronous=FULL``).
 6. Only then are the batch's stored, duplicate and leftover files deleted from the inbox (each only
-   if it is still the very file that was read: same inode, size and modification time).
+   if it is still the very file that was read: same device, inode, size and modification time,
+   looked up in the folder reached again by descriptor).
 
 Why a crash (``kill -9``, power cut) at any instant loses no file and records none twice:
 
@@ -30,10 +34,16 @@ Why a crash (``kill -9``, power cut) at any instant loses no file and records no
   the same path, so step 2 deletes it as a leftover. The sample is recorded exactly once (its hash is
   the primary key), and never points at a missing or torn blob (step 4's sync comes first).
 - A quarantined file is moved (one rename) before its event is committed: a crash between the two
-  leaves it safe in ``quarantine/`` with its reason file, and only the event row missing.
+  leaves it safe in ``quarantine/`` (or hidden in the inbox, across file systems) with its reason
+  file, and only the event row missing. It is never copied (see :mod:`edgerev_daemon.quarantine`).
 - A manifest is deleted only after every file it listed was stored, found a duplicate or
   quarantined; re-read after a crash, its entries whose files are gone are recognized (stored, or
   quarantined with an event or a reason file, from that path) and skipped.
+
+No file can stop the batch: whatever its name (recorded in the escaped form of
+:mod:`edgerev_daemon.names`), type or content, it ends stored, a duplicate, quarantined, refused (a
+manifest line) or, when it cannot be moved or removed, *stuck* (reported, retried next scan); the
+rest of the batch goes on.
 
 Errors that are not the file's fault (disk full while writing a blob, the database unwritable)
 propagate: the batch is abandoned as if the process had crashed, and the files wait in the inbox.
@@ -41,6 +51,7 @@ propagate: the batch is abandoned as if the process had crashed, and the files w
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -48,15 +59,18 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from edgerev_daemon import confined
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.confined import Identity, NotConfined
 from edgerev_daemon.images import ImageRejected, normalize
 from edgerev_daemon.inbox import LABEL_RULE, Candidate, Scan, scan_inbox, valid_label
+from edgerev_daemon.names import shown
 from edgerev_daemon.quarantine import quarantine, quarantined_from
 from edgerev_daemon.records import EventKind, NewSample, Sample
 from edgerev_daemon.store import Store
+from edgerev_daemon.watch import InboxWatch
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +78,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class IngestReport:
     """What one :func:`ingest_inbox` call did; ``quarantined``, ``refused`` and ``stuck`` hold
-    ``(inbox path, reason)`` pairs; ``stopped``: the call ended early, files wait for the next."""
+    ``(inbox path, reason)`` pairs; ``problems``: folders newly found unreadable, ``(folder, reason)``;
+    ``stopped``: the call ended early, files wait for the next."""
 
     accepted: int = 0
     duplicates: int = 0
@@ -72,6 +87,7 @@ class IngestReport:
     quarantined: list[tuple[str, str]] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     stuck: list[tuple[str, str]] = field(default_factory=list)  # could not be moved or deleted: retried later
+    problems: list[tuple[str, str]] = field(default_factory=list)
     unsettled: int = 0
     batches: int = 0
     stopped: bool = False
@@ -84,8 +100,9 @@ class IngestReport:
     def to_json(self) -> dict:
         return {"accepted": self.accepted, "duplicates": self.duplicates, "leftovers": self.leftovers,
                 "quarantined": [list(q) for q in self.quarantined], "refused": [list(r) for r in self.refused],
-                "stuck": [list(s) for s in self.stuck], "unsettled": self.unsettled, "batches": self.batches,
-                "stopped": self.stopped, "seconds": round(self.seconds, 4)}
+                "stuck": [list(s) for s in self.stuck], "problems": [list(p) for p in self.problems],
+                "unsettled": self.unsettled, "batches": self.batches, "stopped": self.stopped,
+                "seconds": round(self.seconds, 4)}
 
 
 @dataclass(frozen=True)
@@ -94,7 +111,7 @@ class _Read:
 
     data: bytes
     sha256: str
-    identity: tuple[int, int, int, int]
+    identity: Identity
 
 
 class _Batch:
@@ -103,42 +120,43 @@ class _Batch:
     def __init__(self) -> None:
         self.samples: list[NewSample] = []
         self.events: list[tuple[EventKind, dict]] = []
-        self.remove: list[tuple[Candidate, tuple[int, int, int, int]]] = []
+        self.remove: list[tuple[Candidate, Identity]] = []
         self.seen: dict[str, Candidate] = {}
         self.duplicates = self.quarantined = self.refused = 0
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+class _Changed(Exception):
+    """The entry under a candidate's name is not the one the scan saw, or a folder on its way was
+    swapped for a link: left for the next scan, which judges what is there then."""
 
 
-def _remove_if_same(path: Path, identity: tuple[int, int, int, int]) -> None:
-    """Delete ``path`` if it is still the file that was read; a file replaced since then (same name,
-    new content) stays for the next scan."""
+def _changed(c: Candidate, st: os.stat_result) -> bool:
+    """Whether the entry under ``c``'s name is no longer the one the scan saw (swapped since)."""
+    return c.inode is not None and (st.st_dev, st.st_ino) != c.inode
+
+
+def _read(root_fd: int, c: Candidate, max_bytes: int) -> _Read:
+    """Read a regular file without following a link, from the folder reached by descriptor; raises
+    :class:`ImageRejected` for a file that may not be read, ``FileNotFoundError`` for one that
+    vanished, :class:`_Changed` when its folder was swapped for a link or its name now holds
+    another file."""
     try:
-        if _identity(path.lstat()) == identity:
-            path.unlink()
-        else:
-            log.info("%s changed while it was ingested; it stays for the next scan", path)
+        with confined.parent(root_fd, c.parts) as dir_fd:
+            try:
+                fd = confined.open_file(dir_fd, c.name)
+            except NotConfined as e:  # the file itself is a link, or not a regular file
+                raise ImageRejected("symbolic link (not followed)" if e.errno == errno.ELOOP
+                                    else "not a regular file") from None
+    except NotConfined:  # a folder on its way was swapped for a link: the file is no longer in the inbox
+        raise _Changed(f"{c.source}: a folder on its way is not a folder") from None
     except FileNotFoundError:
-        pass
-
-
-def _read(c: Candidate, max_bytes: int) -> _Read:
-    """Read a regular file without following a link; raises :class:`ImageRejected` for a file that
-    may not be read, ``FileNotFoundError`` for one that vanished."""
-    try:
-        fd = os.open(c.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        raise
     except OSError as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        if os.path.islink(c.path):
-            raise ImageRejected("symbolic link (not followed)") from None
         raise ImageRejected(f"cannot read: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ImageRejected("not a regular file")
+        if _changed(c, st):
+            raise _Changed(f"{c.source} was replaced since the scan")
         if st.st_size == 0:
             raise ImageRejected("empty file (0 bytes)")
         if st.st_size > max_bytes:
@@ -146,15 +164,24 @@ def _read(c: Candidate, max_bytes: int) -> _Read:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ImageRejected(f"grew above limits.max_file_size ({max_bytes}) while read")
-    return _Read(data, hashlib.sha256(data).hexdigest(), _identity(st))
+    return _Read(data, hashlib.sha256(data).hexdigest(), confined.identity(st))
 
 
-def _precheck(c: Candidate, extensions: tuple[str, ...]) -> str | None:
-    """Why ``c`` is refused before it is opened, or ``None``."""
+def _precheck(root_fd: int, c: Candidate, extensions: tuple[str, ...]) -> str | None:
+    """Why ``c`` is refused before it is opened, or ``None``.
+
+    Raises:
+        FileNotFoundError: it vanished.
+        _Changed: something else took its name since the scan: what is judged is always what is
+            then read or moved.
+    """
     try:
-        st = c.path.lstat()
-    except FileNotFoundError:
-        return None  # vanished; _read says so
+        with confined.parent(root_fd, c.parts) as dir_fd:
+            st = confined.lstat(dir_fd, c.name)
+    except NotConfined:
+        raise _Changed(f"{c.source}: a folder on its way is not a folder") from None
+    if _changed(c, st):
+        raise _Changed(f"{c.source} was replaced since the scan")
     if stat.S_ISLNK(st.st_mode):
         return "symbolic link (not followed)"
     if not stat.S_ISREG(st.st_mode):
@@ -162,16 +189,16 @@ def _precheck(c: Candidate, extensions: tuple[str, ...]) -> str | None:
     if c.label is None:
         return "not in a label folder: drop images into inbox/<label>/"
     if not valid_label(c.label):
-        return f"label {c.label!r} is not a valid name ({LABEL_RULE})"
-    suffix = c.path.suffix.lower()
+        return f"label '{shown(c.label)}' is not a valid name ({LABEL_RULE})"
+    suffix = os.path.splitext(c.name)[1].lower()
     if suffix not in extensions:
-        return f"extension {suffix or '(none)'!r} not allowed (limits.extensions: {', '.join(extensions)})"
+        return f"extension '{shown(suffix) or '(none)'}' not allowed (limits.extensions: {', '.join(extensions)})"
     return None
 
 
 class _Ingest:
-    def __init__(self, config: DaemonConfig, store: Store, clock: Callable[[], float]) -> None:
-        self.config, self.store, self.clock = config, store, clock
+    def __init__(self, config: DaemonConfig, store: Store, clock: Callable[[], float], root_fd: int) -> None:
+        self.config, self.store, self.clock, self.root_fd = config, store, clock, root_fd
         self.layout = config.layout
         self.blobs = BlobStore(self.layout.blobs)
         self.max_bytes = config.limits.max_file_bytes
@@ -179,16 +206,15 @@ class _Ingest:
 
     def _quarantine(self, batch: _Batch, c: Candidate, reason: str) -> bool:
         try:
-            dst = quarantine(c.path, self.layout.quarantine, reason, c.source, self.clock())
+            dst = quarantine(self.root_fd, c.parts, self.layout.quarantine, reason, c.source, self.clock(), c.inode)
         except FileNotFoundError:
             return True  # vanished before it could be moved: nothing left to handle
         except OSError as e:
-            log.warning("cannot quarantine %s (%s): %s", c.source, reason, e)
+            log.warning("cannot quarantine %s (%s): %s", c.source, reason, e.strerror or e)
             self.report.stuck.append((c.source, f"{reason}; could not be moved: {e.strerror or e}"))
             return False
         log.warning("quarantined %s: %s", c.source, reason)
-        batch.events.append((EventKind.QUARANTINE, {"source": c.source, "reason": reason,
-                                                    "moved_to": dst.relative_to(self.layout.root).as_posix()}))
+        batch.events.append((EventKind.QUARANTINE, {"source": c.source, "reason": reason, "moved_to": dst}))
         batch.quarantined += 1
         self.report.quarantined.append((c.source, reason))
         return True
@@ -202,13 +228,16 @@ class _Ingest:
 
     def examine(self, batch: _Batch, c: Candidate) -> bool:
         """Handle one file up to the commit; ``False`` when it is left in the inbox unresolved."""
-        why = _precheck(c, self.config.limits.extensions)
-        if why is not None:
-            return self._quarantine(batch, c, why)
         try:
-            got = _read(c, self.max_bytes)
+            why = _precheck(self.root_fd, c, self.config.limits.extensions)
+            if why is not None:
+                return self._quarantine(batch, c, why)
+            got = _read(self.root_fd, c, self.max_bytes)
         except FileNotFoundError:
             return True
+        except _Changed as e:
+            log.info("%s; left for the next scan", e)
+            return False
         except ImageRejected as e:
             return self._quarantine(batch, c, e.reason)
         first = batch.seen.get(got.sha256) or self.store.get_sample(got.sha256)
@@ -234,6 +263,13 @@ class _Ingest:
         batch.remove.append((c, got.identity))
         return True
 
+    def _remove(self, source: str, parts: tuple[str, ...], ident: Identity, what: str) -> None:
+        try:
+            if not confined.remove_if_same(self.root_fd, parts, ident):
+                log.info("%s changed or moved while it was ingested; it stays for the next scan", source)
+        except OSError as e:
+            self.report.stuck.append((source, f"{what}, but could not be removed: {e.strerror or e}"))
+
     def commit(self, batch: _Batch) -> None:
         if batch.samples or batch.events:  # a batch of leftovers only has nothing to record
             self.blobs.sync()
@@ -241,16 +277,25 @@ class _Ingest:
                                     duplicates=batch.duplicates, quarantined=batch.quarantined, refused=batch.refused)
             self.report.batches += 1
             self.report.accepted += len(batch.samples)
-        for c, identity in batch.remove:
-            try:
-                _remove_if_same(c.path, identity)
-            except OSError as e:
-                self.report.stuck.append((c.source, f"stored, but could not be removed: {e.strerror or e}"))
+        for c, ident in batch.remove:
+            self._remove(c.source, c.parts, ident, "stored")
 
-    def run(self, scan: Scan, stop: Callable[[], bool]) -> None:
+    def problems(self, batch: _Batch, found: dict[str, str], cleared: list[str]) -> None:
+        """Record folders newly found unreadable (an error event each) and those fine again."""
+        for folder, reason in found.items():
+            log.warning("inbox folder %s skipped: %s", folder, reason)
+            batch.events.append((EventKind.ERROR, {"where": "inbox", "folder": folder, "error": reason}))
+            self.report.problems.append((folder, reason))
+        for folder in cleared:
+            log.info("inbox folder %s is readable again", folder)
+            batch.events.append((EventKind.INFO, {"where": "inbox", "folder": folder,
+                                                  "message": f"inbox folder {folder} is readable again"}))
+
+    def run(self, scan: Scan, problems: tuple[dict[str, str], list[str]], stop: Callable[[], bool]) -> None:
         """Ingest everything the scan found, or stop between two batches when ``stop()`` says so."""
         size = self.config.ingest.batch_files
         batch = _Batch()
+        self.problems(batch, *problems)
         for r in scan.refusals:
             where = f"{r.manifest}:{r.line}"
             log.warning("refused %s (%s): %s", where, r.path, r.reason)
@@ -282,36 +327,51 @@ class _Ingest:
             if c.manifest is not None:
                 open_manifests[c.manifest] -= 1
         for name in [n for n, left in open_manifests.items() if left == 0]:
-            path, st = scan.manifests[name]
-            try:
-                _remove_if_same(path, _identity(st))
-            except OSError as e:
-                self.report.stuck.append((name, f"manifest done, but could not be removed: {e.strerror or e}"))
+            parts, ident = scan.manifests[name]
+            self._remove(name, parts, ident, "manifest done")
             del open_manifests[name]
 
 
 def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] = time.time,
-                 stop: Callable[[], bool] = lambda: False) -> IngestReport:
+                 stop: Callable[[], bool] = lambda: False, watch: InboxWatch | None = None,
+                 wait: Callable[[float], object] | None = None) -> IngestReport:
     """Ingest what waits in the inbox (the caller holds the data directory's lock).
 
     Args:
-        clock: the current time (for the settle check and the recorded times).
+        clock: the current time (for settling and the recorded times).
         stop: asked between batches; ``True`` ends the call early (the rest waits for the next).
+        watch: what earlier scans of this process saw (settling, folders already reported); a
+            long-running caller keeps one. ``None``: a fresh one, for this call only.
+        wait: sleeps for the given seconds. When the watch has seen no scan yet and files are not
+            settled, the inbox is scanned once more after ``wait(settle_seconds)``, so that one call
+            (``edgerev daemon once``) still ingests files that are complete.
 
     Raises:
         StoreError: the store holds images of another size than ``config.image_size``.
-        OSError: the data directory cannot be written (disk full): the current batch is abandoned.
+        OSError: the data directory cannot be written (disk full), or the inbox cannot be opened:
+            the current batch is abandoned.
     """
     started = time.perf_counter()
     store.check_image_size(config.image_size)
+
     def seen(source: str) -> bool:
         return (store.has_source(source) or store.quarantined_source(source)
                 or quarantined_from(config.layout.quarantine, source))
 
-    scan = scan_inbox(config.inbox_path, clock(), config.ingest.settle_seconds, config.limits.max_file_bytes, seen)
-    job = _Ingest(config, store, clock)
-    job.report.unsettled = scan.unsettled
-    job.run(scan, stop)
+    watch = watch if watch is not None else InboxWatch()
+    fresh = watch.scans == 0
+    settle = config.ingest.settle_seconds
+    root_fd = confined.open_root(config.inbox_path)
+    try:
+        scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch)
+        if scan.unsettled and fresh and wait is not None and settle > 0:
+            wait(settle)
+            scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch)
+        job = _Ingest(config, store, clock, root_fd)
+        job.report.unsettled = scan.unsettled
+        job.run(scan, watch.problems(scan.problems), stop)
+    finally:
+        os.close(root_fd)
     job.report.seconds = time.perf_counter() - started
     r = job.report
     if r.accepted or r.duplicates or r.quarantined or r.refused or r.leftovers:

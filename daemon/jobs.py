@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from edgerev.config import from_dict
+from edgerev.train.config import AugmentConfig, DataConfig, RunConfig
 from edgerev.train.data import decode_image
 from edgerev.train.labeled import LabeledImages
 from edgerev.train.state import has_checkpoint
@@ -49,19 +49,18 @@ def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[
     return LabeledImages(images, labels, classes)
 
 
-def recipe(config: DaemonConfig, init: Path | None) -> dict:
-    """The trainer's recipe for one job (as a dict: the daemon's training section, translated)."""
+def recipe(config: DaemonConfig, init: Path | None) -> RunConfig:
+    """The trainer's recipe for one job: the daemon's training section as it is (the same dataclasses),
+    with what only the daemon knows: the model to start from, the image size and its augmentation."""
     t = config.training
-    return {
-        "model": {"arch": t.arch, "args": dict(t.model_args), "init": str(init) if init else None},
-        "data": {"size": config.image_size, "val_fraction": 0.1},
-        "augment": {"pad": max(1, config.image_size // 16), "flip": 0.0, "cutout": 0},
-        "optim": {"lr": t.lr, "clip_grad_norm": t.clip_grad_norm},
-        "train": {"epochs": t.epochs, "batch": t.batch, "checkpoint_every": 20, "log_every": 10},
-        "memory": {"budget": None if t.memory_budget is None else str(t.memory_budget_bytes)},
-        "continual": {"replay": t.replay, "distill": t.distill if init else 0.0, "temperature": t.temperature},
-        "device": t.device,
-    }
+    return RunConfig(
+        model=replace(t.model, init=str(init) if init else None),
+        data=DataConfig(size=config.image_size, val_fraction=0.1),
+        augment=AugmentConfig(pad=max(1, config.image_size // 16), flip=0.0, cutout=0),
+        optim=t.optim, train=t.train, memory=t.memory,
+        continual=t.continual if init else replace(t.continual, distill=0.0),
+        device=t.device,
+    )
 
 
 def job_dir(config: DaemonConfig, job: Job) -> Path:
@@ -84,7 +83,6 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
         base_batch: the last ingest batch the current version was trained on (0: none).
         stop: polled after every training step; the job checkpoints and returns ``"stopped"``.
     """
-    from edgerev.train.config import RunConfig
     from edgerev.train.trainer import train
 
     out = job_dir(config, job)
@@ -98,7 +96,7 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
     resume = has_checkpoint(out)
     if not resume and out.exists():
         shutil.rmtree(out)  # killed before its first checkpoint: start the job again
-    cfg = from_dict(RunConfig, recipe(config, current))
+    cfg = recipe(config, current)
     if val is not None and current is not None:
         # the held-out samples of labels the candidate will know; a label seen only in held-out is left out
         known = tuple(dict.fromkeys([*_classes_of(current), *train_new.present()]))
@@ -121,31 +119,35 @@ def _classes_of(model_dir: Path) -> tuple[str, ...]:
 def check_training(config: DaemonConfig) -> None:
     """Refuse, at start, a model that cannot take ``image_size``, or a memory cap too small to train it.
 
-    The floor is the exact peak (fake tensors, nothing allocated) of one step at batch 1 in the
-    model's least-memory modes, plus the optimizer's momentum: what no plan can go below.
+    The floor is the trainer's own accounting of a job's step (:func:`edgerev.train.memory.floor`):
+    batch 1 in the least-memory plan, with the recipe's whole batch, the optimizer's momentum and, when
+    distilling, the teacher and its logits (a job after the first has one), exact on fake tensors.
 
     Raises:
-        ConfigError: the model cannot take the image size, or ``training.memory_budget`` is below
+        ConfigError: the model cannot take the image size, or ``training.memory.budget`` is below
             that floor (the message names it).
     """
+    import copy
+
     from edgerev.config import ConfigError
-    from edgerev.memory.autoplan import fake_step_peak, is_plain, minimal_modes, minimal_segments
     from edgerev.models import create_model
+    from edgerev.train.memory import floor
 
     t = config.training
     try:
-        model = create_model(t.arch, **t.model_args, num_classes=2)
+        model = create_model(t.model.arch, **t.model.args, num_classes=2)
         model.check_input(torch.zeros(1, model.in_channels, config.image_size, config.image_size))
     except ValueError as e:
         raise ConfigError(f"training: {e} (image_size {config.image_size})") from None
-    budget = t.memory_budget_bytes
+    budget = t.memory.budget
     if budget is None:
         return
-    if is_plain(model):
-        floor = minimal_segments(model, config.image_size)[1]
-    else:
-        floor = fake_step_peak(model, minimal_modes(model), 1, config.image_size)
-    floor += sum(p.numel() * p.element_size() for p in model.parameters())  # SGD momentum
-    if budget < floor:
-        raise ConfigError(f"training.memory_budget: {budget:,} bytes is too small to train {t.arch} at "
-                          f"{config.image_size}x{config.image_size}; the smallest cap that fits is {floor:,} bytes")
+    cfg = recipe(config, None)
+    teacher = copy.deepcopy(model) if t.continual.distill > 0 else None  # every job after the first distills
+    if teacher is not None:
+        cfg = replace(cfg, continual=t.continual)
+    smallest = floor(cfg, model, teacher).total
+    if budget < smallest:
+        raise ConfigError(f"training.memory.budget: {budget:,} bytes is too small to train {t.model.arch} at "
+                          f"{config.image_size}x{config.image_size}; the smallest budget that fits is "
+                          f"{smallest:,} bytes")

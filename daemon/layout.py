@@ -3,10 +3,13 @@
 ```
 DATA_DIR/
   daemon.lock          single-instance lock (flock), holds the owner's pid
-  store.sqlite         the SQLite store (with -wal and -shm beside it)
+  store.sqlite         the SQLite store (with -wal and -shm beside it): an index, rebuilt from the journal
+  journal.jsonl        every stored sample, appended and fsynced before its commit (see journal.py)
   blobs/ab/cdef...png  normalized images, named by the SHA-256 of the file that was dropped
   quarantine/          rejected files, each with NAME.reason.json beside it
   inbox/               default inbox (the config may put it elsewhere)
+  versions/vNNNN/      promoted models, each with a manifest.json of its files' SHA-256
+  current -> versions/vNNNN
 ```
 
 Everything the daemon writes stays under ``DATA_DIR`` (the inbox aside, which it only reads and
@@ -35,6 +38,10 @@ class Layout:
     @property
     def database(self) -> Path:
         return self.root / "store.sqlite"
+
+    @property
+    def journal(self) -> Path:
+        return self.root / "journal.jsonl"
 
     @property
     def blobs(self) -> Path:

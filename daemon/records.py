@@ -99,13 +99,19 @@ class Version:
 
 @dataclass(frozen=True)
 class Event:
+    """``repeats``: how many times the same event was seen in a row (a fault lasting many polls is one
+    event); ``last_at``: when it was last seen (``None``: once only)."""
+
     id: int
     at: float
     kind: EventKind
     message: dict
+    repeats: int = 1
+    last_at: float | None = None
 
     def to_json(self) -> dict:
-        return {"id": self.id, "at": self.at, "kind": self.kind.value, "message": self.message}
+        return {"id": self.id, "at": self.at, "kind": self.kind.value, "message": self.message,
+                "repeats": self.repeats, "last_at": self.last_at}
 
 
 def dumps(obj: dict) -> str:

@@ -2,7 +2,7 @@
 
 ```
 DATA_DIR/versions/v0001/   model.safetensors, model.json, model.onnx, replay.safetensors,
-                           config.yaml, metrics.json
+                           config.yaml, metrics.json, manifest.json (SHA-256 and size of every other file)
 DATA_DIR/versions/.v0002.partial/   a version being written (removed at start-up if a crash left it)
 DATA_DIR/current -> versions/v0001
 ```
@@ -12,10 +12,16 @@ its final name and the parent fsynced: a directory named ``vNNNN`` is always com
 a relative symbolic link, replaced by renaming a new link over it (``rename(2)`` is atomic), so a
 reader, or a daemon restarted after a power cut, finds either the old version or the new one in
 service, never a half-written one. A version is only linked after its directory is complete.
+
+A ``current`` that is missing, dangling or replaced by something else (a folder, a file) is repaired
+from the store's record of the version in service (:meth:`Registry.repair`): whatever stands in its
+place is moved aside (``current.moved-aside-N``), never deleted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -27,6 +33,7 @@ from edgerev.errors import EdgerevError
 
 VERSION_RE = re.compile(r"v\d{4,}")
 REQUIRED = ("model.safetensors", "model.json", "model.onnx")
+MANIFEST = "manifest.json"
 
 
 class RegistryError(EdgerevError):
@@ -81,6 +88,8 @@ class Registry:
         if final.exists():
             raise RegistryError(f"version {version} already exists")
         missing = [n for n in REQUIRED if n not in files]
+        if MANIFEST in files:
+            raise RegistryError(f"{MANIFEST} is written by the registry, not given")
         if missing:
             raise RegistryError(f"version {version} lacks {', '.join(missing)}")
         self.versions_dir.mkdir(parents=True, exist_ok=True)
@@ -89,14 +98,15 @@ class Registry:
             shutil.rmtree(partial)
         try:
             partial.mkdir()
+            manifest: dict[str, dict] = {}
             for name, src in files.items():
                 if Path(name).name != name:
                     raise RegistryError(f"a version file must be a plain name, got {name!r}")
                 data = src if isinstance(src, bytes) else Path(src).read_bytes()
-                with open(partial / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _write_synced(partial / name, data)
+                manifest[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            _write_synced(partial / MANIFEST, (json.dumps({"version": version, "files": manifest}, indent=2,
+                                                          sort_keys=True) + "\n").encode())
             fsync_dir(partial)
             os.rename(partial, final)
             fsync_dir(self.versions_dir)
@@ -104,6 +114,59 @@ class Registry:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         return final
+
+    def link_state(self) -> tuple[str, str | None]:
+        """``("ok", version)``, ``("missing", None)``, or what is wrong with ``current`` and ``None``."""
+        if not self.link.is_symlink():
+            if not self.link.exists():
+                return "missing", None
+            return f"is not a link but a {'folder' if self.link.is_dir() else 'file'}", None
+        try:
+            return "ok", self.current()
+        except RegistryError:
+            return f"is dangling (points to {os.readlink(self.link)!r})", None
+
+    def verify(self, version: str) -> list[str]:
+        """What is wrong with a version directory: a required file missing, a file whose bytes do not
+        match its manifest (empty: complete and intact; a version written without a manifest by an
+        older edgerev is checked for its required files only)."""
+        folder = self.path(version)
+        problems = [f"{version} lacks {n}" for n in REQUIRED if not (folder / n).is_file()]
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            entries = manifest["files"].items()
+        except FileNotFoundError:
+            return problems
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return [*problems, f"{version}/{MANIFEST} is unreadable: {e}"]
+        for name, entry in entries:
+            path = folder / name
+            if not path.is_file():
+                if name not in REQUIRED:
+                    problems.append(f"{version} lacks {name}")
+                continue
+            if hashlib.sha256(path.read_bytes()).hexdigest() != entry.get("sha256"):
+                problems.append(f"{version}/{name} does not match its SHA-256 in {MANIFEST}")
+        return problems
+
+    def repair(self, version: str) -> str | None:
+        """Point ``current`` at ``version`` if it is missing, dangling or not a link; whatever stood in its
+        place is moved aside. Returns what was wrong (``None``: nothing to do).
+
+        Raises:
+            RegistryError: ``version`` is not a complete version directory.
+        """
+        state, name = self.link_state()
+        if state == "ok":
+            return None
+        if state != "missing" and not self.link.is_symlink():
+            n = 1
+            while (aside := self.root / f"current.moved-aside-{n}").exists() or aside.is_symlink():
+                n += 1
+            os.rename(self.link, aside)
+            state += f", moved to {aside.name}"
+        self.switch(version)
+        return f"{self.link.name} {state}; restored to {version}"
 
     def switch(self, version: str) -> None:
         """Make ``version`` current (atomically); it must be a complete directory."""
@@ -121,6 +184,13 @@ class Registry:
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(self.root)
+
+    def latest_complete(self, candidates: list[str]) -> str | None:
+        """The newest of ``candidates`` that is a complete version directory on disk."""
+        for name in sorted(candidates, key=lambda n: int(n[1:]), reverse=True):
+            if VERSION_RE.fullmatch(name) and not [n for n in REQUIRED if not (self.path(name) / n).is_file()]:
+                return name
+        return None
 
     def prune(self, keep: int, protect: set[str] = frozenset()) -> list[str]:
         """Delete the oldest version directories beyond the last ``keep``; never the current one or
@@ -145,3 +215,10 @@ class Registry:
             p.unlink(missing_ok=True)
             removed.append(p.name)
         return removed
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -77,6 +77,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE INDEX events_kind ON events(kind, id)",
     ),
+    # 2: a lasting condition is one event with a repeat count and the time it was last seen
+    (
+        "ALTER TABLE events ADD COLUMN repeats INTEGER NOT NULL DEFAULT 1",
+        "ALTER TABLE events ADD COLUMN last_at REAL",
+        "CREATE INDEX events_at ON events(at)",
+    ),
 )
 
 LATEST = len(MIGRATIONS)

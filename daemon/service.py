@@ -14,13 +14,21 @@ Every step that changes state is safe to interrupt (kill -9, power cut) and to r
 - the promotion decision is recorded (a version row) before the version directory is written, the
   directory is complete before ``current`` switches, and a job is only marked done after that, so a
   restart finishes a promotion it finds half done instead of deciding again.
+
+Nothing that cannot be recreated is destroyed: a lost or damaged store next to blobs or a journal is
+refused before it is opened (:func:`edgerev_daemon.rebuild.guard_start`), journal lines the store lacks
+are recorded again at start, and a blob is only removed on the word of an intact store that holds
+samples. Storage faults (a full disk, an I/O error) are conditions, not crashes
+(:mod:`edgerev_daemon.faults`): logged once, ingest and training wait, status keeps being served, and
+the cycle resumes by itself when they clear; below ``storage.min_free_space`` ingest and training wait
+before the disk is full at all.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import threading
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,18 +39,24 @@ from edgerev.export.runtime import onnxruntime
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
+from edgerev_daemon.faults import Conditions, free_bytes, storage_fault
 from edgerev_daemon.ingest import ingest_inbox
 from edgerev_daemon.jobs import check_training, job_dir, run_job
 from edgerev_daemon.layout import prepare
 from edgerev_daemon.lock import DataDirLock
+from edgerev_daemon.notify import Notifier
 from edgerev_daemon.promote import decide, export, held_out_groups, version_files
+from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
+from edgerev_daemon.schedule import next_job
+from edgerev_daemon.signals import Requests
 from edgerev_daemon.store import Store
+from edgerev_daemon.watch import InboxWatch
 
 log = logging.getLogger("edgerev.daemon")
 
-EVENTS_KEPT = 20_000  # events are pruned, oldest first, beyond this (months of ingest and jobs)
+CYCLE_ERRORS = (EdgerevError, OSError, sqlite3.Error)  # what a cycle may raise without ending the service
 
 
 @dataclass
@@ -50,9 +64,31 @@ class CycleReport:
     ingest: dict = field(default_factory=dict)
     job: dict | None = None
     due: str | None = None
+    waiting: str | None = None  # a storage condition kept this cycle from ingesting or training
+    not_due: str | None = None  # why no job ran (the schedule's word: samples still needed, a back-off)
 
     def to_json(self) -> dict:
-        return {"ingest": self.ingest, "due": self.due, "job": self.job}
+        return {"ingest": self.ingest, "due": self.due, "not_due": self.not_due, "job": self.job,
+                "waiting": self.waiting}
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS=: what this cycle did."""
+        i = self.ingest or {}
+        parts = [f"ingest {i.get('accepted', 0)} stored"] if i else []
+        if self.job is not None:
+            j = self.job
+            what = j.get("status") or ("promoted" if j.get("promoted") else "kept out")
+            parts.append(f"job {j.get('job')} {what}" + (f" ({j['version']})" if j.get("version") else ""))
+        elif self.not_due:
+            parts.append(f"next job: {self.not_due}")
+        if self.waiting:
+            parts.append(f"waiting for {self.waiting}")
+        return "; ".join(parts) or "idle"
+
+    @property
+    def failed(self) -> bool:
+        """The cycle did not do what it should: its job failed, or a storage condition held it back."""
+        return self.waiting is not None or (self.job is not None and self.job.get("status") == "failed")
 
 
 class Daemon:
@@ -62,10 +98,15 @@ class Daemon:
         config: the daemon's configuration (paths are validated before anything is touched).
         config_path: the file it came from (re-read on :meth:`request_reload`).
         clock: seconds since the epoch (tests inject their own).
+        requests: the stop and reload flags the signal handlers set (the CLI makes them before the
+            daemon starts, so a signal during the start is not lost); by default the daemon's own.
+        notifier: systemd's notification socket (by default from the environment; nothing outside systemd).
     """
 
     def __init__(self, config: DaemonConfig, config_path: str | Path | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, requests: Requests | None = None,
+                 notifier: Notifier | None = None) -> None:
+        self.notifier = notifier if notifier is not None else Notifier()
         validate_paths(config)
         check_training(config)
         onnxruntime()  # every promoted version is exported and verified with it: refuse to start without
@@ -73,21 +114,30 @@ class Daemon:
         self.lock = DataDirLock(config.data_dir).acquire()
         try:
             prepare(config.layout, config.inbox_path)
-            self.store = Store(config.layout.database, clock)
+            guard_start(config, config_path)
             self.blobs = BlobStore(config.layout.blobs)
             self.registry = Registry(config.layout.root)
-            self._recover()
+            self.conditions = Conditions(lambda k, m, r: self.store.add_event(k, m, repeat=r), clock)
+            self.store: Store | None = None
+            self._recovered = False
+            self._try_recover()  # on a full disk: comes up anyway, and retries at every cycle
         except BaseException:
+            if getattr(self, "store", None) is not None:
+                self.store.close()
             self.lock.release()
             raise
-        self._stop_asked = False
-        self._reload = False
-        self._wake = threading.Event()  # set by a signal to cut the sleep between cycles short
+        # set from signal handlers: plain booleans and a self-pipe, nothing that takes a lock (signals.py)
+        self._owns_requests = requests is None
+        self.requests = Requests() if requests is None else requests
+        self.watch = InboxWatch()  # settling and reported folders, across this process's cycles
 
     # lifecycle --------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
+        if self._owns_requests:
+            self.requests.close()
         self.lock.release()
 
     def __enter__(self) -> Daemon:
@@ -97,39 +147,109 @@ class Daemon:
         self.close()
 
     def request_stop(self) -> None:
-        """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM)."""
-        self._stop_asked = True
-        self._wake.set()
+        """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM).
+
+        Safe to call from a signal handler, any number of times, re-entered or not: it sets a flag and
+        writes a byte to a pipe, and takes no lock (see :mod:`edgerev_daemon.signals`).
+        """
+        self.requests.ask_stop()
 
     def request_reload(self) -> None:
-        """Re-read the config file before the next cycle (SIGHUP)."""
-        self._reload = True
-        self._wake.set()
+        """Re-read the config file before the next cycle (SIGHUP); a burst of requests is one reload.
+
+        Safe to call from a signal handler, like :meth:`request_stop`.
+        """
+        self.requests.ask_reload()
 
     @property
     def stopping(self) -> bool:
-        return self._stop_asked
+        return self.requests.stop
+
+    def _try_recover(self) -> bool:
+        """Open the store and :meth:`_recover`, with a storage fault turned into a condition (retried at
+        the next cycle): on a full disk SQLite may not even open."""
+        try:
+            if self.store is None:
+                guard_start(self.config, self.config_path)  # what could not be read at start is checked now
+                self.store = Store(self.config.layout.database, self.clock)
+            self._recover()
+        except CYCLE_ERRORS as e:
+            why = storage_fault(e)
+            if why is None:
+                raise
+            self.conditions.begin("storage", f"start-up repair waits: {why}")
+            return False
+        self._recovered = True
+        return True
 
     def _recover(self) -> None:
         removed = self.registry.recover()
         if removed:
             log.warning("removed what an interrupted promotion left: %s", ", ".join(removed))
-        report = check_consistency(self.store, self.blobs, verify=False)
+        if self.store.ensure_journal():
+            log.warning("wrote the journal %s from the store's %d samples", self.store.journal.path,
+                        self.store.count_samples())
+        replayed = replay(self.store, self.blobs)
+        if replayed:
+            log.warning("recorded %d samples from the journal that the store lacked", replayed)
+            self.store.add_event(EventKind.INFO, {"message": f"{replayed} samples recorded again from the journal"})
+        report = check_consistency(self.store, self.blobs, verify=False, inbox=self.config.inbox_path)
         if report.orphans or report.strays:
             log.info("removed %d orphan or stray blob files", remove_garbage(report, self.blobs))
         if not report.ok:
             log.error("store inconsistent: %d samples without blob, database: %s", len(report.missing),
                       "; ".join(report.database) or "ok")
             self.store.add_event(EventKind.ERROR, {"where": "startup check", "error": report.to_json()})
+        self._repair_current()
         current = self.registry.current()
         if current is not None:
             v = self.store.get_version(current)
             if v is not None and not v.promoted:  # killed between the switch and its record
                 self.store.update_version(current, promoted=True, reason=v.reason)
+            if self.store.in_service() != current:
+                self.store.set_in_service(current)
         job = self.store.active_job()
         if job is not None and job.state == JobState.RUNNING:
             self.store.set_job_state(job.id, JobState.QUEUED)
             log.info("job %d was interrupted; it resumes from its checkpoint", job.id)
+
+    def _repair_current(self) -> None:
+        """Restore a missing, dangling or replaced ``current`` from the store's record of the version in
+        service (or, for a store that never recorded one, the newest promoted version on disk)."""
+        state, _ = self.registry.link_state()
+        if state == "ok":
+            return
+        recorded = self.store.in_service()
+        promoted = [v.id for v in self.store.versions(promoted_only=True)]
+        target = self.registry.latest_complete([recorded]) if recorded else None
+        target = target or self.registry.latest_complete(promoted)
+        if target is None:
+            if state != "missing":
+                log.error("%s %s, and no complete promoted version to restore it to", self.registry.link, state)
+                self.store.add_event(EventKind.ERROR, {"where": "current", "error": f"current {state}"})
+            return
+        what = self.registry.repair(target)
+        log.warning("%s", what)
+        self.store.add_event(EventKind.ERROR, {"where": "current", "error": what})
+
+    def _maintain(self, now: float) -> None:
+        """Keep the event log within its bounds (age and count), at every cycle."""
+        if self.store is None:
+            return
+        e = self.config.events
+        try:
+            self.store.prune_events(keep=e.keep_count, before=now - e.keep_days * 86400.0)
+        except CYCLE_ERRORS as err:
+            if storage_fault(err) is None:
+                raise
+
+    def _disk_low(self) -> str | None:
+        floor = self.config.storage.min_free_bytes
+        free = free_bytes(self.config.layout.root) if floor else None
+        if free is None or free >= floor:
+            return None
+        return (f"{free} bytes free in {self.config.layout.root}, below storage.min_free_space ({floor}): "
+                "ingest and training wait for space")
 
     # the cycle --------------------------------------------------------------------------------------
 
@@ -142,39 +262,41 @@ class Daemon:
         return self.registry.path(name), int(v.metrics.get("data_batch_id", 0)) if v else 0, name
 
     def due(self, now: float) -> str | None:
-        """Why a job should run now, or None."""
-        if self.store.active_job() is not None:
-            return "resume the interrupted job"
-        n = self.store.new_samples_since_last_job()
-        s = self.config.schedule
-        last = self.store.last_job()
-        if last is not None and last.state == JobState.FAILED and last.finished_at is not None \
-                and now - last.finished_at < s.retry_seconds:
-            return None  # a failed job is retried after retry_seconds, not in a loop
-        if n >= s.min_new_samples:
-            return f"{n} new samples (threshold {s.min_new_samples})"
-        if n > 0:
-            last = self.store.last_job(JobState.DONE)
-            since = last.finished_at if last is not None and last.finished_at else self._first_sample_time()
-            if since is not None and now - since >= s.max_interval_seconds:
-                return f"{n} new samples and {now - since:.0f} s since the last job"
-        return None
-
-    def _first_sample_time(self) -> float | None:
-        first = self.store.samples()[:1]
-        return first[0].added_at if first else None
+        """Why a job should run now, or None (:func:`edgerev_daemon.schedule.next_job` says why not)."""
+        return next_job(self.store, self.config.schedule, now).due
 
     def cycle(self, now: float | None = None) -> CycleReport:
         """Ingest, then train, evaluate and promote if a job is due."""
         now = self.clock() if now is None else now
         report = CycleReport()
-        report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=lambda: self.stopping).to_json()
-        if self.stopping:
+        self._maintain(now)
+        if not self._recovered and not self._try_recover():
+            report.waiting = "storage"
             return report
-        report.due = self.due(now)
-        if report.due is not None:
-            report.job = self.run_job(report.due)
-            self.store.prune_events(keep=EVENTS_KEPT)
+        low = self._disk_low()
+        if low is not None:
+            self.conditions.begin("disk space", low)
+            report.waiting = "disk space"
+            return report
+        self.conditions.end("disk space")
+        try:
+            # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
+            report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=self._alive,
+                                         watch=self.watch, wait=self.requests.wakeup.wait).to_json()
+            if self.stopping:
+                return report
+            schedule = next_job(self.store, self.config.schedule, now)
+            report.due, report.not_due = schedule.due, schedule.waiting
+            if report.due is not None:
+                report.job = self.run_job(report.due)
+        except CYCLE_ERRORS as e:
+            why = storage_fault(e)
+            if why is None:
+                raise
+            self.conditions.begin("storage", why)
+            report.waiting = "storage"
+            return report
+        self.conditions.end("storage")
         return report
 
     def run_job(self, reason: str) -> dict:
@@ -188,7 +310,7 @@ class Daemon:
         if done is not None:  # decided before a crash: finish that decision instead of deciding again
             return self._conclude(job, done, out, current_name)
         try:
-            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, lambda: self.stopping)
+            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, self._alive)
         except (EdgerevError, OSError, RuntimeError) as e:
             return self._fail(job, f"training failed: {e}")
         if outcome.status == "stopped":
@@ -200,7 +322,7 @@ class Daemon:
             shutil.rmtree(out, ignore_errors=True)
             return {"job": job.id, "status": "skipped", "reason": outcome.reason}
         groups = held_out_groups(self.store, self.blobs, job, base_batch)
-        decision = decide(outcome.run_dir, current, groups, self.config.promotion.tolerance)
+        decision = decide(outcome.run_dir, current, groups, self.config.promotion.gate)
         summary = outcome.summary or {}
         metrics = {"data_batch_id": job.data_batch_id, "base_batch": base_batch, "promote": decision.promote,
                    "evaluation": decision.metrics, "classes": summary.get("classes"),
@@ -240,6 +362,7 @@ class Daemon:
         protect = [current_name] if current_name else []  # the version a rollback would go back to
         self.registry.switch(version.id)
         self.store.update_version(version.id, promoted=True, reason=version.reason)
+        self.store.set_in_service(version.id)
         pruned = self.registry.prune(self.config.promotion.keep_last, protect=set(protect))
         if pruned:
             log.info("pruned versions %s", ", ".join(pruned))
@@ -255,6 +378,9 @@ class Daemon:
         """Switch ``current`` to version ``to`` (default: the promoted version before the current one)."""
         from edgerev_daemon.registry import RegistryError
 
+        if not self._recovered and not self._try_recover():
+            raise RegistryError("the data directory cannot be written now (a storage fault, see the log); "
+                                "free space, then roll back")
         current = self.registry.current()
         on_disk = set(self.registry.versions())
         promoted = [v.id for v in self.store.versions(promoted_only=True) if v.id in on_disk]
@@ -266,31 +392,58 @@ class Daemon:
         if to not in on_disk:
             raise RegistryError(f"version {to} is not on disk (kept: {', '.join(sorted(on_disk)) or 'none'})")
         self.registry.switch(to)
+        self.store.set_in_service(to)
         self.store.add_event(EventKind.ROLLBACK, {"from": current, "to": to})
         log.info("rolled back from %s to %s", current, to)
         return to
 
     # the long-running loop --------------------------------------------------------------------------
 
+    def _alive(self) -> bool:
+        """Asked at every training step and between ingest batches: pings systemd's watchdog (a wedged
+        loop stops pinging), and says whether to stop."""
+        self.notifier.watchdog()
+        return self.stopping
+
     def serve(self, poll_seconds: float = 5.0) -> None:
-        """Cycle until :meth:`request_stop`; sleep ``poll_seconds`` between cycles (a signal wakes it)."""
+        """Cycle until :meth:`request_stop`; wait ``poll_seconds`` between cycles (a request wakes it).
+
+        The logging a signal deserves happens here, never in its handler: the handler only set a flag.
+        Under systemd (``Type=notify``) it says ``READY=1`` before the first cycle, a ``STATUS=`` line after
+        each, and pings the watchdog (:mod:`edgerev_daemon.notify`).
+        """
         log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
+        self.notifier.ready(f"serving {self.config.data_dir}")
         while not self.stopping:
-            if self._reload:
+            if self.requests.reload:
                 self._apply_reload()
             try:
-                self.cycle()
-            except (EdgerevError, OSError) as e:  # keep running: the next cycle tries again
-                log.error("cycle failed: %s", e)
-                self.store.add_event(EventKind.ERROR, {"where": "cycle", "error": str(e)})
+                report = self.cycle()
+            except CYCLE_ERRORS as e:  # keep running: the next cycle tries again (logged once while it lasts)
+                self.conditions.begin("cycle failed", str(e))
+                self.notifier.status(f"cycle failed: {e}")
+            else:
+                self.conditions.end("cycle failed")
+                self.notifier.status(report.summary())
             if self.stopping:
                 break
-            self._wake.wait(poll_seconds)
-            self._wake.clear()
+            self._sleep(poll_seconds)
+        self.notifier.stopping()
         log.info("stopped")
 
+    def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` or until a request, pinging the watchdog at its pace meanwhile."""
+        end = time.monotonic() + seconds
+        half = self.notifier.watchdog_seconds / 2 if self.notifier.watchdog_seconds else seconds
+        while True:
+            self.notifier.watchdog()
+            left = end - time.monotonic()
+            if left <= 0 or self.requests.wakeup.wait(min(left, half)):
+                return
+
     def _apply_reload(self) -> None:
-        self._reload = False
+        # cleared before reading, so a request that lands while the file is read is not lost: it reloads again
+        self.requests.reload = False
         if self.config_path is None:
             return
         try:

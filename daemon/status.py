@@ -7,11 +7,14 @@ daemon writes, so ``edgerev daemon status`` and the HTTP page work beside a runn
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
 from edgerev_daemon.records import JobState, Split
 from edgerev_daemon.registry import Registry, RegistryError
+from edgerev_daemon.schedule import next_job
 from edgerev_daemon.store import Store
 
 
@@ -35,22 +38,43 @@ def holder_pid(config: DaemonConfig) -> int | None:
         os.close(fd)
 
 
-def status(config: DaemonConfig, events: int = 10) -> dict:
+def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = time.time) -> dict:
     """A JSON-ready snapshot: samples, labels, the model in service, versions, jobs, recent events.
+
+    ``clock`` gives the time the schedule is judged at (injected by tests: two snapshots of an idle
+    daemon taken a second apart are then equal).
 
     Raises:
         DaemonError: the data directory holds no store yet (the daemon never ran there).
     """
+    from edgerev_daemon.errors import StoreError
+    from edgerev_daemon.faults import free_bytes, storage_fault
+    from edgerev_daemon.rebuild import evidence, store_state
+
     db = config.layout.database
-    if not db.is_file():
+    why = store_state(db, thorough=False)  # read-only: a lost store is reported, never replaced by an empty one here
+    if why is not None:
+        found = evidence(config.layout)
+        if found:
+            raise DaemonError(f"{db} {why}, next to {found.describe()}: the daemon refuses to start; run edgerev "
+                              "daemon rebuild --config CONFIG" + (" --move-aside" if why != "is missing" else ""))
         raise DaemonError(f"{config.data_dir} holds no store yet: start the daemon (edgerev daemon run or once)")
     registry = Registry(config.layout.root)
-    with Store(db) as store:
+    free, floor = free_bytes(config.layout.root), config.storage.min_free_bytes
+    low = free is not None and floor > 0 and free < floor
+    try:
+        store, snapshot = Store(db), False
+    except StoreError as e:
+        if storage_fault(e) is None:
+            raise
+        store, snapshot = Store.snapshot(db), True  # a full disk: SQLite cannot create its shared memory
+    with store:
         counts = store.counts()
         try:
             current = registry.current()
         except RegistryError as e:
             current = f"broken: {e}"
+        link, _ = registry.link_state()
         versions = store.versions()
         cur = next((v for v in versions if v.id == current), None)
         active = store.active_job()
@@ -64,6 +88,8 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
                         "heldout": store.count_samples(Split.HELDOUT)},
             "labels": store.labels(),
             "new_samples_since_last_job": store.new_samples_since_last_job(),
+            "schedule": next_job(store, config.schedule, clock()).to_json(),
+            "inbox_problems": store.inbox_problems(),
             "quarantined_files": sum(1 for p in quarantine.iterdir() if not p.name.endswith(".reason.json"))
             if quarantine.is_dir() else 0,
             "current": None if current is None else {
@@ -73,12 +99,20 @@ def status(config: DaemonConfig, events: int = 10) -> dict:
                 "reason": cur.reason if cur else None,
                 "heldout_accuracy": (cur.metrics.get("evaluation", {}).get("candidate", {}).get("all")
                                      if cur else None),
+                # per class on the held-out samples it was judged on (None: a class with none held out)
+                "per_class": (cur.metrics.get("evaluation", {}).get("candidate", {}).get("per_class")
+                              if cur else None),
             },
             "versions": [{"version": v.id, "promoted": v.promoted, "on_disk": (registry.versions_dir / v.id).is_dir(),
                           "job": v.job_id, "reason": v.reason} for v in versions],
             "job": None if (active or last) is None else _job(active or last),
             "jobs_failed": sum(1 for j in store.jobs(limit=1000) if j.state == JobState.FAILED),
             "counts": counts,
+            "snapshot": snapshot,  # read from the database file alone (a storage fault): recent commits may lack
+            "current_link": link,
+            # the free space is shown only below the floor: a figure that moves at every call would make two
+            # snapshots of an idle daemon differ
+            "disk": {"min_free_bytes": floor, "below_floor": low} | ({"free_bytes": free} if low else {}),
             "events": [e.to_json() for e in store.events(limit=events)] if events else [],
         }
 
@@ -93,9 +127,18 @@ def format_status(s: dict) -> str:
     lines = [f"data directory {s['data_dir']} (inbox {s['inbox']})",
              "daemon: " + (f"running, pid {s['daemon_pid']}" if s["daemon_pid"] else "not running"),
              f"samples: {s['samples']['total']} ({s['samples']['train']} train, {s['samples']['heldout']} held out), "
-             f"labels: {', '.join(s['labels']) or 'none'}; {s['new_samples_since_last_job']} new since the last job; "
+             f"labels: {', '.join(s['labels']) or 'none'}; "
+             f"{s['new_samples_since_last_job']} new samples since the last job; "
              f"{s['quarantined_files']} files in quarantine"]
+    disk = s.get("disk") or {}
+    if disk.get("below_floor"):
+        lines.append(f"disk: {disk['free_bytes']} bytes free, below storage.min_free_space "
+                     f"({disk['min_free_bytes']}): ingest and training wait")
+    for folder, error in s.get("inbox_problems", {}).items():
+        lines.append(f"inbox folder {folder} skipped: {error}")
     cur = s["current"]
+    if s.get("current_link") not in (None, "ok", "missing"):
+        lines.append(f"current link {s['current_link']} (repaired at the next start)")
     if cur is None:
         lines.append("model in service: none yet")
     else:
@@ -103,10 +146,19 @@ def format_status(s: dict) -> str:
         lines.append(f"model in service: {cur['version']}{acc}")
         if cur.get("onnx"):
             lines.append(f"  ONNX: {cur['onnx']}")
+        per_class = cur.get("per_class") or {}
+        if per_class:
+            lines.append("  per class: " + ", ".join(f"{c} {'-' if a is None else f'{100 * a:.0f} %'}"
+                                                     for c, a in per_class.items()))
     for v in s["versions"][-5:]:
         mark = "promoted" if v["promoted"] else "kept out"
         lines.append(f"  {v['version']} {mark}{'' if v['on_disk'] else ' (pruned)'}: {v['reason']}")
     if s["job"] is not None:
         j = s["job"]
         lines.append(f"last job: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
+    sched = s.get("schedule") or {}
+    if sched.get("due"):
+        lines.append(f"next job: due now ({sched['due']})")
+    elif sched.get("waiting"):
+        lines.append(f"next job: not yet: {sched['waiting']}")
     return "\n".join(lines)

@@ -12,6 +12,9 @@ Connection settings, and why:
   back on any exception (:meth:`Store.transaction`): the write lock is taken at the start of a
   transaction, so it never fails halfway with ``SQLITE_BUSY`` on upgrade.
 
+Every sample recorded is also appended to the journal beside the database (:mod:`edgerev_daemon.journal`),
+inside the transaction and before its ``COMMIT``: the store can be rebuilt from the journal and the blobs.
+
 Times are given by an injected ``clock`` (seconds since the epoch) so tests drive them. The order in
 which samples arrived is the ingest batch id (monotonic), never a time: a device without a real-time
 clock may jump back.
@@ -27,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from edgerev_daemon.errors import StoreError
+from edgerev_daemon.journal import NAME as JOURNAL_NAME
+from edgerev_daemon.journal import Journal, JournalRecord
 from edgerev_daemon.records import (
     JOB_TRANSITIONS,
     Event,
@@ -64,6 +69,7 @@ class Store:
     def __init__(self, path: str | Path, clock: Callable[[], float] = time.time, busy_timeout: float = 10.0) -> None:
         self.path = Path(path)
         self.clock = clock
+        self.journal = Journal(self.path.with_name(JOURNAL_NAME))
         self._conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None)
         try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
@@ -75,10 +81,21 @@ class Store:
             migrate(self._conn, clock(), str(self.path))
         except sqlite3.DatabaseError as e:
             self._conn.close()
-            raise StoreError(f"cannot open the store {self.path}: {e}") from None
+            raise StoreError(f"cannot open the store {self.path}: {e}") from e  # the cause tells a full disk
         except BaseException:
             self._conn.close()
             raise
+
+    @classmethod
+    def snapshot(cls, path: str | Path) -> Store:
+        """A read-only view of the database file alone (``immutable``: no lock, no shared memory, the
+        write-ahead log ignored), for ``status`` when a full disk keeps SQLite from opening the store
+        normally. It shows the last checkpointed state; nothing is migrated or written."""
+        self = cls.__new__(cls)
+        self.path, self.clock = Path(path), time.time
+        self.journal = Journal(self.path.with_name(JOURNAL_NAME))
+        self._conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?immutable=1", uri=True, isolation_level=None)
+        return self
 
     def close(self) -> None:
         self._conn.close()
@@ -159,14 +176,61 @@ class Store:
                 if s.label not in label_ids:
                     c.execute("INSERT OR IGNORE INTO labels (name, added_at) VALUES (?, ?)", (s.label, now))
                     label_ids[s.label] = c.execute("SELECT id FROM labels WHERE name = ?", (s.label,)).fetchone()[0]
+            records = [JournalRecord(batch, s.sha256, s.label, split_of(s.sha256, heldout_fraction).value, s.width,
+                                     s.height, s.blob_sha256, s.source, now) for s in samples]
+            self._journal(c, records)
             c.executemany(
                 "INSERT INTO samples (sha256, label_id, split, width, height, blob_sha256, source, added_at, batch_id) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(s.sha256, label_ids[s.label], split_of(s.sha256, heldout_fraction).value, s.width, s.height,
-                  s.blob_sha256, s.source, now, batch) for s in samples])
+                [(r.sha256, label_ids[r.label], r.split, r.width, r.height, r.blob_sha256, r.source, now, batch)
+                 for r in records])
             c.executemany("INSERT INTO events (at, kind, message) VALUES (?, ?, ?)",
                           [(now, EventKind(k).value, dumps(m)) for k, m in events])
         return batch
+
+    def _journal(self, c: sqlite3.Connection, records: list[JournalRecord]) -> None:
+        """Append ``records`` to the journal (inside the caller's transaction, before its commit). A data
+        directory without a journal (written by an older edgerev, or the journal was deleted) gets one
+        holding every sample already stored first, so the journal never knows less than the store."""
+        if self.journal.exists():
+            self.journal.append(records)
+            return
+        if not records and not c.execute("SELECT 1 FROM samples LIMIT 1").fetchone():
+            return
+        size = c.execute("SELECT value FROM meta WHERE key = 'image_size'").fetchone()
+        self.journal.create(int(size[0]) if size else None, self._records(c) + records)
+
+    def _records(self, c: sqlite3.Connection) -> list[JournalRecord]:
+        rows = c.execute("SELECT s.batch_id, s.sha256, l.name, s.split, s.width, s.height, s.blob_sha256, s.source, "
+                         "s.added_at FROM samples s JOIN labels l ON l.id = s.label_id ORDER BY s.batch_id, s.rowid")
+        return [JournalRecord(*r) for r in rows]
+
+    def ensure_journal(self) -> bool:
+        """Write the journal from the stored samples if it is missing; returns whether it was written."""
+        if self.journal.exists():
+            return False
+        with self.transaction() as c:
+            self._journal(c, [])
+        return self.journal.exists()
+
+    def restore_samples(self, records: Sequence[JournalRecord]) -> int:
+        """Record samples from the journal that the store lacks, with their own batch ids, splits and
+        times (labels are added in the order the records name them); returns how many were added."""
+        added = 0
+        with self.transaction() as c:
+            for r in records:
+                if c.execute("SELECT 1 FROM samples WHERE sha256 = ?", (r.sha256,)).fetchone():
+                    continue
+                c.execute("INSERT OR IGNORE INTO labels (name, added_at) VALUES (?, ?)", (r.label, r.added_at))
+                label = c.execute("SELECT id FROM labels WHERE name = ?", (r.label,)).fetchone()[0]
+                c.execute("INSERT OR IGNORE INTO ingest_batches (id, at, accepted, duplicates, quarantined, refused) "
+                          "VALUES (?, ?, 0, 0, 0, 0)", (r.batch, r.added_at))
+                c.execute("UPDATE ingest_batches SET accepted = accepted + 1 WHERE id = ?", (r.batch,))
+                c.execute("INSERT INTO samples (sha256, label_id, split, width, height, blob_sha256, source, added_at, "
+                          "batch_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          (r.sha256, label, r.split, r.width, r.height, r.blob_sha256, r.source, r.added_at, r.batch))
+                added += 1
+        return added
 
     def labels(self) -> list[str]:
         """Label names in the order they first arrived: a label's index never changes, so a model's
@@ -202,6 +266,11 @@ class Store:
     def blob_hashes(self) -> dict[str, str]:
         """``{sample sha256: blob sha256}`` of every sample (for the consistency check)."""
         return dict(self._conn.execute("SELECT sha256, blob_sha256 FROM samples"))
+
+    def first_sample_time(self) -> float | None:
+        """When the first sample (in arrival order) was recorded; None before any."""
+        row = self._one("SELECT added_at FROM samples ORDER BY batch_id, sha256 LIMIT 1")
+        return None if row is None else row[0]
 
     def last_batch_id(self) -> int:
         """The latest ingest batch (0: none yet)."""
@@ -331,6 +400,21 @@ class Store:
                 self._event(c, EventKind.VERSION, {"version": version_id, "promoted": bool(row[0]), "reason": row[1]})
         return self.get_version(version_id)
 
+    def restore_version(self, version_id: str, created_at: float, metrics: dict, reason: str) -> None:
+        """Record a promoted version found on disk (a rebuild); its number comes from its name."""
+        with self.transaction() as c:
+            c.execute("INSERT OR IGNORE INTO versions (id, number, created_at, promoted, metrics, reason) "
+                      "VALUES (?, ?, ?, 1, ?, ?)",
+                      (version_id, int(version_id[1:]), created_at, dumps(metrics), reason))
+
+    def restore_done_job(self, reason: str, data_batch_id: int) -> None:
+        """Record a finished job over the data up to ``data_batch_id`` (a rebuild: the schedule counts
+        only later samples as new)."""
+        now = self.clock()
+        with self.transaction() as c:
+            c.execute("INSERT INTO jobs (state, reason, created_at, started_at, finished_at, data_batch_id) "
+                      "VALUES ('done', ?, ?, ?, ?, ?)", (reason, now, now, now, data_batch_id))
+
     def get_version(self, version_id: str) -> Version | None:
         row = self._one(self._VERSION + " WHERE id = ?", (version_id,))
         return None if row is None else self._version(row)
@@ -346,19 +430,30 @@ class Store:
         return c.execute("INSERT INTO events (at, kind, message) VALUES (?, ?, ?)",
                          (self.clock(), EventKind(kind).value, dumps(message))).lastrowid
 
-    def add_event(self, kind: EventKind, message: dict) -> int:
-        """Record an event in a transaction of its own; returns its id."""
+    def add_event(self, kind: EventKind, message: dict, repeat: bool = False) -> int:
+        """Record an event in a transaction of its own; returns its id.
+
+        Args:
+            repeat: when the latest event of the store has the same kind and message (a fault that
+                lasts), count it again on that row (``repeats``, ``last_at``) instead of adding one.
+        """
         with self.transaction() as c:
+            if repeat:
+                last = c.execute("SELECT id, kind, message FROM events ORDER BY id DESC LIMIT 1").fetchone()
+                if last is not None and last[1] == EventKind(kind).value and last[2] == dumps(message):
+                    c.execute("UPDATE events SET repeats = repeats + 1, last_at = ? WHERE id = ?",
+                              (self.clock(), last[0]))
+                    return last[0]
             return self._event(c, kind, message)
 
     def events(self, kind: EventKind | None = None, after_id: int = 0, limit: int = 100) -> list[Event]:
         """Events after ``after_id`` (of ``kind`` when given), oldest first, at most ``limit``."""
-        sql, args = "SELECT id, at, kind, message FROM events WHERE id > ?", [after_id]
+        sql, args = "SELECT id, at, kind, message, repeats, last_at FROM events WHERE id > ?", [after_id]
         if kind is not None:
             sql += " AND kind = ?"
             args.append(EventKind(kind).value)
         rows = self._conn.execute(sql + " ORDER BY id LIMIT ?", (*args, limit))
-        return [Event(r[0], r[1], EventKind(r[2]), json.loads(r[3])) for r in rows]
+        return [Event(r[0], r[1], EventKind(r[2]), json.loads(r[3]), r[4], r[5]) for r in rows]
 
     def quarantined_source(self, source: str) -> bool:
         """Whether a file from this inbox path was quarantined (see :meth:`has_source`)."""
@@ -372,15 +467,47 @@ class Store:
                         "AND json_extract(message, '$.source') = ? LIMIT 1", (sha256, source))
         return row is not None
 
-    def prune_events(self, keep: int) -> int:
-        """Delete all but the latest ``keep`` events; returns how many went."""
+    def inbox_problems(self) -> dict[str, str]:
+        """Inbox folders whose latest report says they cannot be read (folder -> reason)."""
+        rows = self._conn.execute(
+            "SELECT json_extract(message, '$.folder'), json_extract(message, '$.error') FROM events "
+            "WHERE json_extract(message, '$.where') = 'inbox' ORDER BY id")
+        latest = dict(rows)  # a later 'readable again' (no error) wins
+        return {folder: error for folder, error in latest.items() if error is not None}
+
+    def prune_events(self, keep: int, before: float | None = None) -> int:
+        """Delete all but the latest ``keep`` events, and those last seen before ``before`` (seconds since
+        the epoch); returns how many went."""
         with self.transaction() as c:
+            n = 0
+            if before is not None:
+                n += c.execute("DELETE FROM events WHERE COALESCE(last_at, at) < ?", (before,)).rowcount
             if keep <= 0:
-                return c.execute("DELETE FROM events").rowcount
-            return c.execute("DELETE FROM events WHERE id < (SELECT MIN(id) FROM "
-                             "(SELECT id FROM events ORDER BY id DESC LIMIT ?))", (keep,)).rowcount
+                return n + c.execute("DELETE FROM events").rowcount
+            return n + c.execute("DELETE FROM events WHERE id < (SELECT MIN(id) FROM "
+                                 "(SELECT id FROM events ORDER BY id DESC LIMIT ?))", (keep,)).rowcount
+
+    # the version in service -------------------------------------------------------------------------
+
+    def set_in_service(self, version_id: str | None) -> None:
+        """Record which version ``current`` links to (what a lost or damaged link is restored from)."""
+        with self.transaction() as c:
+            if version_id is None:
+                c.execute("DELETE FROM meta WHERE key = 'in_service'")
+            else:
+                c.execute("INSERT INTO meta (key, value) VALUES ('in_service', ?) "
+                          "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (version_id,))
+
+    def in_service(self) -> str | None:
+        """The version the store last recorded as in service (None: none recorded)."""
+        row = self._one("SELECT value FROM meta WHERE key = 'in_service'")
+        return None if row is None else row[0]
 
     # health -----------------------------------------------------------------------------------------
+
+    def checkpoint(self) -> None:
+        """Move the write-ahead log into the database file (before the file is renamed or copied)."""
+        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def integrity_problems(self) -> list[str]:
         """``PRAGMA integrity_check`` and ``foreign_key_check`` findings (empty: healthy)."""

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-from edgerev.errors import EdgerevError
+# Before torch (and its OpenMP runtime) is imported: threads waiting for work sleep instead of spinning,
+# so training does not take cores from the device's other work (the systemd unit sets the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from edgerev import __version__  # noqa: E402
+from edgerev.errors import EdgerevError  # noqa: E402
+from edgerev.exits import EPILOG  # noqa: E402
+from edgerev.exits import PARTIAL as EXIT_PARTIAL  # noqa: E402
+from edgerev.exits import PIPE as EXIT_PIPE  # noqa: E402
+from edgerev.exits import USAGE as EXIT_USAGE  # noqa: E402
 
 # RevNeXt paper (Hascoet et al. 2023), batch 32 at 240x240: peak training memory per architecture
 PAPER_PEAK_BYTES = {
@@ -118,25 +128,45 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
+    from edgerev.memory.account import account_step
     from edgerev.memory.autoplan import plan_training, verify
-    from edgerev.memory.planner import parse_bytes
     from edgerev.models import create_model
+    from edgerev.sizes import parse_bytes
+    from edgerev.train.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+    from edgerev.train.memory import loss_of, step_shape
 
-    budget = parse_bytes(args.budget)
+    try:
+        budget = parse_bytes(args.budget)
+    except EdgerevError as e:
+        raise EdgerevError(f"--budget: {e}") from None
     device = _device(args.device)
     model = create_model(_arch(args.arch)).to(device)
     model.check_input(torch.zeros(1, model.in_channels, args.size, args.size, device=device))
-    tp = plan_training(model, args.size, budget, device, estimate=args.estimate)
+    # the trainer's default recipe at this size and batch: the same step the trainer accounts and plans
+    momentum = OptimConfig().momentum if args.momentum else 0.0
+    cfg = RunConfig(data=DataConfig(size=args.size), train=TrainConfig(batch=args.batch or TrainConfig().batch),
+                    optim=OptimConfig(momentum=momentum, nesterov=momentum > 0))
+    step = step_shape(cfg, model, None, args.batch)
+    tp = plan_training(model, args.size, budget, device, estimate=args.estimate, max_batch=args.batch, step=step,
+                       loss_fn=loss_of(cfg))
     batch, modes, segments, result = tp.batch, tp.modes, tp.segments, tp.summary
-    result = {"arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget, **result}
+    result = {"arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget,
+              "step_batch": args.batch, **result}
     if args.verify:
         result.update(verify(model, modes, batch, args.size, device, segments=segments))
+        if device == "cpu":  # the whole step as the trainer holds it, measured on real tensors
+            result["measured_peak_bytes"] = account_step(model, step, batch, tp.apply, loss_of(cfg), real=True).total
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{args.arch} at {args.size}x{args.size} on {device}, budget {budget:,} bytes, {result['planner']}")
-    print(f"batch {batch}, predicted peak {result['predicted_peak_bytes']:,} bytes, "
-          f"{result['samples_per_second']:.1f} samples/s predicted")
+    steps = f"step of {args.batch} samples in micro-batches of {batch}" if args.batch else f"batch {batch}"
+    print(f"{steps}, predicted peak "
+          f"{result['predicted_peak_bytes']:,} bytes, {result['samples_per_second'] or 0:.1f} samples/s predicted")
+    if tp.account is not None:
+        a = tp.account
+        print(f"  held: weights {a.weights:,}, buffers {a.buffers:,}, optimizer {a.optimizer:,}, batch "
+              f"{a.batch_input + a.labels:,}; the step: {a.step_bytes:,} (gradients {a.gradients:,} and activations)")
     if args.verify:
         print(f"measured peak {result['measured_peak_bytes']:,} bytes, "
               f"{result['measured_samples_per_second']:.1f} samples/s measured")
@@ -205,25 +235,29 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from edgerev.export.predict import Predictor  # ONNX Runtime, Pillow and numpy: no torch on this path
 
     predictions = Predictor(args.model).predict(args.images, top=args.top)
+    failed = [p for p in predictions if p.error is not None]
+    for p in failed:
+        print(f"edgerev predict: error: {p.error}", file=sys.stderr)
     if args.json:
         print(json.dumps([p.to_json() for p in predictions], indent=2))
-        return 0
-    for p in predictions:
-        others = ", ".join(f"{c} {q:.4f}" for c, q in p.top[1:])
-        print(f"{p.source}: {p.label} {p.probability:.4f}" + (f"  ({others})" if others else ""))
-    return 0
+    else:
+        for p in predictions:
+            if p.error is None:
+                others = ", ".join(f"{c} {q:.4f}" for c, q in p.top[1:])
+                print(f"{p.source}: {p.label} {p.probability:.4f}" + (f"  ({others})" if others else ""))
+    return EXIT_PARTIAL if failed else 0
 
 
 def cmd_finetune_head(args: argparse.Namespace) -> int:
-    from edgerev.export.ort_training import finetune_head  # ONNX Runtime training and numpy: no torch
+    from edgerev.export.finetune import finetune_head  # ONNX Runtime and numpy: no torch
 
     r = finetune_head(args.model, args.data, args.out, val=args.val, epochs=args.epochs, lr=args.lr,
-                      batch=args.batch, optimizer=args.optimizer, seed=args.seed)
+                      batch=args.batch, optimizer=args.optimizer, seed=args.seed, backend=args.backend)
     if args.json:
         print(json.dumps(r.to_json(), indent=2))
         return 0
-    print(f"trained the head on {r.samples} images ({len(r.skipped)} unreadable skipped), {r.epochs} epochs of "
-          f"{r.optimizer} at lr {r.lr:g}: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
+    print(f"trained the head ({r.backend}) on {r.samples} images ({len(r.skipped)} unreadable skipped), {r.epochs} "
+          f"epochs of {r.optimizer} at lr {r.lr:g}: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
     print(f"training accuracy {r.train_accuracy_before:.4f} -> {r.train_accuracy_after:.4f}")
     if r.val_accuracy_before is not None:
         print(f"validation accuracy {r.val_accuracy_before:.4f} -> {r.val_accuracy_after:.4f} ({r.val_samples} images)")
@@ -234,7 +268,9 @@ def cmd_finetune_head(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgerev",
                                 description="On-device continual learning: reversible networks trained under a hard "
-                                            "memory cap, ONNX export, and the service that keeps a model up to date.")
+                                            "memory cap, ONNX export, and the service that keeps a model up to date.",
+                                epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"edgerev {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("memory", help="peak memory of one training step, measured or predicted",
@@ -252,12 +288,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_memory)
 
     pl = sub.add_parser("plan", help="batch size and per-stage modes that train fastest under a byte budget",
-                        description="Choose a batch size and a mode per stage (invert, recompute, store, store8, "
-                                    "store4) that maximize samples per second while the peak stays under the "
-                                    "budget. Stage costs are measured once per model, size and device and cached.")
+                        description="Choose a micro-batch and a mode per stage (invert, recompute, store, store8, "
+                                    "store4; checkpoint segments for a plain model) that maximize samples per "
+                                    "second while the peak of the whole training step, as the trainer counts it, "
+                                    "stays under the budget. A budget below the smallest step is refused at once, "
+                                    "naming it. Stage costs are measured once per model, size and device and "
+                                    "cached.")
     pl.add_argument("--arch", required=True, help="registry name")
     pl.add_argument("--size", type=_positive("--size"), required=True, help="input height and width")
-    pl.add_argument("--budget", required=True, help="bytes, e.g. 400MiB, 1.5GB or 1000000")
+    pl.add_argument("--budget", required=True, help="bytes, e.g. 400MiB, 1.5GB or 1000000: the whole step, as the "
+                    "trainer counts it (weights, gradients, momentum, the batch, activations)")
+    pl.add_argument("--batch", type=_positive("--batch"), default=None,
+                    help="samples per optimizer step, split into micro-batches as the budget needs, as a recipe's "
+                         "train.batch (default: no accumulation, the planner picks the batch)")
+    pl.add_argument("--no-momentum", dest="momentum", action="store_false",
+                    help="an optimizer without momentum state (the recipe's SGD keeps one buffer per weight)")
     pl.add_argument("--device", default="cpu", help="cpu or cuda")
     pl.add_argument("--verify", action="store_true", help="run real training steps with the plan and measure them")
     pl.add_argument("--estimate", action="store_true", help="estimate costs (fake tensors, FLOPs) instead of measuring")
@@ -308,18 +353,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("predict", help="classify images with an exported model (ONNX Runtime, no PyTorch)",
                         description="Decode, resize and normalize each image as the model's metadata says, run it "
-                                    "with ONNX Runtime and print the most probable class and its probability.")
+                                    "with ONNX Runtime and print the most probable class and its probability. A "
+                                    "file that is missing or not an image is reported on stderr, the rest are "
+                                    "classified, and the exit status is 1.")
     pr.add_argument("--model", required=True, help="an .onnx file written by 'edgerev export'")
     pr.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, anything Pillow reads)")
     pr.add_argument("--top", type=_positive("--top"), default=1, help="classes to list per image (default 1)")
     pr.add_argument("--json", action="store_true", help="print JSON")
     pr.set_defaults(fn=cmd_predict)
 
-    f = sub.add_parser("finetune-head", help="train an exported model's head with ONNX Runtime (no PyTorch)",
-                       description="Fine-tune the final linear layer of an exported model on a frozen backbone with "
-                                   "ONNX Runtime training (pip install 'edgerev[ort-training]'), on a folder of "
-                                   "<class>/<image> files whose class names are among the model's, and write a "
-                                   "new .onnx with the trained head.")
+    f = sub.add_parser("finetune-head", help="train an exported model's head on its frozen backbone (no PyTorch)",
+                       description="Fine-tune the final linear layer of an exported model on a frozen backbone, on a "
+                                   "folder of <class>/<image> files whose class names are among the model's, and "
+                                   "write a new .onnx with the trained head. The backbone runs with ONNX Runtime; "
+                                   "the head trains in numpy (default) or with ONNX Runtime training "
+                                   "(--backend onnxruntime, pip install 'edgerev[ort-training]', Python <= 3.11).")
     f.add_argument("--model", required=True, help="an .onnx file written by 'edgerev export'")
     f.add_argument("--data", required=True, help="training images: FOLDER/<class>/<image>")
     f.add_argument("--out", required=True, help="the .onnx file to write")
@@ -329,20 +377,29 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--batch", type=_positive("--batch"), default=32, help="mini-batch size (default 32)")
     f.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer (default adamw)")
     f.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
+    f.add_argument("--backend", choices=("numpy", "onnxruntime"), default="numpy",
+                   help="numpy (default; needs only ONNX Runtime inference) or onnxruntime (ONNX Runtime training)")
     f.add_argument("--json", action="store_true", help="print JSON")
     f.set_defaults(fn=cmd_finetune_head)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return args.fn(args)
-    except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
-        command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None)) if c)
-        print(f"edgerev {command}: error: {e}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        try:
+            status = args.fn(args)
+        except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
+            command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None)) if c)
+            print(f"edgerev {command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return status
+    except BrokenPipeError:
+        # the reader left (`edgerev daemon status --json | head`): no traceback, and no second error when
+        # the interpreter flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

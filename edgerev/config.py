@@ -1,7 +1,8 @@
 """Frozen dataclass configs built from plain dicts (YAML), with errors that name the key and the type.
 
 :func:`from_dict` walks a dataclass's fields and their type hints: nested dataclasses, ``int``,
-``float``, ``str``, ``bool``, ``X | None``, ``tuple[X, ...]``, ``dict`` and ``Literal`` choices. An
+``float``, ``str``, ``bool``, ``X | None``, ``tuple[X, ...]``, ``dict``, ``Literal`` choices and sizes in
+bytes (:class:`~edgerev.sizes.ByteSize`: an int or ``"400MiB"``, parsed here, once, into an int). An
 unknown key, a wrong type or a bad choice raises :class:`ConfigError` with the key's dotted path,
 e.g. ``train.epochs: expected int, got str 'ten'``. :func:`to_dict` gives the resolved config back
 as plain data, so it can be written beside the result and read again to the same value.
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 from edgerev.errors import EdgerevError
+from edgerev.sizes import ByteSize, parse_bytes
 
 T = TypeVar("T")
 
@@ -36,6 +38,8 @@ def _type_name(tp) -> str:
         return "null"
     if dataclasses.is_dataclass(tp):
         return "mapping"
+    if tp is ByteSize:
+        return "size in bytes"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -72,6 +76,11 @@ def _convert(tp, value, key: str):
         return tuple(_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key)
+    if tp is ByteSize:
+        try:
+            return parse_bytes(value)
+        except EdgerevError as e:
+            raise ConfigError(f"{key}: {e}") from None
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected mapping, got {_got(value)}")
@@ -137,6 +146,8 @@ def to_dict(cfg) -> dict:
             return [plain(x) for x in v]
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, ByteSize):
+            return int(v)  # YAML writers know int, not its subclasses
         return v
 
     return plain(cfg)

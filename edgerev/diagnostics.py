@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev.engine import plain
+from edgerev.engine import executing, plain
+from edgerev.layers.base import Invertible
 from edgerev.models import create_model
 
 
@@ -104,11 +105,8 @@ def diagnose(arch: str, depth: int | None = None, batch: int = 8, size: int = 32
         else:
             layer_rows.append(row)
 
-    model.body.probe = probe
-    try:
+    with executing(model, probe=probe):
         F.cross_entropy(model(x), target).backward()
-    finally:
-        model.body.probe = None
 
     stages = []
     for i, (stage, mode) in enumerate(zip(model.body.stages, model.body.modes)):
@@ -128,7 +126,7 @@ def diagnose(arch: str, depth: int | None = None, batch: int = 8, size: int = 32
         "depth": depth,
         "batch": batch,
         "size": size,
-        "invertible_stages": sum(1 for s in model.body.stages if hasattr(s, "inverse_")),
+        "invertible_stages": sum(1 for s in model.body.stages if isinstance(s, Invertible)),
         "min_snr_db": min(snrs) if snrs else None,
         "max_grad_angle_deg": max(angles) if angles else None,
         "min_param_cosine": min(cos) if cos else None,

@@ -18,22 +18,30 @@ store4     a 4-bit copy (two codes per byte)       the same; approximate gradien
 With ``store8``/``store4`` the forward stays exact; the earlier stages then rebuild their inputs
 from the dequantized copy, so its error reaches their gradients too (see :mod:`edgerev.quantize`).
 
-The same weights run through plain autograd when :attr:`InvertibleSequence.plain` is set: that is
-the reference for every gradient test and the path used for ONNX export.
+How a sequence runs besides its modes is one :class:`Execution` value, given whole (never four
+flags set one by one from other modules): plain autograd (the reference for every gradient test and
+the path used for ONNX export, see :func:`plain`), checkpoint segments for a plain model under a cap
+(run by :mod:`edgerev.checkpointing`), a probe that sees each rebuilt activation, and whether the
+engine may overwrite its input and output buffers. Stages are recognized as invertible by type
+(:class:`~edgerev.layers.base.Invertible`), never by the names of their methods.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from edgerev._torchapi import storage_key
 from edgerev.errors import ModeError, NonFiniteError
-from edgerev.layers.base import Grads, Tape, add_grads, is_fake, replaying
+from edgerev.layers.base import Grads, Invertible, Tape, add_grads, is_fake, replaying
+from edgerev.layers.coupling import Coupling
 from edgerev.layers.norm import InvBatchNorm2d
 from edgerev.layers.pooling import POOLS, global_pool, global_pool_grad
 from edgerev.quantize import bn_range, dequantize, quantize
@@ -55,6 +63,26 @@ class Mode(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How an :class:`InvertibleSequence` runs, apart from its per-stage modes.
+
+    Attributes:
+        plain: run the stages through plain autograd (stores everything; the reference and export path).
+        segments: checkpoint segments (``start``, ``end``, ``mode``) for a plain model under a cap,
+            instead of the engine (see :mod:`edgerev.checkpointing`); None: the engine.
+        probe: called as ``probe(stage, activation)`` with every activation the backward rebuilds.
+        owns_buffers: with ``pool=None``, let the engine overwrite its input, its output and the
+            output's gradient instead of copying them (measurements that must see a stage as it runs
+            inside a model).
+    """
+
+    plain: bool = False
+    segments: tuple | None = None
+    probe: Callable[[nn.Module, Tensor], None] | None = None
+    owns_buffers: bool = False
 
 
 def _parse_mode(value: Mode | str) -> Mode:
@@ -105,13 +133,7 @@ class InvertibleSequence(nn.Module):
             raise ValueError(f"pool must be one of {', '.join(POOLS)} or None, got {pool!r}")
         self.stages = nn.ModuleList(stages)
         self.pool = pool
-        self.plain = False
-        # with pool=None: let the engine overwrite its input, its output and the output's gradient
-        # instead of copying them (for measurements that must see a stage as it runs inside a model)
-        self.owns_buffers = False
-        # plain models under a cap: checkpoint segments (edgerev.memory.reforward) instead of modes
-        self.segments = None
-        self.probe: Callable[[nn.Module, Tensor], None] | None = None
+        self._execution = Execution()
         self._modes: list[Mode] = [supported_modes(s)[0] for s in self.stages]
         if modes is not None:
             self.set_modes(modes)
@@ -138,17 +160,28 @@ class InvertibleSequence(nn.Module):
             parsed.append(m)
         self._modes = parsed
 
+    @property
+    def execution(self) -> Execution:
+        return self._execution
+
+    def set_execution(self, execution: Execution) -> None:
+        """Run from now on as ``execution`` says (see :class:`Execution`)."""
+        if not isinstance(execution, Execution):
+            raise TypeError(f"expected an Execution, got {type(execution).__name__}")
+        self._execution = execution
+
     def forward(self, x: Tensor, samples: int | None = None) -> Tensor:
         """Run the stages; ``samples`` is the original batch size (for ``pool="mean"``)."""
         samples = x.shape[0] if samples is None else samples
         params = [p for p in self.parameters() if p.requires_grad]
+        run = self._execution
         use_engine = (
-            not self.plain and torch.is_grad_enabled() and (x.requires_grad or bool(params)) and len(self.stages) > 0
+            not run.plain and torch.is_grad_enabled() and (x.requires_grad or bool(params)) and len(self.stages) > 0
         )
-        if self.segments is not None and not self.plain and torch.is_grad_enabled():
-            from edgerev.memory.reforward import run_segments
+        if run.segments is not None and not run.plain and torch.is_grad_enabled():
+            from edgerev.checkpointing import run_segments
 
-            x = run_segments(self.stages, self.segments, x)
+            x = run_segments(self.stages, run.segments, x)
             return global_pool(x, samples, self.pool) if self.pool else x
         if not use_engine:
             for stage in self.stages:
@@ -172,7 +205,8 @@ def _stage_params(stage: nn.Module) -> list[nn.Parameter]:
 class _Engine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, seq: InvertibleSequence, samples: int, *params: nn.Parameter) -> Tensor:
-        tape = Tape(probe=seq.probe)
+        run = seq.execution
+        tape = Tape(probe=run.probe)
         stored: dict[int, tuple[Tensor, Tensor]] = {}
         h = x
         for i, (stage, mode) in enumerate(zip(seq.stages, seq._modes)):
@@ -181,27 +215,27 @@ class _Engine(torch.autograd.Function):
                 saved: set[int] = set()
 
                 def pack(t: Tensor, saved: set[int] = saved) -> Tensor:
-                    saved.add(t.untyped_storage()._cdata)
+                    saved.add(storage_key(t))
                     return t
 
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = stage(xin)
                 stored[i] = (xin, out)
                 h = out.detach()
-                key = h.untyped_storage()._cdata
+                key = storage_key(h)
                 nxt = i + 1
-                in_place_next = nxt < len(seq.stages) and seq._modes[nxt] is not Mode.STORE and hasattr(
-                    seq.stages[nxt], "forward_")
-                if in_place_next and (key in saved or key == xin.untyped_storage()._cdata or not h.is_contiguous()):
+                in_place_next = nxt < len(seq.stages) and seq._modes[nxt] is not Mode.STORE and isinstance(
+                    seq.stages[nxt], Invertible)
+                if in_place_next and (key in saved or key == storage_key(xin) or not h.is_contiguous()):
                     # the next stage overwrites h: never the stage's saved tensors or its input
                     h = h.clone(memory_format=torch.contiguous_format)
             else:
                 if mode.bits is not None:
                     stored[i] = quantize(h, mode.bits, _quant_range(seq, i))
-                if not hasattr(stage, "forward_"):  # a plain module kept as an 8/4-bit input copy
+                if not isinstance(stage, Invertible):  # a plain module kept as an 8/4-bit input copy
                     h = stage(h)
                     continue
-                if (h is x and not seq.owns_buffers) or not h.is_contiguous():
+                if (h is x and not run.owns_buffers) or not h.is_contiguous():
                     h = h.clone(memory_format=torch.contiguous_format)  # never overwrite the caller's tensor
                 h = stage.forward_(h, tape)
         check_finite(h, "the output of the invertible sequence (diverged weights or a bad input)")
@@ -231,7 +265,7 @@ class _Engine(torch.autograd.Function):
         else:
             # the output and its incoming gradient belong to the caller: work on copies
             (y,) = ctx.saved_tensors
-            if seq.owns_buffers:
+            if seq.execution.owns_buffers:
                 gy = gout.contiguous()
             else:
                 y = y.clone(memory_format=torch.contiguous_format)
@@ -250,7 +284,7 @@ class _Engine(torch.autograd.Function):
                     with torch.enable_grad():
                         out = stage(xin)
                     y, gy = _autograd_backward(stage, xin, out, gy, grads)
-                elif mode is Mode.RECOMPUTE and hasattr(stage, "recompute_backward_"):
+                elif mode is Mode.RECOMPUTE and isinstance(stage, Coupling):
                     y, gy = stage.recompute_backward_(y, gy, tape, grads)
                 elif mode is Mode.RECOMPUTE:
                     x = stage.inverse_(y, tape)
@@ -288,14 +322,20 @@ def _autograd_backward(stage: nn.Module, xin: Tensor, out: Tensor, gy: Tensor,
 
 
 @contextlib.contextmanager
-def plain(model: nn.Module, enabled: bool = True) -> Iterator[nn.Module]:
-    """Run every :class:`InvertibleSequence` of ``model`` through plain autograd inside the block."""
+def executing(model: nn.Module, **changes) -> Iterator[nn.Module]:
+    """Inside the block, every :class:`InvertibleSequence` of ``model`` runs with ``changes`` to its
+    :class:`Execution` (e.g. ``probe=fn``); the previous execution comes back on exit."""
     seqs = [m for m in model.modules() if isinstance(m, InvertibleSequence)]
-    old = [s.plain for s in seqs]
+    old = [s.execution for s in seqs]
     for s in seqs:
-        s.plain = enabled
+        s.set_execution(dataclasses.replace(s.execution, **changes))
     try:
         yield model
     finally:
         for s, o in zip(seqs, old):
-            s.plain = o
+            s.set_execution(o)
+
+
+def plain(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[nn.Module]:
+    """Run every :class:`InvertibleSequence` of ``model`` through plain autograd inside the block."""
+    return executing(model, plain=enabled)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from torch import nn
 
-from edgerev.memory.profile import Profile, measure_profile
+from edgerev.memory.costs import Profile
+from edgerev.memory.profile import measure_profile
 from edgerev.models import create_model
 
 DATA = Path(__file__).parent / "data"

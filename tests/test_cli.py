@@ -13,7 +13,7 @@ import torch
 import edgerev.models
 from edgerev.cli import PAPER_PEAK_BYTES, main
 from edgerev.memory import profile as profile_mod
-from edgerev.memory.planner import smallest_budget
+from edgerev.memory.knapsack import smallest_budget
 from tests.profiles import SMALL_REVNEXT, measured
 
 

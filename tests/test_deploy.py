@@ -369,3 +369,16 @@ def test_runtime_requirements_are_pyprojects_without_torch():
     assert any(names_torch(r) for r in project["dependencies"]), "pyproject no longer names torch: update the check"
     assert module.requirement_name("onnxruntime>=1.17,<1.20") == "onnxruntime"
     assert module.requirement_name("Torch[extra] ; python_version < '4'") == "torch"
+
+
+def test_the_unit_waits_for_ready_and_watches_the_loop(unit):
+    """Type=notify: the daemon says READY=1 and pings the watchdog (edgerev_daemon.notify)."""
+    assert single(unit, "Type") == "notify" and single(unit, "NotifyAccess") == "main"
+    assert 60 <= seconds(single(unit, "WatchdogSec")) <= 3600
+
+
+def test_the_unit_is_a_good_neighbour(unit):
+    """Training is background work: niced, a smaller CPU and IO weight, OpenMP threads that sleep, not spin."""
+    assert int(single(unit, "Nice")) >= 5
+    assert int(single(unit, "CPUWeight")) < 100 and int(single(unit, "IOWeight")) < 100
+    assert "OMP_WAIT_POLICY=PASSIVE" in effective(unit, "Environment")

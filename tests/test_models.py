@@ -266,3 +266,10 @@ def test_grown_head_keeps_its_kind():
     grow_head(model, ("a", "b"), ("a", "b", "c"))
     assert isinstance(model.head, ScaledLinear) and model.head.bias is None and model.head.scale == 0.125
     assert torch.equal(model.head.weight[:2], old) and model.head.out_features == 3
+
+
+def test_the_light_names_are_the_registry():
+    """edgerev.models.names (what configs check model.arch against, without torch) lists the registry."""
+    from edgerev.models.names import ARCHS
+
+    assert ARCHS == tuple(list_models())

@@ -6,7 +6,6 @@ import itertools
 import json
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -15,30 +14,14 @@ from edgerev.engine import supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers import HybridBlock
 from edgerev.memory import profile as profile_mod
-from edgerev.memory.autoplan import fake_step_peak, plan_model, verify
-from edgerev.memory.planner import (
-    BudgetTooSmall,
-    Choice,
-    Plan,
-    choices_at,
-    parse_bytes,
-    peak_of,
-    plan,
-    smallest_budget,
-    solve,
-)
-from edgerev.memory.profile import (
-    PROFILE_VERSION,
-    Curve,
-    Linear,
-    ModeCost,
-    Profile,
-    cache_dir,
-    estimate_profile,
-    load_or_measure,
-)
+from edgerev.memory.autoplan import plan_model, verify
+from edgerev.memory.costs import PROFILE_VERSION, BudgetTooSmall, Curve, Linear, ModeCost, Plan, Profile
+from edgerev.memory.knapsack import Choice, choices_at, peak_of, plan, smallest_budget, solve
+from edgerev.memory.measure import fake_step_peak
+from edgerev.memory.profile import cache_dir, estimate_profile, load_or_measure
 from edgerev.models import EngineModel, create_model
 from edgerev.models.base import stem
+from edgerev.sizes import parse_bytes
 from tests.profiles import SMALL_RESNET, SMALL_REVNEXT, measured, recorded, small_model
 
 MODES = ("invert", "recompute", "store", "store8", "store4")
@@ -313,8 +296,10 @@ def test_parse_bytes_decimal_fractions_are_exact(text, expected):
 
 
 @pytest.mark.parametrize("arch", ["revnext", "resnet18"])
-def test_planner_answers_in_well_under_a_second(arch):
-    """The default models' profiles at 32x32 (recorded, see tests/profiles.py): each plan() well under 1 s."""
+def test_planner_answers_every_budget_on_the_recorded_profiles(arch):
+    """The default models' profiles at 32x32 (recorded, see tests/profiles.py): a valid plan, or a refusal, for
+    every budget from the floor to a terabyte. How long it takes is a benchmark's figure (benchmarks/planner.py,
+    ``solve_seconds``), not a test's: a loaded machine would make it fail."""
     prof = recorded(arch)
     model = create_model(arch)
     # the recorded profile still describes the model: same stages, same modes
@@ -323,25 +308,19 @@ def test_planner_answers_in_well_under_a_second(arch):
     assert prof.names == [type(s).__name__ for s in model.body.stages], stale
     assert [set(s) for s in prof.stages] == [{str(m) for m in supported_modes(s)} for s in model.body.stages], stale
     low = smallest_budget(prof)
-    slowest = 0.0
     for budget in (int(low * 1.01), 64 * 2**20, 400 * 2**20, 2**30, 16 * 2**30, 2**40):
-        t0 = time.perf_counter()
         try:
             p = plan(prof, budget)
         except BudgetTooSmall:
-            p = None
-        slowest = max(slowest, time.perf_counter() - t0)
-        if p is not None:
-            check_plan(p, prof, budget)
-    assert slowest < 0.5, f"plan() took {slowest:.3f} s"
+            assert budget < low * 1.02, budget
+            continue
+        check_plan(p, prof, budget)
 
 
-def test_planner_is_fast_on_a_measured_profile(cache):
+def test_planner_plans_a_measured_profile(cache):
     prof = measured()
-    t0 = time.perf_counter()
     for budget in (smallest_budget(prof) * 2, 2**24, 2**30):
-        plan(prof, budget)
-    assert time.perf_counter() - t0 < 1.0
+        check_plan(plan(prof, budget), prof, budget)
 
 
 # ---- real plans ---------------------------------------------------------------------------------------------------
@@ -404,7 +383,7 @@ def test_plan_model_finds_a_plan_when_one_fits(cache):
 
 
 def test_plan_model_rejects_a_budget_below_the_weights(cache):
-    from edgerev.memory.autoplan import fake_step_peak, minimal_modes
+    from edgerev.memory.autoplan import minimal_modes
 
     model = small_model()
     with pytest.raises(BudgetTooSmall) as info:

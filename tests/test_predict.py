@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from onnx import TensorProto, helper
 from edgerev.cli import main
 from edgerev.engine import plain
 from edgerev.errors import ExportError
-from edgerev.export.images import ImageError, decode
+from edgerev.export.images import decode
 from edgerev.export.metadata import ModelMeta, get_props, set_props
 from edgerev.export.onnx import export_onnx
 from edgerev.export.predict import Predictor, softmax
@@ -87,19 +88,23 @@ def test_softmax_is_stable():
     np.testing.assert_allclose(p, [[1.0, 0.0], [0.5, 0.5]])
 
 
-def test_unreadable_images_name_the_file(setup, tmp_path):
+def test_unreadable_images_are_reported_and_the_rest_classified(setup, tmp_path):
     *_, path, images = setup
     bad = tmp_path / "notes.png"
     bad.write_text("not an image")
-    predictor = Predictor(path)
-    with pytest.raises(ImageError, match=f"cannot decode image {bad}"):
-        predictor.predict([images[0], bad])
     truncated = tmp_path / "cut.png"
     truncated.write_bytes(Path(images[1]).read_bytes()[:60])
-    with pytest.raises(ImageError, match=str(truncated)):
-        predictor.predict([truncated])
-    with pytest.raises(ImageError, match="missing.png does not exist"):
-        predictor.predict([tmp_path / "missing.png"])
+    predictor = Predictor(path)
+    alone = predictor.predict(images[:3], top=2)
+    got = predictor.predict([bad, images[0], truncated, images[1], tmp_path / "missing.png", images[2]], top=2,
+                            batch=2)
+    assert [p.source for p in got] == list(map(str, [bad, images[0], truncated, images[1],
+                                                     tmp_path / "missing.png", images[2]]))
+    assert [p.error for p in got[1::2]] == [None] * 3 and got[1::2] == alone  # the good ones, as if alone
+    assert re.search(f"cannot decode image {bad}", got[0].error) and got[0].label is None
+    assert str(truncated) in got[2].error
+    assert got[4].error.endswith("missing.png does not exist")
+    assert got[0].to_json() == {"image": str(bad), "error": got[0].error}
 
 
 def test_bad_models(setup, tmp_path):
@@ -183,14 +188,43 @@ def test_cli_predict(setup, capsys, tmp_path):
     assert main(["predict", "--model", str(path), *map(str, files)]) == 0
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d, m: ["--model", str(d / "nope.onnx"), str(m)], "ONNX model .*nope.onnx does not exist"),
-    (lambda d, m: ["--model", str(m), str(d / "nope.png")], "image .*nope.png does not exist"),
+@pytest.mark.parametrize("make, status, message", [
+    (lambda d, m: ["--model", str(d / "nope.onnx"), str(m)], 2, "ONNX model .*nope.onnx does not exist"),
+    (lambda d, m: ["--model", str(m), str(d / "nope.png")], 1, "image .*nope.png does not exist"),
 ])
-def test_cli_predict_errors(setup, capsys, tmp_path, make, message):
-    import re
-
+def test_cli_predict_errors(setup, capsys, tmp_path, make, status, message):
     path = setup[2]
-    assert main(["predict", *make(tmp_path, path)]) == 2
+    assert main(["predict", *make(tmp_path, path)]) == status
     err = capsys.readouterr().err.strip()
     assert err.startswith("edgerev predict: error: ") and len(err.splitlines()) == 1 and re.search(message, err)
+
+
+def test_cli_predict_reports_each_bad_file_and_classifies_the_rest(setup, capsys, tmp_path):
+    *_, path, images = setup
+    bad = tmp_path / "notes.jpg"
+    bad.write_text("not an image")
+    assert main(["predict", "--model", str(path), str(images[0]), str(bad), str(tmp_path / "gone.png"),
+                 str(images[1])]) == 1
+    out, err = capsys.readouterr()
+    assert [line.split(":")[0] for line in out.splitlines()] == [str(images[0]), str(images[1])]
+    assert len(err.splitlines()) == 2 and "notes.jpg" in err and "gone.png does not exist" in err
+    assert main(["predict", "--model", str(path), str(bad), str(images[0]), "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert "error" in rows[0] and rows[1]["label"] in CLASSES
+
+
+def test_cli_predict_into_a_closed_pipe_ends_quietly(setup, tmp_path):
+    """`edgerev predict ... | head`: the reader is gone; exit 141 as a tool killed by SIGPIPE, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    *_, path, images = setup
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "edgerev", "predict", "--model", str(path), *map(str, images),
+                               "--json"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == ""

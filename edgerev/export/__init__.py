@@ -1,11 +1,13 @@
-"""Export to ONNX (verified against PyTorch), inference and head fine-tuning with ONNX Runtime.
+"""Export to ONNX (verified against PyTorch), inference with ONNX Runtime, head fine-tuning without PyTorch.
 
 =========================  ===========================================================  ========
 module                     does                                                         torch
 =========================  ===========================================================  ========
 :mod:`.onnx`               :func:`export_onnx`: model directory to a verified ``.onnx``  yes
 :mod:`.predict`            :class:`Predictor`: images to labels with ONNX Runtime        no
-:mod:`.ort_training`       :func:`finetune_head`: train the head with ONNX Runtime       no
+:mod:`.finetune`           :func:`finetune_head`: train the head on a frozen backbone    no
+:mod:`.head_numpy`         its default backend: softmax regression in numpy              no
+:mod:`.ort_training`       its optional backend: ONNX Runtime training                   no
 :mod:`.metadata`           classes, input size, normalization inside the file            no
 :mod:`.graph`              cut an exported graph at its head, swap the head's weights    no
 :mod:`.images`             Pillow + numpy decoding, the same as the trainer's            no
@@ -27,15 +29,15 @@ _LAZY = {
     "verify_onnx": "edgerev.export.onnx",
     "Prediction": "edgerev.export.predict",
     "Predictor": "edgerev.export.predict",
-    "FinetuneResult": "edgerev.export.ort_training",
-    "finetune_head": "edgerev.export.ort_training",
+    "FinetuneResult": "edgerev.export.finetune",
+    "finetune_head": "edgerev.export.finetune",
     "ModelMeta": "edgerev.export.metadata",
 }
 
 if TYPE_CHECKING:
+    from edgerev.export.finetune import FinetuneResult, finetune_head
     from edgerev.export.metadata import ModelMeta
     from edgerev.export.onnx import ExportResult, export_onnx, verify_onnx
-    from edgerev.export.ort_training import FinetuneResult, finetune_head
     from edgerev.export.predict import Prediction, Predictor
 
 __all__ = [

@@ -12,7 +12,7 @@ key                     value
 ``arch``                registry name of the architecture
 ``weights_sha256``      SHA-256 of the ``model.safetensors`` the export was made from
 ``edgerev_version``     the edgerev version that wrote the file
-``fine_tuned``          JSON object, present after :mod:`edgerev.export.ort_training` changed the head
+``fine_tuned``          JSON object, present after :mod:`edgerev.export.finetune` changed the head
 ======================  ======================================================================
 
 No torch here: the ONNX Runtime side of edgerev reads this module on devices without PyTorch.
@@ -56,7 +56,7 @@ class ModelMeta:
 
     @property
     def fine_tuned(self) -> dict | None:
-        """The record :mod:`edgerev.export.ort_training` leaves, or None for a plain export."""
+        """The record :mod:`edgerev.export.finetune` leaves, or None for a plain export."""
         text = self.extra.get("fine_tuned")
         return json.loads(text) if text else None
 

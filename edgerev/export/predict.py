@@ -17,21 +17,29 @@ from pathlib import Path
 import numpy as np
 
 from edgerev.errors import ExportError
-from edgerev.export.images import decode, normalize
+from edgerev.export.images import ImageError, decode, normalize
 from edgerev.export.metadata import ModelMeta
 from edgerev.export.runtime import first_line, inference_session
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """One image's class: the most probable label, its probability, and the ``top`` labels."""
+    """One image's class: the most probable label, its probability, and the ``top`` labels; or, for a
+    file that could not be read, ``error`` (and no label)."""
 
     source: str
-    label: str
+    label: str | None
     probability: float
     top: tuple[tuple[str, float], ...]
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, source: str, error: str) -> Prediction:
+        return cls(source=source, label=None, probability=0.0, top=(), error=error)
 
     def to_json(self) -> dict:
+        if self.error is not None:
+            return {"image": self.source, "error": self.error}
         return {"image": self.source, "label": self.label, "probability": self.probability,
                 "top": [{"label": c, "probability": p} for c, p in self.top]}
 
@@ -49,7 +57,7 @@ class Predictor:
 
     Args:
         onnx_path: a file written by :func:`edgerev.export.onnx.export_onnx` (or fine-tuned by
-            :mod:`edgerev.export.ort_training`).
+            :mod:`edgerev.export.finetune`).
 
     Raises:
         ExportError: the file is missing, not a model ONNX Runtime can load, or lacks edgerev metadata.
@@ -97,19 +105,22 @@ class Predictor:
         return out
 
     def predict(self, images: Sequence[str | Path], top: int = 5, batch: int = 32) -> list[Prediction]:
-        """Classify image files, ``batch`` at a time.
-
-        Raises:
-            ImageError: a file is missing or not an image (the error names it); nothing is classified.
-        """
+        """Classify image files, ``batch`` at a time, one prediction per file in order: a file that is
+        missing or not an image gets a :meth:`Prediction.failed` naming the reason, and the rest are
+        classified."""
         if batch < 1:
             raise ExportError(f"batch must be positive, got {batch}")
-        if not images:
-            return []
-        size = self.meta.input_size
-        pixels = [decode(p, size) for p in images]  # every file is checked before any is run
-        out: list[Prediction] = []
-        for start in range(0, len(pixels), batch):
-            chunk = np.stack(pixels[start:start + batch])
-            out += self.classify(chunk, top, [str(p) for p in images[start:start + batch]])
-        return out
+        if top < 1:
+            raise ExportError(f"top must be positive, got {top}")
+        out: dict[int, Prediction] = {}
+        readable: list[tuple[int, np.ndarray]] = []
+        for i, path in enumerate(images):
+            try:
+                readable.append((i, decode(path, self.meta.input_size)))
+            except ImageError as e:
+                out[i] = Prediction.failed(str(path), str(e))
+        for start in range(0, len(readable), batch):
+            chunk = readable[start:start + batch]
+            preds = self.classify(np.stack([px for _, px in chunk]), top, [str(images[i]) for i, _ in chunk])
+            out.update((i, p) for (i, _), p in zip(chunk, preds))
+        return [out[i] for i in range(len(images))]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from edgerev.engine import InvertibleSequence, Mode
-from edgerev.layers import BatchPool, ChannelPool, Coupling, HybridBlock, Invertible
+from edgerev.layers import BatchPool, ChannelPool, Coupling, HybridBlock, InvSequential
+from edgerev.models.resnet import BasicBlock
 
 
 @dataclass
@@ -43,14 +44,13 @@ def _out_shape(m: nn.Module, v: _Vol) -> _Vol:
         for sub in m:
             v = _out_shape(sub, v)
         return v
-    blk = getattr(m, "conv1", None)
-    if blk is not None:  # ResNet basic block
-        return _Vol(m.conv2.out_channels, v.frac / (blk.stride[0] ** 2))
+    if isinstance(m, BasicBlock):
+        return _Vol(m.conv2.out_channels, v.frac / (m.conv1.stride[0] ** 2))
     return v
 
 
 def _saves_input(m: nn.Module) -> bool:
-    return isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear)) or hasattr(m, "conv1")
+    return isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear, BasicBlock))
 
 
 def _chain_saved(layers: list[nn.Module], v: _Vol) -> tuple[float, _Vol]:
@@ -61,7 +61,7 @@ def _chain_saved(layers: list[nn.Module], v: _Vol) -> tuple[float, _Vol]:
         nxt = layers[i + 1] if i + 1 < len(layers) else None
         if isinstance(m, nn.ReLU) or (nxt is not None and _saves_input(nxt)):
             saved += out.units
-        if hasattr(m, "conv1"):  # basic block: conv1 out, relu out, conv2 out (+ projection out)
+        if isinstance(m, BasicBlock):  # basic block: conv1 out, relu out, conv2 out (+ projection out)
             saved += 3 * out.units + (out.units if not isinstance(m.shortcut, nn.Identity) else 0)
         v = out
     return saved, v
@@ -92,7 +92,7 @@ def _residual_saved(stage: nn.Module, v: _Vol) -> list[float]:
     half = _Vol(v.channels // 2, v.frac)
     out = []
     for fn in (stage.f, stage.g):
-        layers = list(fn.layers) if isinstance(fn, Invertible) and hasattr(fn, "layers") else list(fn)
+        layers = list(fn.layers) if isinstance(fn, InvSequential) else list(fn)
         out.append(_chain_saved(layers, half)[0])
     return out
 

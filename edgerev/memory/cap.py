@@ -4,6 +4,13 @@ On CUDA the cap is the allocator's: ``torch.cuda.set_per_process_memory_fraction
 live-tensor tracker enforces the same budget and raises :class:`MemoryBudgetExceeded`, so the
 behaviour is the same and testable without a GPU.
 
+The CPU cap counts tensors, not the interpreter: Python objects, the allocator's slack and the
+libraries' own buffers are outside it (the systemd unit's ``MemoryMax=`` is the outer guard). Its
+figure is exact for tensors, and a step's tensors depend only on the shapes and the plan, not on
+the values: :class:`CpuCap` therefore runs the tracker on the first step of each new (shapes, plan,
+weights) and trusts the plan for the steps that repeat it, so a capped run costs what an uncapped
+one does (the tracker's dispatch on every op was 1.48x a step).
+
 :func:`train_step` runs one optimizer step on a batch. If the step runs out of memory, it restores
 what the failed attempt touched (gradients, batch-norm running statistics), splits the batch into
 twice as many micro-batches, accumulates their gradients and tries again, down to micro-batches of
@@ -23,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgerev._torchapi import is_fake, storage_bytes
+from edgerev.engine import InvertibleSequence
 from edgerev.errors import EdgerevError
-from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker, storage_bytes
+from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (MemoryBudgetExceeded, torch.cuda.OutOfMemoryError)
 
@@ -54,6 +63,64 @@ def cpu_cap(budget: int | None, baseline: int = 0):
         yield tracker
 
 
+class CpuCap:
+    """The CPU cap of a run: ``budget`` bytes over a fixed ``baseline`` (what the step accounting says
+    lives outside the step: weights, buffers, optimizer state, the teacher, the batch).
+
+    A step whose key (input and target shapes, micro-batches, the model's modes and execution, its
+    parameter shapes) was already verified under the tracker runs without it: its tensors are the
+    same. Anything that changes memory changes the key and is verified again.
+    """
+
+    def __init__(self, budget: int, baseline: int) -> None:
+        self.budget, self.baseline = budget, baseline
+        self._verified: set[tuple] = set()
+        self.verified_steps = self.trusted_steps = 0
+
+    @staticmethod
+    def key(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int) -> tuple:
+        body = getattr(model, "body", None)
+        plan = (tuple(body.modes), body.execution) if isinstance(body, InvertibleSequence) else ()
+        return (tuple(x.shape), x.dtype, tuple(tuple(t.shape) for t in targets), micro_batches, plan,
+                tuple((tuple(p.shape), p.requires_grad) for p in model.parameters()))
+
+    def needs_check(self, key: tuple) -> bool:
+        return key not in self._verified
+
+    def verified(self, key: tuple) -> None:
+        self._verified.add(key)
+
+
+def split_batch(n: int, micro_batches: int) -> list[slice]:
+    """The micro-batches of a batch of ``n``, as slices (views of the batch: no copy); the largest first."""
+    k = min(micro_batches, n)
+    size, extra = divmod(n, k)  # as torch.tensor_split: the first ``extra`` parts one sample larger
+    out, start = [], 0
+    for i in range(k):
+        stop = start + size + (1 if i < extra else 0)
+        out.append(slice(start, stop))
+        start = stop
+    return out
+
+
+def accumulate(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], parts: list[slice],
+               loss_fn: Callable[..., Tensor]) -> float:
+    """Forward and backward of each micro-batch, gradients summed; the loss of the batch (0 on fake tensors).
+
+    This loop is what a training step holds at its peak: :func:`edgerev.memory.account.account_step`
+    runs the same function on fake tensors to predict it.
+    """
+    n = x.shape[0]
+    total = 0.0
+    for part in parts:
+        loss = loss_fn(model(x[part]), *(t[part] for t in targets)) * ((part.stop - part.start) / n)
+        loss.backward()
+        if not is_fake(loss):
+            total += float(loss.detach())
+        del loss  # before the next micro-batch: its storage must not count there
+    return total
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -73,35 +140,40 @@ def _restore(model: nn.Module, state: dict[str, Tensor]) -> None:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor | tuple[Tensor, ...],
                micro_batches: int = 1, budget: int | None = None,
-               loss_fn: Callable[..., Tensor] = F.cross_entropy, clip_grad_norm: float | None = None) -> StepResult:
+               loss_fn: Callable[..., Tensor] = F.cross_entropy, clip_grad_norm: float | None = None,
+               cap: CpuCap | None = None) -> StepResult:
     """One optimizer step on ``(x, target)``, split into micro-batches as memory requires.
 
     Args:
         target: the labels, or a tuple of per-sample tensors (labels, a teacher's logits ...) that
             are split with the batch and passed to ``loss_fn(logits, *target)``.
         micro_batches: split to start from (a previous step's answer; halving only ever grows it).
-        budget: CPU cap in bytes, enforced by the tracker (``None``: no CPU cap; on CUDA, set the cap
-            once with :func:`apply_cuda_cap`).
+        budget: CPU cap in bytes, enforced by the tracker on every step over the bytes alive before
+            it (``None``: no CPU cap; on CUDA, set the cap once with :func:`apply_cuda_cap`).
         clip_grad_norm: scale the summed gradient down to this norm before the step (None: never).
+        cap: a run's CPU cap instead of ``budget``: its accounted baseline, verified once per new
+            (shapes, plan) and trusted afterwards (see :class:`CpuCap`).
     """
     n = x.shape[0]
     buffers = _state(model)
     retries = 0
-    state = [s for st in optimizer.state.values() for s in st.values() if isinstance(s, Tensor)]
     targets = target if isinstance(target, tuple) else (target,)
-    baseline = storage_bytes([*model.parameters(), *model.buffers(), x, *targets, *state])
+    if cap is None and budget is not None:
+        state = [s for st in optimizer.state.values() for s in st.values() if isinstance(s, Tensor)]
+        baseline = storage_bytes([*model.parameters(), *model.buffers(), x, *targets, *state])
     while True:
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        key = CpuCap.key(model, x, targets, micro_batches) if cap is not None else None
+        if cap is not None and cap.needs_check(key):
+            guard = cpu_cap(cap.budget, cap.baseline)
+        elif cap is not None:
+            guard = contextlib.nullcontext()
+        else:
+            guard = cpu_cap(budget, baseline if budget is not None else 0)
         try:
-            parts = torch.arange(n).tensor_split(min(micro_batches, n))
-            with cpu_cap(budget, baseline):
-                for idx in parts:
-                    part = slice(int(idx[0]), int(idx[-1]) + 1)
-                    loss = loss_fn(model(x[part]), *(t[part] for t in targets)) * (len(idx) / n)
-                    loss.backward()
-                    total += float(loss.detach())
-                    del loss
+            parts = split_batch(n, micro_batches)
+            with guard:
+                total = accumulate(model, x, targets, parts, loss_fn)
         except OOM_ERRORS as e:
             optimizer.zero_grad(set_to_none=True)
             _restore(model, buffers)  # the failed forward must not count as a step for batch norm
@@ -112,6 +184,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             micro_batches = min(2 * micro_batches, n)
             retries += 1
             continue
+        if cap is not None:
+            if cap.needs_check(key):
+                cap.verified(key)
+                cap.verified_steps += 1
+            else:
+                cap.trusted_steps += 1
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad_norm)
         optimizer.step()

@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgerev.memory.tracker import CudaPeak, MemoryTracker, storage_bytes
+from edgerev._torchapi import fake_mode, storage_bytes
+from edgerev.engine import Execution
+from edgerev.memory.account import StepShape, account_step
+from edgerev.memory.tracker import CudaPeak, MemoryTracker
 from edgerev.models import create_model
 
 
@@ -58,14 +61,30 @@ def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_c
     return StepMemory(tr.peak, baseline, tr.peak_op)
 
 
+def fake_step_peak(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: int,
+                   segments: tuple | None = None) -> int:
+    """Exact peak bytes of one bare training step (cross-entropy, no optimizer state, a batch of
+    ``batch``) with ``modes`` (or checkpoint ``segments``), on fake tensors: nothing is allocated.
+
+    A step under a recipe (accumulation, momentum, a teacher) is :func:`edgerev.memory.account.account_step`;
+    this is that step with nothing but the micro-batch.
+    """
+    return account_step(model, StepShape(size), batch, lambda m: apply_plan(m, modes, segments)).total
+
+
+def apply_plan(model: nn.Module, modes: tuple[str, ...] | None, segments: tuple | None) -> None:
+    """Set stage ``modes`` (None: leave them) and checkpoint ``segments`` (None: the engine) on ``model``."""
+    if modes is not None:
+        model.body.set_modes(list(modes))
+    model.body.set_execution(Execution(segments=tuple(segments) if segments is not None else None))
+
+
 @contextlib.contextmanager
 def _maybe_fake(fake: bool):
     if not fake:
         yield
         return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
+    with fake_mode():
         yield
 
 

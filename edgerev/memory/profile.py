@@ -1,4 +1,5 @@
-"""Per-stage costs of each engine mode: bytes kept, bytes live during its passes, seconds.
+"""Per-stage costs, measured: each engine mode (bytes kept, bytes live during its passes, seconds), and
+the statistics of a plain model's stages for checkpoint segments (:func:`stage_stats`).
 
 Each stage is run on its own, inside a one-stage engine sequence, at two batch sizes: bytes and
 seconds are fitted as ``intercept + slope * batch`` (per sample of the *model's* batch, so batch
@@ -11,99 +12,27 @@ seconds from FLOP counts at a nominal rate: the planner can answer before anythi
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
+import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from edgerev.engine import InvertibleSequence, Mode, supported_modes
+from edgerev._torchapi import fake_copy, fake_mode, storage_key
+from edgerev.engine import Execution, InvertibleSequence, Mode, supported_modes
 from edgerev.errors import EdgerevError
+from edgerev.layers.base import replaying
+from edgerev.memory.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats
 from edgerev.memory.tracker import MemoryTracker
 
-PROFILE_VERSION = 2
 # seconds per FLOP used by estimates (about 20 GFLOP/s: a small CPU; a measured profile replaces it)
 NOMINAL_SECONDS_PER_FLOP = 1 / 20e9
-
-
-@dataclass(frozen=True)
-class Linear:
-    """``intercept + slope * batch``."""
-
-    intercept: float
-    slope: float
-
-    def at(self, batch: int) -> float:
-        return self.intercept + self.slope * batch
-
-    @staticmethod
-    def fit(b1: int, v1: float, b2: int, v2: float) -> Linear:
-        slope = (v2 - v1) / (b2 - b1)
-        return Linear(max(v1 - slope * b1, 0.0), max(slope, 0.0))
-
-
-@dataclass(frozen=True)
-class Curve:
-    """The smaller of a fit at small batches and a fit at large ones.
-
-    Temporaries that the engine computes in batch slices grow with small batches and stop growing
-    once a batch spans several slices: the bytes of a stage are concave in the batch.
-    """
-
-    small: Linear
-    large: Linear
-
-    def at(self, batch: int) -> float:
-        return min(self.small.at(batch), self.large.at(batch))
-
-
-@dataclass(frozen=True)
-class ModeCost:
-    """What one stage costs in one mode (bytes and seconds as functions of the batch)."""
-
-    kept: Curve  # bytes kept from the stage's forward until its backward
-    forward: Curve  # bytes live at the peak of its forward (input and output buffers included)
-    backward: Curve  # bytes live at the peak of its backward (kept, activation, gradients, temporaries)
-    seconds: Linear  # forward + backward
-
-
-@dataclass
-class Profile:
-    """Costs of every stage of a model, per mode, for one input size on one device."""
-
-    arch: str
-    size: int
-    device: str
-    key: str
-    source: str  # "measured" or "estimated"
-    fixed_bytes: int  # weights, their gradients and buffers
-    stages: list[dict[str, ModeCost]] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    head_seconds: Linear = Linear(0.0, 0.0)
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["version"] = PROFILE_VERSION
-        return d
-
-    @staticmethod
-    def from_json(d: dict) -> Profile:
-        def lin(x: dict) -> Linear:
-            return Linear(**x)
-
-        def cost(c: dict) -> ModeCost:
-            curves = {k: Curve(lin(c[k]["small"]), lin(c[k]["large"])) for k in ("kept", "forward", "backward")}
-            return ModeCost(**curves, seconds=lin(c["seconds"]))
-
-        stages = [{m: cost(c) for m, c in s.items()} for s in d["stages"]]
-        return Profile(d["arch"], d["size"], d["device"], d["key"], d["source"], d["fixed_bytes"], stages,
-                       d["names"], lin(d["head_seconds"]))
 
 
 def model_key(model: nn.Module, size: int, device: str) -> str:
@@ -150,7 +79,7 @@ def stage_inputs(model: nn.Module, size: int, device: str = "cpu") -> list[tuple
     return [shapes[i] for i in range(len(body.stages))]
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def _nbytes(t: Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
@@ -158,7 +87,7 @@ def _run(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first
          track: bool) -> tuple[float, float, float, float]:
     """(kept, forward peak, backward peak, seconds) of one forward+backward of a one-stage sequence."""
     seq = InvertibleSequence([stage], modes=[mode], pool=None)
-    seq.owns_buffers = True
+    seq.set_execution(Execution(owns_buffers=True))
     n = shape[0] * batch
     tracker = MemoryTracker() if track else contextlib.nullcontext()
     if device == "cuda":
@@ -188,12 +117,10 @@ BYTE_BATCHES = ((1, 2), (64, 128))  # small and large batches of the byte fits (
 
 def _bytes_curves(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool) -> tuple[Curve, Curve, Curve]:
     """Byte fits from fake-tensor runs: exact bytes, nothing allocated, any batch."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     fits = []
     for b1, b2 in BYTE_BATCHES:
-        with FakeTensorMode() as mode_:
-            fake = _fake_copy(stage, mode_)
+        with fake_mode() as mode_:
+            fake = fake_copy(stage, mode_)
             r1 = _run(fake, mode, shape, b1, first, "cpu", True)
             r2 = _run(fake, mode, shape, b2, first, "cpu", True)
         fits.append([Linear.fit(b1, r1[k], b2, r2[k]) for k in range(3)])
@@ -268,8 +195,6 @@ def fixed_bytes(model: nn.Module) -> int:
 
 def estimate_profile(model: nn.Module, size: int, device: str = "cpu") -> Profile:
     """Bytes from fake-tensor runs of each stage, seconds from FLOP counts at a nominal rate."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     body = _body(model)
     shapes = stage_inputs(model, size, "cpu")
     stages, names = [], []
@@ -280,8 +205,8 @@ def estimate_profile(model: nn.Module, size: int, device: str = "cpu") -> Profil
             flops = {}
             for b in (1, 2):
                 counter = FlopCounter()
-                with FakeTensorMode() as mode_:
-                    fake = _fake_copy(stage, mode_)
+                with fake_mode() as mode_:
+                    fake = fake_copy(stage, mode_)
                     with counter:
                         _run(fake, m, shape, b, i == 0, "cpu", False)
                 flops[b] = counter.total * NOMINAL_SECONDS_PER_FLOP
@@ -314,21 +239,6 @@ class FlopCounter(TorchDispatchMode):
         return out
 
 
-def _fake_copy(stage: nn.Module, fake_mode) -> nn.Module:
-    """A copy of ``stage`` whose parameters and buffers are fake tensors of ``fake_mode``."""
-    with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        clone = copy.deepcopy(stage)
-        for mod in clone.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is not None:
-                    fake = fake_mode.from_tensor(p.detach())
-                    mod._parameters[name] = nn.Parameter(fake, requires_grad=p.requires_grad)
-            for name, b in list(mod._buffers.items()):
-                if b is not None:
-                    mod._buffers[name] = fake_mode.from_tensor(b)
-    return clone
-
-
 def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
                     estimate: bool = False) -> Profile:
     """The cached profile for (model, size, device), measuring it (or estimating it) the first time."""
@@ -350,3 +260,52 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
     tmp.write_text(json.dumps(prof.to_json()))
     tmp.replace(path)
     return prof
+
+
+# ---- plain models: per-stage statistics for checkpoint segments (edgerev.memory.segments) ----
+
+
+def stage_stats(stages: Sequence[nn.Module], x: Tensor, repeats: int = 2) -> list[StageStats]:
+    """Measure each stage on ``x`` (batch ``B``) and on its first half: bytes per sample, seconds fitted."""
+    b = x.shape[0]
+    if b < 2:
+        raise ValueError("stage_stats needs a batch of at least 2 (seconds are fitted over two batch sizes)")
+    out: list[StageStats] = []
+    h = x.detach()
+    for stage in stages:
+        saved: dict[int, int] = {}
+
+        def pack(t: Tensor, saved: dict[int, int] = saved) -> Tensor:
+            saved[storage_key(t)] = t.untyped_storage().nbytes()
+            return t
+
+        xin = h.detach().requires_grad_()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), replaying(stage):
+            y = stage(xin)
+        graph = sum(n for k, n in saved.items() if k != storage_key(xin))
+        fwd, bwd = {}, {}
+        for n in (b // 2, b):
+            fwd[n], bwd[n] = _time_stage(stage, xin[:n].detach().requires_grad_(), repeats)
+        out.append(StageStats(xin.numel() * xin.element_size() / b, xin.numel() / b, graph / b,
+                              y.numel() * y.element_size() / b, Linear.fit(b // 2, fwd[b // 2], b, fwd[b]),
+                              Linear.fit(b // 2, bwd[b // 2], b, bwd[b])))
+        h = y.detach()
+    return out
+
+
+def _time_stage(stage: nn.Module, xin: Tensor, repeats: int) -> tuple[float, float]:
+    params = [p for p in stage.parameters() if p.requires_grad]
+    t_f = t_b = math.inf
+    with replaying(stage):
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                stage(xin)
+            t_f = min(t_f, time.perf_counter() - t0)
+            with torch.enable_grad():
+                y = stage(xin)
+            gy = torch.ones_like(y)
+            t0 = time.perf_counter()
+            torch.autograd.grad(y, [xin, *params], gy, allow_unused=True)
+            t_b = min(t_b, time.perf_counter() - t0)
+    return t_f, t_b

@@ -17,22 +17,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from edgerev._torchapi import storage_bytes, storage_key
 from edgerev.errors import EdgerevError
 
 
 class MemoryBudgetExceeded(EdgerevError, MemoryError):
     """The tracked live bytes went over the budget given to :class:`MemoryTracker`."""
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and aliases counted once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if s._cdata not in seen:
-            seen.add(s._cdata)
-            total += s.nbytes()
-    return total
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -59,17 +49,17 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # an output on the storage of an input is a view or an in-place result: nothing new, unless
         # the op grew a storage this tracker counts (resize_, out= ops)
-        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        inputs = {storage_key(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                key = t.untyped_storage()._cdata
+                key = storage_key(t)
                 if key not in inputs or key in self._live:
                     self._see(t, func)
         return out
 
     def _see(self, t: torch.Tensor, func) -> None:
         storage = t.untyped_storage()
-        key = storage._cdata
+        key = storage_key(t)
         nbytes = storage.nbytes()
         known = self._live.get(key)
         if known is None:
@@ -111,3 +101,6 @@ class CudaPeak:
     def __exit__(self, *exc) -> None:
         torch.cuda.synchronize(self.device)
         self.peak = torch.cuda.max_memory_allocated(self.device)
+
+
+__all__ = ["CudaPeak", "MemoryBudgetExceeded", "MemoryTracker", "storage_bytes"]

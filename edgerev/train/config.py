@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from edgerev.config import check
+from edgerev.sizes import ByteSize
 
 SCHEDULES = ("onecycle", "linear", "constant")
 MODES = ("auto", "plain", "invert", "recompute", "store", "store8", "store4")
@@ -26,10 +27,9 @@ class ModelConfig:
     init: str | None = None
 
     def __post_init__(self) -> None:
-        from edgerev.models import list_models
+        from edgerev.models.names import ARCHS  # no torch: the daemon's config and status stay light
 
-        check(self.arch in list_models(), "arch", f"unknown architecture {self.arch!r}; choose from "
-              f"{', '.join(list_models())}")
+        check(self.arch in ARCHS, "arch", f"unknown architecture {self.arch!r}; choose from {', '.join(ARCHS)}")
         check("num_classes" not in self.args, "args.num_classes", "set by the data's classes, not here")
 
 
@@ -126,7 +126,9 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """``batch``: samples per optimizer step (split into micro-batches when the cap needs it);
-    ``checkpoint_every``: steps between checkpoints (and at each epoch's end)."""
+    ``checkpoint_every``: steps between checkpoints (and at each epoch's end). ``threads``: the CPU
+    threads training uses (null: one fewer than the cores this process may run on, at least one: a
+    device usually also serves predictions)."""
 
     epochs: int = 10
     batch: int = 128
@@ -134,31 +136,56 @@ class TrainConfig:
     checkpoint_every: int = 50
     log_every: int = 10
     eval_batch: int = 256
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch", "checkpoint_every", "log_every", "eval_batch"):
             value = getattr(self, name)
             check(value >= 1, name, f"must be at least 1, got {value}")
+        if self.threads is not None:
+            cores = available_cores()
+            check(1 <= self.threads <= cores, "threads",
+                  f"must lie in 1..{cores} (the cores this process may run on), got {self.threads}")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and cpusets narrow)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """Training threads when the recipe says none: one fewer than the cores, at least one."""
+    return max(1, available_cores() - 1)
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """``budget``: the hard cap on training memory ("400MiB", "1.5GB"; null: none). ``mode``: ``auto``
+    """``budget``: the hard cap on training memory, bytes as an int or a size such as "400MiB" or "1.5GB"
+    (read once into an int; null: none). It bounds the whole step as :mod:`edgerev.memory.account`
+    counts it: weights, gradients, optimizer state, the teacher, the batch and the planned micro-batch's
+    activations. On CPU it bounds tensors, not the interpreter (see deploy/edgerev.service's
+    ``MemoryMax=`` for the outer guard). ``mode``: ``auto``
     lets the planner choose per-stage modes (the model's least-memory modes when there is no budget);
     ``plain`` trains through plain autograd; a mode name runs every stage in it. ``profile``: the
     planner's per-stage costs, ``measure``d once per model and size (cached) or ``estimate``d."""
 
-    budget: str | None = None
+    budget: ByteSize | None = None
     mode: Literal["auto", "plain", "invert", "recompute", "store", "store8", "store4"] = "auto"
     profile: Literal["measure", "estimate"] = "measure"
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            from edgerev.memory.planner import parse_bytes
+        if self.budget is not None and not isinstance(self.budget, ByteSize):  # built in code, not from a file
+            from edgerev.errors import EdgerevError
+            from edgerev.sizes import parse_bytes
 
             try:
-                parse_bytes(self.budget)
-            except ValueError as e:
+                object.__setattr__(self, "budget", parse_bytes(self.budget))
+            except EdgerevError as e:
                 check(False, "budget", str(e))
         check(self.budget is None or self.mode == "auto", "mode", "a budget needs mode auto (the planner picks)")
 

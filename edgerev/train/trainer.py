@@ -22,7 +22,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -32,13 +33,14 @@ from torch import nn
 from edgerev.config import ConfigError, dump_yaml, from_dict, load_yaml, to_dict
 from edgerev.engine import plain
 from edgerev.errors import EdgerevError, NonFiniteError
-from edgerev.memory.cap import apply_cuda_cap, train_step
+from edgerev.memory.cap import train_step
 from edgerev.train.augment import Augment
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
-from edgerev.train.config import RunConfig
-from edgerev.train.continual import ContinualLoss, grow_head, load_replay, save_replay
+from edgerev.train.config import RunConfig, default_threads
+from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
+from edgerev.train.memory import loss_of, plan_memory
 from edgerev.train.state import has_checkpoint, load_checkpoint, save_checkpoint
 
 CONFIG = "config.yaml"
@@ -184,36 +186,6 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     return _Setup(model.to(device), info, train, val.restrict(classes), old, teacher, start_eval, source_sha)
 
 
-def _plan(cfg: RunConfig, model: nn.Module, optimizer_bytes: int, teacher: nn.Module | None,
-          device: torch.device) -> tuple[int, int | None, dict]:
-    """Micro-batches, the CPU cap (bytes, or None) and the plan's summary."""
-    mem = cfg.memory
-    if mem.mode == "plain":
-        return 1, None, {"mode": "plain"}
-    if mem.budget is None:
-        if mem.mode != "auto":
-            model.body.set_modes(mem.mode)
-        return 1, None, {"mode": mem.mode, "stages": [
-            {"name": n, "type": type(s).__name__, "mode": m.value}
-            for (n, s), m in zip(model.body.stages.named_children(), model.body.modes)]}
-    from edgerev.memory.autoplan import plan_training
-    from edgerev.memory.planner import parse_bytes
-
-    budget = parse_bytes(mem.budget)
-    teacher_bytes = sum(t.numel() * t.element_size() for t in [*teacher.parameters(), *teacher.buffers()]) \
-        if teacher is not None else 0
-    # the planner counts weights, gradients and buffers; the optimizer's state and the teacher live too
-    planned = budget - optimizer_bytes - teacher_bytes
-    tp = plan_training(model, cfg.data.size, planned, str(device.type), estimate=mem.profile == "estimate",
-                       max_batch=cfg.train.batch)
-    tp.apply(model)
-    if device.type == "cuda":
-        apply_cuda_cap(budget, device)
-    micro = math.ceil(cfg.train.batch / tp.batch)
-    summary = {"mode": "planned", "budget_bytes": budget, "micro_batch": tp.batch, "micro_batches": micro, **tp.summary}
-    return micro, budget if device.type == "cpu" else None, summary
-
-
 def resolve_run(cfg: RunConfig | None, out: Path, resume: bool) -> RunConfig:
     """The recipe to run in ``out``: the given one for a fresh run, the saved one to resume."""
     saved = out / CONFIG
@@ -232,9 +204,22 @@ def resolve_run(cfg: RunConfig | None, out: Path, resume: bool) -> RunConfig:
     return cfg
 
 
+@contextmanager
+def training_threads(n: int | None) -> Iterator[int]:
+    """torch's CPU threads for the block: ``n``, or one fewer than the cores (``train.threads``); the
+    previous count is restored after, so a library caller's setting survives a run."""
+    before = torch.get_num_threads()
+    n = default_threads() if n is None else n
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
 def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Callable[[], bool] | None = None,
           progress: bool | None = None, data: tuple[LabeledImages, LabeledImages | None] | None = None) -> RunResult:
-    """Run the recipe ``cfg`` into ``out`` (see the module docstring).
+    """Run the recipe ``cfg`` into ``out`` (see the module docstring), with ``train.threads`` CPU threads.
 
     Args:
         resume: continue the run in ``out`` from its latest checkpoint (``cfg`` None or the same).
@@ -247,19 +232,25 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
     """
     out = Path(out)
     cfg = resolve_run(cfg, out, resume)
-    out.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        dump_yaml(out / CONFIG, cfg)
+    with training_threads(cfg.train.threads):
+        return _train(cfg, out, resume, stop, progress, data)
+
+
+def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | None, progress: bool | None,
+           data: tuple[LabeledImages, LabeledImages | None] | None) -> RunResult:
     device = _device(cfg.device)
     s = _prepare(cfg, device, data)
     model, info = s.model, s.info
+    batch = min(cfg.train.batch, len(s.train))
+    # the budget is checked (and the step planned) before anything is written: a refused run leaves nothing
+    micro, cap, plan_summary = plan_memory(cfg, model, s.teacher, batch, device)
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        dump_yaml(out / CONFIG, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD([{"params": params}], lr=cfg.optim.lr, momentum=cfg.optim.momentum,
                                 nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
-    opt_bytes = sum(p.numel() * p.element_size() for p in params) if cfg.optim.momentum > 0 else 0
-    micro, cpu_budget, plan_summary = _plan(cfg, model, opt_bytes, s.teacher, device)
 
-    batch = min(cfg.train.batch, len(s.train))
     per_epoch = max(1, len(s.train) // batch)
     total = cfg.train.epochs * per_epoch
     step = 0
@@ -268,7 +259,7 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
         step, micro = r.step, max(micro, int(r.extra.get("micro_batches", micro)))
     metrics = MetricsLog(out / METRICS, step if resume else None)
     augment = Augment(cfg.augment.pad, cfg.augment.flip, cfg.augment.cutout)
-    loss_fn = ContinualLoss(cfg.continual.distill, cfg.continual.temperature, cfg.optim.label_smoothing)
+    loss_fn = loss_of(cfg)
     show = sys.stderr.isatty() if progress is None else progress
     bar = _progress(total, step, show)
     status, started, window = "done", time.perf_counter(), []
@@ -295,7 +286,8 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
             t0 = time.perf_counter()
             try:
                 with plain(model, cfg.memory.mode == "plain"):
-                    res = train_step(model, optimizer, x, target, micro, cpu_budget, loss_fn, cfg.optim.clip_grad_norm)
+                    res = train_step(model, optimizer, x, target, micro, None, loss_fn, cfg.optim.clip_grad_norm,
+                                     cap=cap)
             except NonFiniteError as e:
                 raise _diverged(step, lr, str(e)) from None
             if not math.isfinite(res.loss):

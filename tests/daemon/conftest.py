@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import io
 import struct
+import subprocess
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +109,17 @@ def datadir(tmp_path):
     yield d
     d.store.close()
     d.lock.release()
+
+
+@contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A real file system of ``size`` (``"2m"``) mounted on ``folder`` for the block: root only, so the
+    test is skipped where ``mount`` is refused (the injected-fault variants beside it always run)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -9,10 +9,12 @@ N-th time ingest reaches POINT:
 - ``blob``: a blob was written, its batch not committed;
 - ``commit``: a batch was committed, none of its files removed from the inbox;
 - ``remove``: just before removing a stored file (earlier ones of the batch are gone);
-- ``move``: a quarantine's reason file was written, the file not yet moved;
-- ``moved``: a file was moved to quarantine, its event not yet committed.
+- ``move``: a quarantine's reason file was written, the file not yet linked into place;
+- ``moved``: a file was moved to quarantine, its event not yet committed;
+- ``journal``: a batch's journal lines were fsynced, the batch not yet committed.
 
-Without one, the test kills it at a random moment.
+- ``line``: the N-th line of the daemon's own code that runs (a tracer counts them): the test draws N
+  at random, which reaches any instant between two lines of Python without asking the clock.
 """
 
 from __future__ import annotations
@@ -40,15 +42,37 @@ def die_at(module, name: str, n: int, after: bool) -> None:
     setattr(module, name, wrapper)
 
 
+def die_at_line(n: int) -> None:
+    """SIGKILL when the ``n``-th line of code under ``daemon/`` is about to run (in any thread)."""
+    import threading
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "daemon")
+    lines = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            lines[0] += 1
+            if lines[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename.startswith(folder) else None
+
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+
+
 def main() -> None:
     from edgerev_daemon import (
         DataDirLock,
         Store,
         blobs,
         config_from_dict,
+        confined,
         ingest_inbox,
+        journal,
         prepare,
-        quarantine,
         store,
         validate_paths,
     )
@@ -56,10 +80,13 @@ def main() -> None:
     data_dir, batch_files = sys.argv[1], int(sys.argv[2])
     if len(sys.argv) > 3:
         point, n = sys.argv[3].split(":")
-        target = {"blob": (blobs.BlobStore, "write", True), "commit": (store.Store, "record_batch", True),
-                  "remove": (ingest_mod, "_remove_if_same", False), "move": (quarantine, "_move", False),
-                  "moved": (ingest_mod, "quarantine", True)}[point]
-        die_at(*target[:2], int(n), target[2])
+        if point == "line":
+            die_at_line(int(n))
+        else:
+            target = {"blob": (blobs.BlobStore, "write", True), "commit": (store.Store, "record_batch", True),
+                      "remove": (confined, "remove_if_same", False), "move": (confined, "link", False),
+                      "moved": (ingest_mod, "quarantine", True), "journal": (journal.Journal, "append", True)}[point]
+            die_at(*target[:2], int(n), target[2])
     config = config_from_dict({"data_dir": data_dir, "ingest": {"settle_seconds": 0, "batch_files": batch_files}})
     validate_paths(config)
     with DataDirLock(config.layout.root):

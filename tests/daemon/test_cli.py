@@ -53,3 +53,54 @@ def test_journald_priorities(monkeypatch, capsys):
     finally:
         root.handlers[:], _ = saved[0], root.setLevel(saved[1])
     assert capsys.readouterr().err.splitlines() == ["<4>edgerev.daemon: disk almost full", "<6>edgerev.daemon: cycle"]
+
+
+def test_once_says_why_no_job_runs_and_exits_1_when_its_job_failed(tmp_path, capsys, monkeypatch):
+    from edgerev.errors import EdgerevError
+    from edgerev_daemon import service
+    from tests.daemon.conftest import image_bytes, write
+
+    config = tmp_path / "d.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\ningest: {{settle_seconds: 0}}\n"
+                      "schedule: {min_new_samples: 30, retry_seconds: 600}\n")
+    for i in range(10):
+        write(tmp_path / "data" / "inbox" / f"c{i % 2}" / f"{i}.png", image_bytes(i))
+    assert main(["daemon", "once", "--config", str(config)]) == 0
+    assert "no job due (10 new samples: 20 more (schedule.min_new_samples 30)" in capsys.readouterr().out
+
+    def diverged(*args, **kwargs):
+        raise EdgerevError("training diverged at step 3")
+
+    monkeypatch.setattr(service, "run_job", diverged)
+    for i in range(10, 40):
+        write(tmp_path / "data" / "inbox" / f"c{i % 2}" / f"{i}.png", image_bytes(i))
+    assert main(["daemon", "once", "--config", str(config)]) == 1
+    out, err = capsys.readouterr()
+    assert '"status": "failed"' in out
+    assert err.splitlines()[-1] == "edgerev daemon once: error: training failed: training diverged at step 3"
+    assert main(["daemon", "once", "--config", str(config)]) == 0  # the back-off, said as it is
+    assert "no job due (job 1 failed; retried after schedule.retry_seconds, in" in capsys.readouterr().out
+    assert main(["daemon", "status", "--config", str(config)]) == 0
+    assert "next job: not yet: job 1 failed; retried after schedule.retry_seconds" in capsys.readouterr().out
+
+
+def test_status_and_check_import_no_torch(tmp_path):
+    """A monitoring loop calls status: it reads the store and imports no torch (nor does check)."""
+    import subprocess
+    import sys
+
+    from tests.daemon.conftest import image_bytes, write
+
+    config = tmp_path / "d.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\ningest: {{settle_seconds: 0}}\n"
+                      "schedule: {min_new_samples: 1000}\n")
+    for i in range(4):
+        write(tmp_path / "data" / "inbox" / "a" / f"{i}.png", image_bytes(i))
+    assert main(["daemon", "once", "--config", str(config)]) == 0
+    code = ("import sys\nfrom edgerev.cli import main\n"
+            f"assert main(['daemon', 'status', '--config', {str(config)!r}, '--json']) == 0\n"
+            f"assert main(['daemon', 'check', '--config', {str(config)!r}]) == 0\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert '"total": 4' in done.stdout and "consistent" in done.stdout

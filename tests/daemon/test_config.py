@@ -16,14 +16,19 @@ from edgerev_daemon import config_from_dict, load_config, validate_paths
 
 @pytest.mark.parametrize("data, message", [
     ({"data_dir": "d", "trainig": {}}, "trainig: unknown key; expected one of data_dir, inbox"),
-    ({"data_dir": "d", "training": {"epochs": "ten"}}, "training.epochs: expected int, got str 'ten'"),
+    ({"data_dir": "d", "training": {"train": {"epochs": "ten"}}}, "training.train.epochs: expected int, got str 'ten'"),
     ({"data_dir": "d", "training": {"epoch": 3}}, "training.epoch: unknown key"),
-    ({"data_dir": "d", "training": {"lr": "fast"}}, "training.lr: expected float, got str 'fast'"),
-    ({"data_dir": "d", "training": {"arch": "vgg"}}, "training.arch: unknown architecture 'vgg'"),
-    ({"data_dir": "d", "training": {"memory_budget": "lots"}}, "training.memory_budget: cannot read 'lots'"),
-    ({"data_dir": "d", "training": {"memory_budget": [1]}},
-     "training.memory_budget: expected int or str or null, got list [1]"),
-    ({"data_dir": "d", "training": {"model_args": {"num_classes": 3}}}, "training.model_args.num_classes"),
+    ({"data_dir": "d", "training": {"optim": {"lr": "fast"}}}, "training.optim.lr: expected float, got str 'fast'"),
+    ({"data_dir": "d", "training": {"model": {"arch": "vgg"}}}, "training.model.arch: unknown architecture 'vgg'"),
+    ({"data_dir": "d", "training": {"memory": {"budget": "lots"}}}, "training.memory.budget: cannot read 'lots'"),
+    ({"data_dir": "d", "training": {"memory": {"budget": -1}}}, "training.memory.budget: a size in bytes must be"),
+    ({"data_dir": "d", "training": {"memory": {"budget": 0}}}, "training.memory.budget: a size in bytes must be"),
+    ({"data_dir": "d", "training": {"memory": {"budget": "9EiB"}}}, "training.memory.budget: cannot read '9EiB'"),
+    ({"data_dir": "d", "training": {"memory": {"budget": "1e18"}}}, "training.memory.budget: '1e18' is more bytes"),
+    ({"data_dir": "d", "training": {"model": {"init": "x"}}}, "training.model.init: is the daemon's"),
+    ({"data_dir": "d", "training": {"memory": {"budget": [1]}}},
+     "training.memory.budget: expected a size in bytes (an int, or a string such as 400MiB), got [1]"),
+    ({"data_dir": "d", "training": {"model": {"args": {"num_classes": 3}}}}, "training.model.args.num_classes"),
     ({"data_dir": "d", "limits": {"max_pixels": "many"}}, "limits.max_pixels: expected int, got str 'many'"),
     ({"data_dir": "d", "limits": {"extensions": [".gif"]}}, "limits.extensions: '.gif' is not supported"),
     ({"data_dir": "d", "limits": {"max_file_size": "0MiB"}}, "limits.max_file_size:"),
@@ -48,22 +53,25 @@ def test_bad_keys_and_types_are_named(data, message):
 
 def test_defaults_and_derived_values(tmp_path):
     cfg = config_from_dict({"data_dir": "d", "limits": {"max_file_size": "2MiB", "extensions": ["PNG"]},
-                            "training": {"memory_budget": "400MiB"}}, base=tmp_path)
+                            "training": {"memory": {"budget": "400MiB"}}}, base=tmp_path)
     assert cfg.data_dir == str(tmp_path / "d") and cfg.inbox_path == tmp_path / "d" / "inbox"
     assert cfg.limits.max_file_bytes == 2 * 2**20 and cfg.limits.extensions == (".png",)
-    assert cfg.training.memory_budget_bytes == 400 * 2**20
+    assert cfg.training.memory.budget == 400 * 2**20 and type(cfg.training.memory.budget) is not str
     assert not cfg.http.enabled and cfg.http.host == "127.0.0.1"
-    assert config_from_dict({"data_dir": "d"}).training.memory_budget_bytes is None
+    assert config_from_dict({"data_dir": "d"}).training.memory.budget is None
+    # a section given in part keeps the daemon's defaults for the rest
+    partial = config_from_dict({"data_dir": "d", "training": {"train": {"epochs": 7}}}).training
+    assert (partial.train.epochs, partial.train.batch, partial.optim.lr) == (7, 64, 0.05)
 
 
 def test_file_paths_are_relative_to_the_config_file(tmp_path):
     folder = tmp_path / "etc"
     folder.mkdir()
     (folder / "daemon.yaml").write_text(yaml.safe_dump({"data_dir": "../var", "inbox": "/srv/inbox",
-                                                        "training": {"epochs": 2}}))
+                                                        "training": {"train": {"epochs": 2}}}))
     cfg = load_config(folder / "daemon.yaml")
     assert Path(cfg.data_dir) == (folder / "../var").absolute() and cfg.inbox == "/srv/inbox"
-    assert cfg.training.epochs == 2
+    assert cfg.training.train.epochs == 2
     # the resolved config reads back to the same value
     assert config_from_dict(to_dict(cfg)) == cfg
 
@@ -149,3 +157,11 @@ def test_write_probe_is_real(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "mkstemp", refuse)
     with pytest.raises(ConfigError, match=r"data_dir: cannot write in directory .* \(Read-only file system\)"):
         validate_paths(config_from_dict({"data_dir": str(tmp_path)}))
+
+
+def test_a_config_written_before_the_training_section_embedded_the_recipe_says_where_each_key_went():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"data_dir": "d", "training": {"arch": "revnext", "epochs": 3, "memory_budget": "6MiB"}})
+    assert str(e.value) == ("training.arch is now training.model.arch; training.epochs is now training.train.epochs; "
+                            "training.memory_budget is now training.memory.budget (the training section takes the "
+                            "trainer's recipe sections; see configs/daemon/)")

@@ -66,7 +66,7 @@ def config(tmp_path) -> DaemonConfig:
 
 @pytest.fixture
 def server(config):
-    with StatusServer(config, poll_interval=0.02) as s:
+    with StatusServer(config, poll_interval=0.02, clock=Clock(2000.0)) as s:
         yield s
 
 

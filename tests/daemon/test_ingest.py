@@ -15,6 +15,7 @@ import torch
 from edgerev.train.data import decode_image
 from edgerev_daemon import EventKind, StoreError, check_consistency, ingest_inbox
 from edgerev_daemon import ingest as ingest_mod
+from edgerev_daemon.watch import InboxWatch
 
 from .conftest import image_bytes
 
@@ -113,10 +114,11 @@ def test_unsettled_and_hidden_files_wait(datadir):
     os.utime(fresh, (datadir.clock() - 5, datadir.clock() - 5))
     datadir.drop("cat/.partial.png", image_bytes(21))
     datadir.drop(".staging/x.png", image_bytes(22))
-    r = ingest_inbox(cfg, datadir.store, clock=datadir.clock)
+    watch = InboxWatch()  # what a running daemon remembers between polls
+    r = ingest_inbox(cfg, datadir.store, clock=datadir.clock, watch=watch)
     assert (r.accepted, r.unsettled) == (0, 1)
     datadir.clock.advance(30)
-    r = ingest_inbox(cfg, datadir.store, clock=datadir.clock)
+    r = ingest_inbox(cfg, datadir.store, clock=datadir.clock, watch=watch)
     assert (r.accepted, r.unsettled) == (1, 0)
     assert leftover_files(datadir.inbox) == [".staging/x.png", "cat/.partial.png"]
 

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,23 @@ from edgerev_daemon.records import EventKind, JobState
 from edgerev_daemon.registry import REQUIRED, RegistryError
 from edgerev_daemon.service import Daemon
 from tests.daemon.conftest import Clock
+from tests.daemon.running import LIMIT, Running
 
 SMALL = {
     "image_size": 16,
     "heldout_fraction": 0.2,
     "ingest": {"settle_seconds": 0.0},
     "schedule": {"min_new_samples": 100, "max_interval_seconds": 3600.0},
-    "training": {"arch": "revnext", "model_args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}, "epochs": 2, "batch": 32,
-                 "lr": 0.05, "replay": 200, "distill": 1.0},
+    "training": {"model": {"arch": "revnext", "args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}},
+                 "train": {"epochs": 2, "batch": 32}, "optim": {"lr": 0.05},
+                 "continual": {"replay": 200, "distill": 1.0}},
     "promotion": {"tolerance": 0.1, "keep_last": 2},
 }
+
+
+def epochs(n: int) -> dict:
+    """SMALL's training section with ``n`` epochs."""
+    return {**SMALL["training"], "train": {**SMALL["training"]["train"], "epochs": n}}
 
 
 def make_config(tmp_path: Path, **over) -> tuple:
@@ -79,8 +85,15 @@ def test_cycles_train_promote_and_keep_out(tmp_path):
         v2 = d.store.get_version(r.job["version"])
         ev = v2.metrics["evaluation"]
         assert ev["current"]["new"] == 0.0  # the old model cannot know the new classes
-        assert r.job["promoted"] == (ev["candidate"]["new"] > 0 and
-                                     ev["candidate"]["old"] >= ev["current"]["old"] - 0.1), v2.reason
+        cand = ev["candidate"]
+        dead = [c for c, acc in cand["per_class"].items() if acc == 0.0 and cand["per_class_samples"][c] >= 5]
+        assert r.job["promoted"] == (cand["new"] > 0 and cand["old"] >= ev["current"]["old"] - 0.1
+                                     and not dead), v2.reason
+        if dead:
+            assert f"class {dead[0]} at 0 %" in v2.reason
+        confusion = ev["candidate_confusion"]
+        assert confusion["labels"] == ["class0", "class1", "class2", "class3"]
+        assert sum(map(sum, confusion["matrix"])) == ev["heldout_samples"]["all"]
         assert v2.metrics["classes"] == ["class0", "class1", "class2", "class3"]
         assert check_consistency(d.store, d.blobs).ok
 
@@ -171,7 +184,7 @@ def _child(config_path: Path, point: str | None = None) -> subprocess.CompletedP
     args = [sys.executable, str(Path(__file__).parent / "service_child.py"), str(config_path)]
     if point:
         args.append(point)
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+    return subprocess.run(args, capture_output=True, text=True, timeout=LIMIT)
 
 
 def _invariants(config, samples: int) -> None:
@@ -223,10 +236,10 @@ def test_second_daemon_refuses_to_start(tmp_path):
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"training": {"epochs": "ten"}}, "training.epochs: expected int, got str 'ten'"),
+    ({"training": {"train": {"epochs": "ten"}}}, "training.train.epochs: expected int, got str 'ten'"),
     ({"trainig": {}}, "trainig: unknown key"),
-    ({"training": {**SMALL["training"], "memory_budget": "100KiB"}}, "training.memory_budget: 102,400 bytes is too "
-                                                                     "small to train revnext at 16x16"),
+    ({"training": {**SMALL["training"], "memory": {"budget": "100KiB"}}},
+     "training.memory.budget: 102,400 bytes is too small to train revnext at 16x16"),
     ({"image_size": 24}, "divisible by 16"),
 ])
 def test_bad_starts_touch_nothing(tmp_path, over, message):
@@ -246,35 +259,22 @@ def test_inbox_that_is_a_file(tmp_path):
 
 @pytest.mark.slow
 def test_run_reloads_on_sighup_and_stops_on_sigterm_with_a_checkpoint(tmp_path):
-    config, path = make_config(tmp_path, training={**SMALL["training"], "epochs": 40})
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "edgerev", "daemon", "run", "--config", str(path), "--poll", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-    def wait_for(condition, what):
-        deadline = time.monotonic() + 120
-        while not condition():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"{what}: {proc.communicate()}")
-            time.sleep(0.05)
-
-    wait_for(config.layout.database.exists, "the daemon did not start")
-    time.sleep(0.5)
-    path.write_text(path.read_text().replace("min_new_samples: 100", "min_new_samples: 150"))
-    proc.send_signal(signal.SIGHUP)
-    time.sleep(1.0)
-    drop(config, 160, range(2))
+    """Every wait is on a line of the daemon's log: nothing depends on how fast the machine is."""
+    config, path = make_config(tmp_path, training=epochs(1000))
+    with Running(path) as d:
+        d.wait_for("serving")
+        path.write_text(path.read_text().replace("min_new_samples: 100", "min_new_samples: 150"))
+        d.send(signal.SIGHUP)
+        d.wait_for("config reloaded")
+        drop(config, 160, range(2))
+        d.wait_for("new samples (threshold 150)")  # the reloaded schedule started the job
+        d.send(signal.SIGTERM)
+        assert d.finish() == 0, d.log()[-3000:]
+        log = d.log()
+    assert "stopped at step" in log and "it resumes at the next start" in log
     latest = Path(config.data_dir) / "jobs" / "job-00001" / "checkpoints" / "latest.json"
-    wait_for(latest.exists, "no training checkpoint appeared")
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    assert "config reloaded" in err
-    assert "160 new samples (threshold 150)" in err  # the reloaded schedule
-    assert "stopped at step" in err and "it resumes at the next start" in err
     step = json.loads(latest.read_text())["step"]
-    assert 0 < step < 40 * 4
+    assert 0 < step < 1000 * 4
 
 
 def test_presets_are_valid():
@@ -291,9 +291,9 @@ def test_presets_are_valid():
 
 @pytest.mark.slow
 def test_a_job_trains_under_the_memory_cap(tmp_path, monkeypatch):
-    """The planner fits the job under training.memory_budget; on CPU the tracker enforces it."""
+    """The planner fits the job under training.memory.budget; on CPU the tracker enforces it."""
     monkeypatch.setenv("EDGEREV_CACHE", str(tmp_path / "cache"))
-    config, _ = make_config(tmp_path, training={**SMALL["training"], "memory_budget": "6MiB"})
+    config, _ = make_config(tmp_path, training={**SMALL["training"], "memory": {"budget": "6MiB"}})
     drop(config, 160, range(2))
     with Daemon(config, clock=Clock()) as d:
         job = d.cycle().job

@@ -1,6 +1,6 @@
-"""The planner: a batch size and a mode per stage that maximize samples per second under a byte budget.
+"""The modes knapsack: a batch size and a mode per stage that maximize samples per second under a byte budget.
 
-Pure: costs and a budget in, a plan out. For a batch ``B`` and modes ``m_i`` the predicted peak is
+Pure (no torch): costs and a budget in, a plan out. For a batch ``B`` and modes ``m_i`` the predicted peak is
 
     fixed + max_i ( sum_{j<i} kept_j(B) + max(forward_i(B), backward_i(B)) )
 
@@ -18,28 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.profile import ModeCost, Profile
-
-
-class BudgetTooSmall(EdgerevError):
-    """No batch size and modes fit the budget."""
-
-    def __init__(self, budget: int, smallest: int) -> None:
-        super().__init__(f"a budget of {budget:,} bytes cannot train even batch 1 in the smallest modes; "
-                         f"the smallest budget that fits is {smallest:,} bytes")
-        self.budget, self.smallest = budget, smallest
-
-
-@dataclass(frozen=True)
-class Plan:
-    batch: int
-    modes: tuple[str, ...]
-    predicted_peak_bytes: int
-    step_seconds: float
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.batch / self.step_seconds if self.step_seconds > 0 else math.inf
+from edgerev.memory.costs import BudgetTooSmall, ModeCost, Plan, Profile
 
 
 @dataclass(frozen=True)
@@ -110,7 +89,7 @@ def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, gr
     """Best plan for ``budget`` bytes over ``batches`` (default: 1, 2, 3, 4, 6, 8, ... up to 4096)."""
     if budget <= 0:
         raise EdgerevError(f"the budget must be positive, got {budget} bytes")
-    batches = list(batches or _default_batches())
+    batches = list(batches or default_batches())
     best: Plan | None = None
     for b in batches:
         groups = [choices_at(stage, b) for stage in profile.stages]
@@ -170,35 +149,9 @@ def _smallest_peak(profile: Profile, head_bytes_per_sample: float = 0.0) -> int:
     return int(math.ceil(profile.fixed_bytes + head_bytes_per_sample + min(states.values())))
 
 
-def _default_batches() -> list[int]:
+def default_batches() -> list[int]:
     out, b = [1, 2, 3], 4
     while b <= 4096:
         out += [b, b * 3 // 2]
         b *= 2
     return sorted(set(out))
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"400MiB"``, ``"1.5GB"``, ``"2 GiB"``, ``"1000000"`` -> bytes (decimal SI, binary IEC units)."""
-    import re
-
-    if re.fullmatch(r"\s*-.*", str(text)):
-        raise EdgerevError(f"a budget must be positive, got {text!r}")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise EdgerevError(f"cannot read {text!r} as a size in bytes; write e.g. 400MiB, 1.5GB or 1000000")
-    from decimal import Decimal, InvalidOperation
-
-    try:
-        value = Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
-    except InvalidOperation:
-        raise EdgerevError(f"cannot read {text!r} as a size in bytes") from None
-    if value < 1:
-        raise EdgerevError(f"a budget must be at least one byte, got {text!r}")
-    if value > 2**62:
-        raise EdgerevError(f"{text!r} is more bytes than any device has")
-    return int(value.to_integral_value())

@@ -1,4 +1,4 @@
-"""Training plain (non-reversible) models under a cap: checkpoint segments (Re-forwarding, Feng & Huang).
+"""Checkpoint segments for plain (non-reversible) models (Re-forwarding, Feng & Huang). Pure: no torch.
 
 A plain model's stages form a linear graph ``x_0 -> stage_0 -> x_1 -> ... -> x_n``. A plan keeps some
 vertices and splits the chain into segments between them. A *stored* segment keeps its autograd
@@ -9,112 +9,21 @@ float32 inputs). During the backward of a segment the memory is what the earlier
 the segment's own graph plus the gradient at its output, which is Re-forwarding's cost model for a
 linear graph. Re-forwarding minimizes that peak; here the same segment structure is chosen to
 minimize the step time under the budget, exactly, by a dynamic program over (stage, bytes kept).
+
+The segments run in :mod:`edgerev.checkpointing` (beside the engine); the per-stage statistics come
+from :func:`edgerev.memory.profile.stage_stats`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import torch
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from edgerev.errors import EdgerevError
-from edgerev.layers.base import replaying
-from edgerev.memory.planner import BudgetTooSmall
-from edgerev.memory.profile import Linear
-from edgerev.quantize import Quantized, dequantize, quantize
+from edgerev.memory.costs import BudgetTooSmall, Segment, SegmentPlan, StageStats
 
 SEGMENT_MODES = ("store", "checkpoint", "store8", "store4")
 _KEPT_BYTES_PER_ELEMENT = {"checkpoint": None, "store8": 1.0, "store4": 0.5}
-
-
-@dataclass(frozen=True)
-class Segment:
-    start: int
-    end: int  # exclusive
-    mode: str  # store, checkpoint, store8, store4
-
-
-@dataclass(frozen=True)
-class StageStats:
-    """Per sample of the model's batch: input bytes, bytes autograd saves; seconds as ``a + b * batch``."""
-
-    input_bytes: float
-    input_elements: float
-    graph_bytes: float
-    output_bytes: float
-    forward_seconds: Linear
-    backward_seconds: Linear
-
-
-@dataclass(frozen=True)
-class SegmentPlan:
-    batch: int
-    segments: tuple[Segment, ...]
-    predicted_peak_bytes: int
-    step_seconds: float
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.batch / self.step_seconds
-
-    def stage_modes(self) -> list[str]:
-        modes = []
-        for s in self.segments:
-            modes += [s.mode] * (s.end - s.start)
-        return modes
-
-
-def stage_stats(stages: Sequence[nn.Module], x: Tensor, repeats: int = 2) -> list[StageStats]:
-    """Measure each stage on ``x`` (batch ``B``) and on its first half: bytes per sample, seconds fitted."""
-    b = x.shape[0]
-    if b < 2:
-        raise ValueError("stage_stats needs a batch of at least 2 (seconds are fitted over two batch sizes)")
-    out: list[StageStats] = []
-    h = x.detach()
-    for stage in stages:
-        saved: dict[int, int] = {}
-
-        def pack(t: Tensor, saved: dict[int, int] = saved) -> Tensor:
-            st = t.untyped_storage()
-            saved[st._cdata] = st.nbytes()
-            return t
-
-        xin = h.detach().requires_grad_()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), replaying(stage):
-            y = stage(xin)
-        graph = sum(n for k, n in saved.items() if k != xin.untyped_storage()._cdata)
-        fwd, bwd = {}, {}
-        for n in (b // 2, b):
-            fwd[n], bwd[n] = _time_stage(stage, xin[:n].detach().requires_grad_(), repeats)
-        out.append(StageStats(xin.numel() * xin.element_size() / b, xin.numel() / b, graph / b,
-                              y.numel() * y.element_size() / b, Linear.fit(b // 2, fwd[b // 2], b, fwd[b]),
-                              Linear.fit(b // 2, bwd[b // 2], b, bwd[b])))
-        h = y.detach()
-    return out
-
-
-def _time_stage(stage: nn.Module, xin: Tensor, repeats: int) -> tuple[float, float]:
-    params = [p for p in stage.parameters() if p.requires_grad]
-    t_f = t_b = math.inf
-    with replaying(stage):
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                stage(xin)
-            t_f = min(t_f, time.perf_counter() - t0)
-            with torch.enable_grad():
-                y = stage(xin)
-            gy = torch.ones_like(y)
-            t0 = time.perf_counter()
-            torch.autograd.grad(y, [xin, *params], gy, allow_unused=True)
-            t_b = min(t_b, time.perf_counter() - t0)
-    return t_f, t_b
 
 
 def _segment_cost(stats: Sequence[StageStats], i: int, j: int, mode: str,
@@ -210,53 +119,3 @@ def predicted_peak(stats: Sequence[StageStats], segments: Sequence[Segment]) -> 
 def _minimal_segmentations(stats: Sequence[StageStats]) -> list[list[Segment]]:
     n = len(stats)
     return [[Segment(i, i + 1, "store4") for i in range(n)], [Segment(0, n, "store4")]]
-
-
-class _QuantizedSegment(torch.autograd.Function):
-    """A segment kept as an 8/4-bit copy of its input and re-run with autograd in the backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, fn, modules, bits: int, *params: Tensor) -> Tensor:
-        ctx.q: Quantized = quantize(x.detach(), bits)
-        ctx.fn, ctx.modules, ctx.params = fn, modules, params
-        with torch.no_grad():
-            return fn(x)
-
-    @staticmethod
-    def backward(ctx, gy: Tensor):
-        xin = dequantize(ctx.q).requires_grad_()
-        del ctx.q
-        with torch.enable_grad(), _replaying_all(ctx.modules):
-            out = ctx.fn(xin)
-        grads = torch.autograd.grad(out, [xin, *ctx.params], gy, allow_unused=True)
-        return (grads[0], None, None, None, *grads[1:])
-
-
-@contextlib.contextmanager
-def _replaying_all(modules: Sequence[nn.Module]):
-    with contextlib.ExitStack() as stack:
-        for m in modules:
-            stack.enter_context(replaying(m))
-        yield
-
-
-def run_segments(stages: Sequence[nn.Module], segments: Sequence[Segment], x: Tensor) -> Tensor:
-    """Forward through ``stages`` as ``segments`` say (under autograd: the backward follows the plan)."""
-    for seg in segments:
-        part = list(stages[seg.start:seg.end])
-
-        def fn(h: Tensor, part: list[nn.Module] = part) -> Tensor:
-            for m in part:
-                h = m(h)
-            return h
-
-        if seg.mode == "store" or not torch.is_grad_enabled():
-            x = fn(x)
-        elif seg.mode == "checkpoint":
-            # the re-run must not update batch-norm running statistics a second time
-            x = checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False,
-                           context_fn=lambda part=part: (contextlib.nullcontext(), _replaying_all(part)))
-        else:
-            params = [p for m in part for p in m.parameters() if p.requires_grad]
-            x = _QuantizedSegment.apply(x, fn, part, 8 if seg.mode == "store8" else 4, *params)
-    return x

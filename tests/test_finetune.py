@@ -1,4 +1,5 @@
-"""Head fine-tuning with ONNX Runtime training: accuracy, the written graph, the three pitfalls, no torch."""
+"""Head fine-tuning on a frozen backbone: both backends (numpy, ONNX Runtime training), accuracy, the written graph,
+the three pitfalls, no torch."""
 
 from __future__ import annotations
 
@@ -14,17 +15,21 @@ from onnx import TensorProto, helper, numpy_helper
 from edgerev.cli import main
 from edgerev.errors import ExportError
 from edgerev.export import graph
+from edgerev.export.finetune import finetune_head
+from edgerev.export.head_numpy import loss_and_grad
+from edgerev.export.head_numpy import train_head as numpy_train_head
 from edgerev.export.images import ImageError, normalize
 from edgerev.export.metadata import ModelMeta, get_props, set_props
 from edgerev.export.onnx import export_onnx
-from edgerev.export.ort_training import build_artifacts, finetune_head
+from edgerev.export.ort_training import build_artifacts
+from edgerev.export.ort_training import train_head as ort_train_head
 from edgerev.export.runtime import inference_session, training_modules
 from tests.exporting import CLASSES, make_run, needs_ort_training, run_without_torch, save_images, synthetic
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    needs_ort_training()
+    pytest.importorskip("onnxruntime")
     root = tmp_path_factory.mktemp("ort")
     make_run(root / "run")
     export_onnx(root / "run", root / "model.onnx")
@@ -41,10 +46,13 @@ def initializers(path) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
 
 
-def test_training_the_head_improves_held_out_accuracy(exported, data, tmp_path):
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_training_the_head_improves_held_out_accuracy(exported, data, tmp_path, backend):
+    if backend == "onnxruntime":
+        needs_ort_training()
     train, val = data
     source_bytes = exported.read_bytes()
-    r = finetune_head(exported, train, tmp_path / "tuned.onnx", val=val, epochs=10)
+    r = finetune_head(exported, train, tmp_path / "tuned.onnx", val=val, epochs=10, backend=backend)
     assert exported.read_bytes() == source_bytes  # the source model is left alone
     assert r.samples == 120 and r.val_samples == 60 and len(r.losses) == 10
     assert r.losses[-1] < 0.5 * r.losses[0]
@@ -85,9 +93,49 @@ def test_metadata_is_kept_and_the_fine_tuning_recorded(exported, data, tmp_path)
     assert (meta.classes, meta.input_size, meta.mean, meta.std) == (src.classes, src.input_size, src.mean, src.std)
     assert meta.weights_sha256 == src.weights_sha256  # the checkpoint the backbone came from
     record = meta.fine_tuned
-    assert record["what"] == "head" and record["backend"].startswith("onnxruntime-training")
+    assert record["what"] == "head" and record["backend"].startswith("numpy ")
     assert record["samples"] == 120 and record["previous"]["epochs"] == 1
     assert onnx.load(str(second.path)).ir_version <= graph.MAX_IR
+    needs_ort_training()
+    third = finetune_head(second.path, train, tmp_path / "thrice.onnx", epochs=1, backend="onnxruntime")
+    record = ModelMeta.from_props(get_props(onnx.load(str(third.path))), "out").fine_tuned
+    assert record["backend"].startswith("onnxruntime-training") and third.backend == record["backend"]
+    assert record["previous"]["backend"].startswith("numpy ")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_both_backends_train_the_same_head(optimizer):
+    """numpy applies ONNX Runtime training's updates: same seed, same data, the same weights."""
+    needs_ort_training()
+    rng = np.random.default_rng(0)
+    feats = rng.normal(size=(70, 12)).astype(np.float32)
+    labels = rng.integers(0, 4, 70)
+    w0, b0 = (0.1 * rng.normal(size=(4, 12))).astype(np.float32), np.zeros(4, np.float32)
+    head = graph.Head(node=0, features="features", weight="head.weight", bias="head.bias", trans_b=True, output="y")
+    kw = {"epochs": 3, "lr": 0.05, "batch": 16, "optimizer": optimizer, "seed": 3}
+    w_np, b_np, loss_np = numpy_train_head(feats, labels, w0, b0, **kw)
+    w_ort, b_ort, loss_ort = ort_train_head(feats, labels, w0, b0, head, **kw)
+    assert np.abs(w_np - w0).max() > 1e-2  # it moved
+    np.testing.assert_allclose(w_np, w_ort, atol=2e-5)
+    np.testing.assert_allclose(b_np, b_ort, atol=2e-5)
+    np.testing.assert_allclose(loss_np, loss_ort, rtol=1e-4)
+
+
+def test_numpy_gradient_matches_finite_differences():
+    rng = np.random.default_rng(1)
+    feats, labels = rng.normal(size=(9, 5)), rng.integers(0, 3, 9)
+    w, b = rng.normal(size=(3, 5)), rng.normal(size=3)
+    _, dw, db = loss_and_grad(feats, labels, w, b)
+    h = 1e-6
+    for params, grad in ((w, dw), (b, db)):
+        for idx in np.ndindex(params.shape):
+            old = params[idx]
+            params[idx] = old + h
+            up = loss_and_grad(feats, labels, w, b)[0]
+            params[idx] = old - h
+            down = loss_and_grad(feats, labels, w, b)[0]
+            params[idx] = old
+            assert (up - down) / (2 * h) == pytest.approx(float(grad[idx]), abs=1e-5)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -176,7 +224,8 @@ def test_bad_data(exported, data, tmp_path):
 
 def test_bad_arguments_and_models(exported, data, tmp_path):
     train, _ = data
-    for kw, message in [({"epochs": 0}, "epochs"), ({"lr": 0.0}, "learning rate"), ({"optimizer": "lion"}, "lion")]:
+    for kw, message in [({"epochs": 0}, "epochs"), ({"lr": 0.0}, "learning rate"), ({"optimizer": "lion"}, "lion"),
+                        ({"backend": "tensorflow"}, "unknown backend 'tensorflow'; choose from numpy, onnxruntime")]:
         with pytest.raises(ExportError, match=message):
             finetune_head(exported, train, tmp_path / "o.onnx", **kw)
     with pytest.raises(ExportError, match="folder .* does not exist"):
@@ -211,16 +260,22 @@ def test_cli_errors(exported, tmp_path, capsys):
     assert re.match(r"edgerev finetune-head: error: data folder .*none does not exist", err)
 
 
-def test_without_torch(exported, data, tmp_path):
-    """The whole fine-tuning (artifacts included) runs where torch cannot be imported."""
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_without_torch(exported, data, tmp_path, backend):
+    """The whole fine-tuning (artifacts included) runs where torch cannot be imported; the numpy backend
+    also where ONNX Runtime training cannot (the README's install: plain onnxruntime)."""
+    if backend == "onnxruntime":
+        needs_ort_training()
     (pixels, labels), (vp, vl) = data
     np.savez(tmp_path / "d.npz", x=pixels, y=labels, vx=vp, vy=vl)
+    block = "sys.modules['onnxruntime.training'] = None" if backend == "numpy" else ""
     code = f"""
         import numpy as np
-        from edgerev.export.ort_training import finetune_head
+        {block}
+        from edgerev.export.finetune import finetune_head
         d = np.load({str(tmp_path / "d.npz")!r})
         r = finetune_head({str(exported)!r}, (d["x"], d["y"]), {str(tmp_path / "t.onnx")!r}, val=(d["vx"], d["vy"]),
-                          epochs=5)
+                          epochs=5, backend={backend!r})
         print(r.val_accuracy_before, r.val_accuracy_after)
         assert sys.modules["torch"] is None and not any(m.startswith("torch.") for m in sys.modules)
     """

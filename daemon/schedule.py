@@ -1,0 +1,61 @@
+"""When the next fine-tuning job runs, and why not yet: one function for the service and ``status``.
+
+A job is due when one is interrupted (it resumes), when ``schedule.min_new_samples`` new samples
+arrived since the data of the last finished job, or when there is at least one new sample and
+``schedule.max_interval_seconds`` passed since that job (or since the first sample). A failed job
+holds the schedule back for ``schedule.retry_seconds`` after it failed: retried, not in a loop.
+
+The words, everywhere (this module, the gate, ``status``, the summary and the plots): *new samples*
+are samples that arrived after the data of the last finished job (or of the model in service); *new
+classes* are labels the model in service does not know.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgerev_daemon.config import ScheduleConfig
+from edgerev_daemon.records import JobState
+from edgerev_daemon.store import Store
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``due``: why a job runs now (None: none is due); ``waiting``: why not, in one line (None when
+    one is due); ``retry_at``: the time a failed job's back-off ends; ``new_samples``,
+    ``samples_needed``: the count and how many more samples make a job due."""
+
+    due: str | None
+    waiting: str | None
+    new_samples: int = 0
+    samples_needed: int = 0
+    retry_at: float | None = None
+
+    def to_json(self) -> dict:
+        return {"due": self.due, "waiting": self.waiting, "new_samples": self.new_samples,
+                "samples_needed": self.samples_needed, "retry_at": self.retry_at}
+
+
+def next_job(store: Store, s: ScheduleConfig, now: float) -> Schedule:
+    """Whether a job is due at ``now``, and if not, why not."""
+    if store.active_job() is not None:
+        return Schedule("resume the interrupted job", None)
+    n = store.new_samples_since_last_job()
+    needed = max(0, s.min_new_samples - n)
+    last = store.last_job()
+    if last is not None and last.state == JobState.FAILED and last.finished_at is not None:
+        retry_at = last.finished_at + s.retry_seconds
+        if now < retry_at:
+            return Schedule(None, f"job {last.id} failed; retried after schedule.retry_seconds, in "
+                                  f"{retry_at - now:.0f} s ({n} new samples wait)", n, needed, retry_at)
+    if n >= s.min_new_samples:
+        return Schedule(f"{n} new samples (threshold {s.min_new_samples})", None, n, 0)
+    if n == 0:
+        return Schedule(None, "no new samples since the last job", 0, needed)
+    done = store.last_job(JobState.DONE)
+    since = done.finished_at if done is not None and done.finished_at else store.first_sample_time()
+    if since is not None and now - since >= s.max_interval_seconds:
+        return Schedule(f"{n} new samples and {now - since:.0f} s since the last job", None, n, needed)
+    wait = "" if since is None else f", or {s.max_interval_seconds - (now - since):.0f} s"
+    return Schedule(None, f"{n} new samples: {needed} more (schedule.min_new_samples {s.min_new_samples}){wait}",
+                    n, needed)

@@ -1,0 +1,157 @@
+"""One accounting of a training step: what a step under a recipe holds at its peak.
+
+This is the only place that says it. The trainer's plan and its CPU cap, ``edgerev plan``, the
+daemon's start check and every "smallest budget" in an error come from :func:`account_step`:
+
+- held through the step (the tracker's baseline, :meth:`StepAccount.baseline`): the weights and
+  buffers; the optimizer's state (SGD momentum: one buffer per trainable weight); the distillation
+  teacher's weights and buffers; the whole batch as one float tensor (replay samples are part of
+  the batch: a step mixes them in, it does not add them), its labels, and the teacher's logits for
+  it;
+- allocated by the step (:attr:`StepAccount.step_bytes`): the weight gradients, and the
+  activations, gradients and temporaries of the planned micro-batch, measured exactly by running
+  the trainer's own micro-batch loop (:func:`edgerev.memory.cap.accumulate`) on fake tensors.
+
+Not counted: what the CPU tracker cannot see and the CPU cap therefore does not guard (Python
+objects, the allocator's slack), and the teacher's and evaluation's no-grad forwards, which run
+between steps (on CUDA they share the cap; on CPU they are outside the tracked step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edgerev._torchapi import fake_copy, fake_mode
+from edgerev.memory.cap import accumulate, split_batch
+from edgerev.memory.tracker import MemoryTracker
+
+LABEL_BYTES = 8  # int64 class indices
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a recipe says about a step, besides the model.
+
+    Attributes:
+        size: input height and width.
+        batch: samples per optimizer step (None: the micro-batch itself, a step without accumulation).
+        momentum: the optimizer keeps one buffer per trainable weight (SGD with momentum).
+        teacher_bytes: the distillation teacher's weights and buffers (0: no teacher).
+        teacher_classes: the teacher's logits per sample (0: no teacher).
+        input_bytes: bytes per element of the input batch (float32).
+    """
+
+    size: int
+    batch: int | None = None
+    momentum: bool = False
+    teacher_bytes: int = 0
+    teacher_classes: int = 0
+    input_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or (self.batch is not None and self.batch < 1):
+            raise ValueError(f"a step needs a positive size and batch, got size {self.size}, batch {self.batch}")
+
+
+@dataclass(frozen=True)
+class StepAccount:
+    """The bytes of one training step under a recipe and a plan (see the module docstring)."""
+
+    weights: int
+    buffers: int
+    optimizer: int
+    teacher: int
+    batch_input: int
+    labels: int
+    teacher_logits: int
+    gradients: int  # part of step_bytes: the weight gradients at the end of the backward
+    step_bytes: int  # the largest total the step itself had alive (gradients, activations, temporaries)
+    batch: int
+    micro_batch: int
+
+    @property
+    def baseline(self) -> int:
+        """Bytes alive before the step and through it: the CPU cap's baseline."""
+        return (self.weights + self.buffers + self.optimizer + self.teacher + self.batch_input + self.labels
+                + self.teacher_logits)
+
+    @property
+    def total(self) -> int:
+        """The peak of the step: the smallest budget under which it runs."""
+        return self.baseline + self.step_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "baseline": self.baseline, "total": self.total}
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def held(model: nn.Module, shape: StepShape, micro_batch: int) -> dict[str, int]:
+    """The bytes held through a step (the baseline's terms), from sizes alone: nothing runs."""
+    batch = shape.batch or micro_batch
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    pixels = model.in_channels * shape.size * shape.size
+    return {
+        "weights": _nbytes(model.parameters()),
+        "buffers": _nbytes(model.buffers()),
+        "optimizer": _nbytes(trainable) if shape.momentum else 0,
+        "teacher": shape.teacher_bytes,
+        "batch_input": batch * pixels * shape.input_bytes,
+        "labels": batch * LABEL_BYTES,
+        "teacher_logits": batch * shape.teacher_classes * 4 if shape.teacher_bytes else 0,
+    }
+
+
+def beyond_model(model: nn.Module, shape: StepShape, micro_batch: int) -> int:
+    """What a step holds besides what a bare micro-batch step holds (the solvers' profiles count that)."""
+    h = held(model, shape, micro_batch)
+    bare = micro_batch * (model.in_channels * shape.size * shape.size * shape.input_bytes + LABEL_BYTES)
+    return max(0, h["optimizer"] + h["teacher"] + h["batch_input"] + h["labels"] + h["teacher_logits"] - bare)
+
+
+def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Callable[[nn.Module], None],
+                 loss_fn: Callable[..., Tensor] | None = None, real: bool = False) -> StepAccount:
+    """The bytes of one training step of ``model`` under ``shape``, in micro-batches of ``micro_batch``.
+
+    Args:
+        apply: sets the plan (modes or checkpoint segments) on the model that runs.
+        loss_fn: the trainer's loss, called as ``loss_fn(logits, labels[, teacher_logits])``
+            (default: cross-entropy).
+        real: run ``model`` itself on real tensors (CPU) and measure, instead of predicting on a fake
+            copy: the check of a prediction (``edgerev plan --verify``).
+
+    The step runs through the trainer's own micro-batch loop, on fake tensors unless ``real``: nothing
+    is allocated. Its first two micro-batches are run: the later ones repeat the second (gradients
+    already allocated, the same or fewer samples).
+    """
+    batch = shape.batch or micro_batch
+    micro_batch = min(micro_batch, batch)
+    terms = held(model, shape, micro_batch)
+    baseline = sum(terms.values())
+    loss_fn = loss_fn or F.cross_entropy
+    with contextlib.nullcontext() if real else fake_mode() as mode:
+        run = model if real else fake_copy(model, mode)
+        apply(run)
+        run.train()
+        run.zero_grad(set_to_none=True)
+        x = torch.randn(batch, model.in_channels, shape.size, shape.size)
+        targets: tuple[Tensor, ...] = (torch.randint(0, model.num_classes, (batch,)),)
+        if shape.teacher_bytes:
+            targets += (torch.randn(batch, max(1, shape.teacher_classes)),)
+        parts = split_batch(batch, math.ceil(batch / micro_batch))[:2]
+        with MemoryTracker(baseline=baseline) as tracker:
+            accumulate(run, x, targets, parts, loss_fn)
+        if real:
+            run.zero_grad(set_to_none=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return StepAccount(**terms, gradients=_nbytes(trainable), step_bytes=tracker.peak - baseline, batch=batch,
+                       micro_batch=micro_batch)

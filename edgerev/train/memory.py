@@ -1,0 +1,70 @@
+"""A recipe's memory: its step as the accounting sees it, its plan under ``memory.budget``, its floor.
+
+The trainer (:func:`plan_memory`) and the daemon's start check (:func:`floor`) both read the recipe
+through :func:`step_shape`, and both ask :mod:`edgerev.memory.autoplan`, which accounts every step
+with :func:`edgerev.memory.account.account_step`: one count of what a step holds, everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from edgerev.memory.account import StepAccount, StepShape
+from edgerev.memory.autoplan import floor_plan, plan_training
+from edgerev.memory.cap import CpuCap, apply_cuda_cap
+from edgerev.train.config import RunConfig
+from edgerev.train.continual import ContinualLoss
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def step_shape(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int) -> StepShape:
+    """What ``cfg`` adds to a step of ``model``: the batch of ``batch`` samples (replay included),
+    SGD momentum, and the distillation ``teacher`` and its logits."""
+    return StepShape(cfg.data.size, batch, momentum=cfg.optim.momentum > 0,
+                     teacher_bytes=_bytes(teacher) if teacher is not None else 0,
+                     teacher_classes=getattr(teacher, "num_classes", 0) if teacher is not None else 0)
+
+
+def loss_of(cfg: RunConfig) -> ContinualLoss:
+    return ContinualLoss(cfg.continual.distill, cfg.continual.temperature, cfg.optim.label_smoothing)
+
+
+def floor(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int | None = None) -> StepAccount:
+    """The least a step of ``cfg`` can hold (batch 1 in the least-memory plan): the smallest budget."""
+    shape = step_shape(cfg, model, teacher, batch or cfg.train.batch)
+    return floor_plan(model, shape, loss_of(cfg))[1]
+
+
+def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int,
+                device: torch.device) -> tuple[int, CpuCap | None, dict]:
+    """Micro-batches per step, the CPU cap (None: none), and the plan's summary for ``cfg``.
+
+    Raises:
+        BudgetTooSmall: ``memory.budget`` is below the step's floor (named), before anything is profiled.
+    """
+    mem = cfg.memory
+    if mem.mode == "plain":
+        return 1, None, {"mode": "plain"}
+    if mem.budget is None:
+        if mem.mode != "auto":
+            model.body.set_modes(mem.mode)
+        return 1, None, {"mode": mem.mode, "stages": [
+            {"name": n, "type": type(s).__name__, "mode": m.value}
+            for (n, s), m in zip(model.body.stages.named_children(), model.body.modes)]}
+    budget = int(mem.budget)
+    tp = plan_training(model, cfg.data.size, budget, str(device.type), estimate=mem.profile == "estimate",
+                       max_batch=batch, step=step_shape(cfg, model, teacher, batch), loss_fn=loss_of(cfg))
+    tp.apply(model)
+    if device.type == "cuda":
+        apply_cuda_cap(budget, device)
+    micro = math.ceil(batch / tp.batch)
+    summary = {"mode": "planned", "budget_bytes": budget, "micro_batch": tp.batch, "micro_batches": micro,
+               **tp.summary}
+    cap = CpuCap(budget, tp.account.baseline) if device.type == "cpu" and tp.account is not None else None
+    return micro, cap, summary

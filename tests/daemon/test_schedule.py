@@ -1,0 +1,40 @@
+"""The schedule says when the next job runs and, when none is due, why not (one function for the
+service, ``once`` and ``status``)."""
+
+from __future__ import annotations
+
+from edgerev_daemon.config import ScheduleConfig
+from edgerev_daemon.records import JobState
+from edgerev_daemon.schedule import next_job
+from tests.daemon.test_store import sample
+
+
+def test_why_no_job_runs_then_why_one_does(datadir):
+    store, clock = datadir.store, datadir.clock
+    s = ScheduleConfig(min_new_samples=50, max_interval_seconds=3600, retry_seconds=600)
+    first = next_job(store, s, clock())
+    assert first.due is None and first.waiting == "no new samples since the last job"
+    store.record_batch([sample(i) for i in range(20)], [], 0.1)
+    wait = next_job(store, s, clock())
+    assert wait.due is None and wait.new_samples == 20 and wait.samples_needed == 30
+    assert wait.waiting == "20 new samples: 30 more (schedule.min_new_samples 50), or 3600 s"
+    clock.advance(3600)
+    assert next_job(store, s, clock()).due == "20 new samples and 3600 s since the last job"
+    store.record_batch([sample(i) for i in range(20, 60)], [], 0.1)
+    assert next_job(store, s, clock()).due == "60 new samples (threshold 50)"
+
+
+def test_a_failed_job_holds_the_schedule_back_and_says_until_when(datadir):
+    store, clock = datadir.store, datadir.clock
+    s = ScheduleConfig(min_new_samples=50, retry_seconds=600)
+    store.record_batch([sample(i) for i in range(120)], [], 0.1)
+    job = store.create_job("120 new samples")
+    store.set_job_state(job.id, JobState.RUNNING)
+    assert next_job(store, s, clock()).due == "resume the interrupted job"
+    store.set_job_state(job.id, JobState.FAILED, error="disk full")
+    clock.advance(100)
+    held = next_job(store, s, clock())
+    assert held.due is None and held.retry_at == clock() + 500 and held.new_samples == 120
+    assert held.waiting == f"job {job.id} failed; retried after schedule.retry_seconds, in 500 s (120 new samples wait)"
+    clock.advance(500)
+    assert next_job(store, s, clock()).due == "120 new samples (threshold 50)"
