@@ -93,37 +93,67 @@ class InvBatchNorm2d(Invertible):
         return x.mul_(self._view(a)).add_(self._view(self.bias.detach() - mean * a))
 
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
+        a, b = self.inverse_coefficients(tape)
+        return y.mul_(a).add_(b)
+
+    def inverse_coefficients(self, tape: Tape) -> tuple[Tensor, Tensor]:
+        """``(a, b)`` as ``[1, C, 1, 1]`` views with ``x = a y + b`` (computed once, applied to any slice)."""
         mean, sigma = self._stats(tape)
         a = sigma / self.scale().detach()
-        return y.mul_(self._view(a)).add_(self._view(mean - self.bias.detach() * a))
+        return self._view(a), self._view(mean - self.bias.detach() * a)
 
-    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
-        r"""Gradients from the output alone, with ``xhat = (y - beta) / s``:
-
-        .. math::
-            deta = \sum g, \quad d\gamma = \sum g \hat x, \quad
-            g_x = rac{s}{\sigma}\Big(g - rac{deta}{N} - \hat x rac{d\gamma}{N}\Big)
-
-        (training mode; in eval mode ``g_x = s g / \sigma``), written over ``gy`` in two passes,
-        while ``y`` becomes the input ``x = \sigma \hat x + \mu`` in place.
-        """
-        mean, sigma = self._stats(tape)
+    def grad_sums(self, y: Tensor, gy: Tensor) -> tuple[Tensor, Tensor]:
+        r"""``(dbeta, dgamma) = (sum g, sum g xhat)`` per channel over the samples given, from the output
+        ``y`` (``xhat = (y - beta) / s``) and its gradient ``g``: the parameter gradients, and in training
+        mode the only two numbers per channel through which the backward couples the samples."""
         s, beta = self.scale().detach(), self.bias.detach()
         dbeta = gy.sum(dim=(0, 2, 3))
         gyy = torch.zeros_like(dbeta)
         for sl in batch_slices(y):
             gyy += (gy[sl] * y[sl]).sum(dim=(0, 2, 3))
-        dgamma = (gyy - beta * dbeta) / s
+        return dbeta, (gyy - beta * dbeta) / s
+
+    def grad_coefficients(self, tape: Tape, sums: tuple[Tensor, Tensor], n: int) -> tuple[Tensor, Tensor, Tensor]:
+        r"""``(a, c, k)`` as ``[1, C, 1, 1]`` views with ``g_x = a g + c - k y``, given the whole batch's
+        ``sums`` (:meth:`grad_sums`) over ``n`` values per channel. Once they are known the map is per
+        sample, so it applies to any batch slice (:meth:`input_grad_`):
+
+        .. math::
+            a = \frac{s}{\sigma}, \qquad
+            k = \frac{a\,d\gamma}{n s}, \qquad
+            c = a \Big(\frac{d\gamma\,\beta}{n s} - \frac{d\beta}{n}\Big)
+
+        (training mode; eval mode's map is ``g_x = a g``, per sample anyway).
+        """
+        _, sigma = self._stats(tape)
+        s, beta = self.scale().detach(), self.bias.detach()
+        dbeta, dgamma = sums
         a = s / sigma
+        k = a * dgamma / (n * s)
+        return self._view(a), self._view(a * (dgamma * beta / (n * s) - dbeta / n)), self._view(k)
+
+    @staticmethod
+    def input_grad_(y: Tensor, gy: Tensor, coefficients: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """Write ``g_x = a g + c - k y`` over ``gy`` (:meth:`grad_coefficients`); ``y`` is the output."""
+        a, c, k = coefficients
+        torch.addcmul(c, gy, a, out=gy)
+        return gy.addcmul_(y, k, value=-1.0)
+
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
+        r"""Gradients from the output alone, with ``xhat = (y - beta) / s``:
+
+        .. math::
+            d\beta = \sum g, \quad d\gamma = \sum g \hat x, \quad
+            g_x = \frac{s}{\sigma}\Big(g - \frac{d\beta}{N} - \hat x \frac{d\gamma}{N}\Big)
+
+        (training mode; in eval mode ``g_x = s g / \sigma``), written over ``gy`` in two passes,
+        while ``y`` becomes the input ``x = \sigma \hat x + \mu`` in place.
+        """
+        dbeta, dgamma = self.grad_sums(y, gy)
         if self.training:
-            n = y.numel() // y.shape[1]
-            # g_x = a g - (a dgamma / (n s)) y + a (dgamma beta / (n s) - dbeta / n)
-            k = a * dgamma / (n * s)
-            const = a * (dgamma * beta / (n * s) - dbeta / n)
-            torch.addcmul(self._view(const), gy, self._view(a), out=gy)
-            gy.addcmul_(y, self._view(-k))
+            self.input_grad_(y, gy, self.grad_coefficients(tape, (dbeta, dgamma), y.numel() // y.shape[1]))
         else:
-            gy.mul_(self._view(a))
+            gy.mul_(self._view(self.scale().detach() / self._stats(tape)[1]))
         add_grad(grads, self.weight, dgamma)
         add_grad(grads, self.bias, dbeta)
         return self.inverse_(y, tape), gy
