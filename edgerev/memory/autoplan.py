@@ -59,11 +59,11 @@ class _ModesSolver:
         self.profile = profile
 
     def floors(self) -> list[Proposal]:
-        """Batch 1 in the least-memory plan: per stage invert, else recompute, else a 4-bit copy."""
+        """Batch 1 in the least-memory plan: per stage floor, else invert, else recompute, else a 4-bit copy."""
         out = []
         for stage in self.model.body.stages:
             names = [m.value for m in supported_modes(stage)]
-            out.append(next(m for m in ("invert", "recompute", "store4") if m in names))
+            out.append(next(m for m in ("floor", "invert", "recompute", "store4") if m in names))
         return [Proposal(1, tuple(out), None, 0, 0.0)]
 
     def smallest(self) -> int:
