@@ -9,6 +9,7 @@ the stage was given:
 mode       forward keeps                           backward does
 ========== ======================================= =================================================
 invert     nothing                                 block inverse, then layer-wise inverses (hybrid)
+floor      nothing                                 the same, no copy of a gradient half (2 volumes)
 recompute  nothing                                 block inverse, then autograd on the recomputed stage
 store      the stage's autograd graph (its input)  ordinary backward of the stage
 store8     an 8-bit copy of each layer's saved input autograd's backward, each layer from its own copy
@@ -55,6 +56,7 @@ class Mode(str, enum.Enum):
     """How a stage is trained (see the module docstring)."""
 
     INVERT = "invert"
+    FLOOR = "floor"
     RECOMPUTE = "recompute"
     STORE = "store"
     STORE8 = "store8"
@@ -209,7 +211,7 @@ def _hands_back(seq: InvertibleSequence) -> list[bool]:
     for stage, mode in zip(seq.stages, seq._modes):
         back = uses_output
         out.append(back)
-        uses_output = mode in (Mode.INVERT, Mode.RECOMPUTE) or (
+        uses_output = mode in (Mode.INVERT, Mode.FLOOR, Mode.RECOMPUTE) or (
             mode.bits is not None and back and isinstance(stage, Invertible))
     return out
 
@@ -324,6 +326,8 @@ class _Engine(torch.autograd.Function):
                     else:
                         y = None  # the stage before keeps what it needs
                     del kept
+                elif mode is Mode.FLOOR:
+                    y, gy = stage.floor_backward_(y, gy, tape, grads)
                 elif mode is Mode.RECOMPUTE and isinstance(stage, Coupling):
                     y, gy = stage.recompute_backward_(y, gy, tape, grads)
                 elif mode is Mode.RECOMPUTE:

@@ -505,3 +505,109 @@ def test_global_pool_gradient_equals_autograd_with_ties(kind):
     with chunk_budget(64):  # several batch slices
         got = global_pool_grad(y, gout, 2, kind)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)
+
+
+# ---- floor: the hybrid backward without a copy of a gradient half ---------------------------------
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("budget", [0, 1 << 11])
+def test_floor_gradients_equal_plain_autograd(depth, training, budget):
+    """Float64: floor against plain autograd within 1e-10, on hybrid blocks whose F and G hold ``depth``
+    batch norms (each measured in its own pass over slices), whole-batch and in slices of one sample."""
+    torch.manual_seed(depth)
+    seq = randomize_(InvertibleSequence([HybridBlock(8, depth=depth), BatchPool(),
+                                         HybridBlock(8, depth=depth)], modes="floor"), depth)
+    seq = seq.double().train(training)
+    assert seq.modes == [Mode.FLOOR, Mode.INVERT, Mode.FLOOR]
+    x = torch.randn(4, 8, 8, 8, dtype=torch.float64)
+    with chunk_budget(budget):
+        check_against_plain(seq, x, depth, tol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["revnext", "layerwise"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_floor_model_gradients_equal_plain_autograd(name, seed):
+    kwargs, size = MODEL_CONFIGS[name]
+    torch.manual_seed(seed)
+    model = randomize_(create_model(name, **kwargs), seed).double()
+    model.body.set_modes("floor")
+    assert (Mode.FLOOR in model.body.modes) == (name == "revnext")  # only hybrid blocks run floor
+    x = torch.randn(4, 3, size, size, dtype=torch.float64)
+    with chunk_budget(1 << 12):
+        check_against_plain(model, x, seed, tol=1e-10)
+
+
+def test_floor_float32_cosine():
+    torch.manual_seed(1)
+    model = create_model("revnext")
+    model.body.set_modes("floor")
+    x, u = torch.randn(4, 3, 32, 32), torch.randn(4, 10)
+    _, _, g_ref = loss_grads(model, x, u, reference=True, input_grad=False)
+    _, _, g = loss_grads(model, x, u, reference=False, input_grad=False)
+    for (n, _), a, b in zip(model.named_parameters(), g, g_ref):
+        assert cosine(a, b) >= 0.9999, f"{n}: cosine {cosine(a, b)}"
+
+
+def test_floor_on_a_generic_coupling_names_the_stage_and_its_modes():
+    seq, _ = mixed_stack(0)
+    modes = [str(m) for m in seq.modes]
+    modes[2] = "floor"  # a hybrid block: fine
+    seq.set_modes(modes)
+    modes[4] = "floor"  # a coupling of generic residual functions
+    with pytest.raises(ModeError) as info:
+        seq.set_modes(modes)
+    assert str(info.value) == ("stage 4 (Coupling) cannot run in floor mode; "
+                               "it supports recompute, store, store8, store4")
+    assert seq.modes[2] is Mode.FLOOR and seq.modes[4] is Mode.RECOMPUTE  # nothing half-applied
+    with pytest.raises(NotImplementedError):
+        seq.stages[4].floor_backward_(None, None, None, {})
+
+
+def test_floor_mode_peak_is_half_a_volume_below_invert():
+    inv = _hybrid_step(8, "invert")
+    flo = _hybrid_step(8, "floor")
+    v = flo["volume"]
+    # invert holds a copy of half the gradient at its peak; floor one slice of it (2 KiB here)
+    assert inv["peak"] - flo["peak"] >= 0.45 * v, (inv, flo)
+    assert flo["peak"] < 3.5 * v, flo
+    assert flo["after_forward"] == inv["after_forward"]
+    assert flo["after_step"] == inv["after_step"]
+
+
+def test_floor_bytes_predicted_on_fake_tensors_equal_the_measured():
+    """The fake-tensor prediction of a step in floor mode (what the planner and ``edgerev memory --fake``
+    use) is the byte count the tracker measures on real tensors."""
+    from edgerev.memory.measure import fake_step_peak, step_peak
+
+    torch.manual_seed(0)
+    model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1))
+    model.body.set_modes("floor")
+    modes = tuple(str(m) for m in model.body.modes)
+    with chunk_budget(1 << 12):
+        gc.collect()
+        measured = step_peak(model, 4, 32).peak_bytes
+        predicted = fake_step_peak(model, modes, 4, 32)
+    assert predicted == measured
+
+
+def test_planner_chooses_floor_when_the_cap_demands_it():
+    """A budget between the least-memory peak with floor and the least without it: every plan that fits
+    runs some stage in floor (bytes from fake tensors, seconds from FLOPs: nothing timed)."""
+    import dataclasses
+
+    from edgerev.memory.knapsack import plan, smallest_budget
+    from edgerev.memory.profile import estimate_profile
+
+    torch.manual_seed(0)
+    model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1))
+    with chunk_budget(1 << 12):
+        prof = estimate_profile(model, 32)
+        without = dataclasses.replace(prof, stages=[{m: c for m, c in s.items() if m != "floor"} for s in prof.stages])
+        low, high = smallest_budget(prof), smallest_budget(without)
+        assert high - low > 8 * 32 * 32 * 4 // 4, (low, high)  # a quarter of a volume at batch 1, at least
+        budget = (low + high) // 2
+        p = plan(prof, budget, batches=[1])
+    assert "floor" in p.modes and p.predicted_peak_bytes <= budget
+    model.body.set_modes(list(p.modes))

@@ -412,8 +412,9 @@ def _stats(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in module.state_dict().items() if "running" in k or "num_batches" in k}
 
 
-@pytest.mark.parametrize("modes", ["invert", "recompute", "store",
+@pytest.mark.parametrize("modes", ["invert", "floor", "recompute", "store",
                                    ["store", "invert", "recompute", "invert", "store", "recompute", "invert"],
+                                   ["invert", "floor", "store", "recompute", "store8", "store", "invert"],
                                    ["recompute", "store", "store", "recompute", "invert", "store", "recompute"],
                                    "store8", "store4",
                                    ["invert", "store8", "recompute", "store4", "invert", "store8", "recompute"],

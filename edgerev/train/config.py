@@ -15,7 +15,7 @@ from edgerev.sizes import ByteSize
 
 SCHEDULES = ("onecycle", "linear", "constant")
 FORMAT = 1  # the saved recipe's format: a file of a later format is refused, not misread
-MODES = ("auto", "plain", "invert", "recompute", "store", "store8", "store4")
+MODES = ("auto", "plain", "invert", "floor", "recompute", "store", "store8", "store4")
 
 
 @dataclass(frozen=True)
@@ -187,12 +187,13 @@ class MemoryConfig:
     counts it: weights, gradients, optimizer state, the teacher, the batch and the planned micro-batch's
     activations. On CPU it bounds tensors, not the interpreter (see deploy/edgerev.service's
     ``MemoryMax=`` for the outer guard). ``mode``: ``auto``
-    lets the planner choose per-stage modes (the model's least-memory modes when there is no budget);
+    lets the planner choose per-stage modes (the model's default modes, ``invert`` where supported, when
+    there is no budget);
     ``plain`` trains through plain autograd; a mode name runs every stage in it. ``profile``: the
     planner's per-stage costs, ``measure``d once per model and size (cached) or ``estimate``d."""
 
     budget: ByteSize | None = None
-    mode: Literal["auto", "plain", "invert", "recompute", "store", "store8", "store4"] = "auto"
+    mode: Literal["auto", "plain", "invert", "floor", "recompute", "store", "store8", "store4"] = "auto"
     profile: Literal["measure", "estimate"] = "measure"
 
     def __post_init__(self) -> None:
