@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
-    p.add_argument("--modes", default="invert,recompute,store")
+    p.add_argument("--modes", default="invert,floor,recompute,store")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     modes = [m for m in a.modes.split(",") if m]

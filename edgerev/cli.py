@@ -77,7 +77,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     rows = []
     with chunk_budget(args.chunk_bytes):
         for arch in archs:
-            row = measure(arch, batch=args.batch, size=args.size, device=device, fake=args.fake)
+            row = measure(arch, batch=args.batch, size=args.size, device=device, fake=args.fake, modes=args.mode)
             row["chunk_bytes"] = args.chunk_bytes
             paper = PAPER_PEAK_BYTES.get(arch)
             if paper is not None:
@@ -284,12 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fake", action="store_true", help="predict with fake tensors: nothing is allocated")
     m.add_argument("--chunk-bytes", type=int, default=1 << 20,
                    help="batch-slice budget of the engine's temporaries in bytes (default 1 MiB; 0: never slice)")
+    m.add_argument("--mode", help="engine mode for every stage that supports it (invert, floor, recompute, store, "
+                   "store8, store4), or one per stage, comma-separated (default: each stage's default, invert "
+                   "where supported)")
     m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(fn=cmd_memory)
 
     pl = sub.add_parser("plan", help="batch size and per-stage modes that train fastest under a byte budget",
-                        description="Choose a micro-batch and a mode per stage (invert, recompute, store, store8, "
-                                    "store4; checkpoint segments for a plain model) that maximize samples per "
+                        description="Choose a micro-batch and a mode per stage (invert, floor, recompute, store, "
+                                    "store8, store4; checkpoint segments for a plain model) that maximize samples per "
                                     "second while the peak of the whole training step, as the trainer counts it, "
                                     "stays under the budget. A budget below the smallest step is refused at once, "
                                     "naming it. Stage costs are measured once per model, size and device and "

@@ -9,6 +9,7 @@ the stage was given:
 mode       forward keeps                           backward does
 ========== ======================================= =================================================
 invert     nothing                                 block inverse, then layer-wise inverses (hybrid)
+floor      nothing                                 the same, no copy of a gradient half (2 volumes)
 recompute  nothing                                 block inverse, then autograd on the recomputed stage
 store      the stage's autograd graph (its input)  ordinary backward of the stage
 store8     an 8-bit copy of each layer's saved input autograd's backward, each layer from its own copy
@@ -48,13 +49,14 @@ from edgerev.errors import ModeError, NonFiniteError
 from edgerev.layers.base import Grads, Invertible, Tape, add_grads, is_fake, replaying
 from edgerev.layers.coupling import Coupling
 from edgerev.layers.norm import InvBatchNorm2d
-from edgerev.layers.pooling import unpool_batch
+from edgerev.layers.pooling import POOLS, global_pool, global_pool_grad
 
 
 class Mode(str, enum.Enum):
     """How a stage is trained (see the module docstring)."""
 
     INVERT = "invert"
+    FLOOR = "floor"
     RECOMPUTE = "recompute"
     STORE = "store"
     STORE8 = "store8"
@@ -123,17 +125,18 @@ class InvertibleSequence(nn.Module):
             downsampling) is run in ``store`` mode.
         modes: one mode per stage, or one mode for all; by default the cheapest in memory that each
             stage supports (``invert``, else ``recompute``, else ``store``).
-        pool: ``"mean"`` makes the sequence return per-sample features averaged over space and over
-            the sub-images of batch pooling (``[B, C]``); the activation itself then never leaves
-            the engine, so its backward can work in place on its own buffers. ``None`` returns the
-            last activation (its incoming gradient is then copied before being overwritten).
+        pool: ``"mean"`` (``"max"``) makes the sequence return per-sample features averaged (the
+            maximum) over space and over the sub-images of batch pooling (``[B, C]``); the activation
+            itself then never leaves the engine, so its backward can work in place on its own buffers.
+            ``None`` returns the last activation (its incoming gradient is then copied before being
+            overwritten).
     """
 
     def __init__(self, stages: Sequence[nn.Module], modes: Sequence[Mode | str] | Mode | str | None = None,
                  pool: str | None = "mean") -> None:
         super().__init__()
-        if pool not in ("mean", None):
-            raise ValueError(f"pool must be 'mean' or None, got {pool!r}")
+        if pool is not None and pool not in POOLS:
+            raise ValueError(f"pool must be one of {', '.join(POOLS)} or None, got {pool!r}")
         self.stages = nn.ModuleList(stages)
         self.pool = pool
         self._execution = Execution()
@@ -189,17 +192,12 @@ class InvertibleSequence(nn.Module):
             from edgerev.checkpointing import run_segments
 
             x = run_segments(self.stages, run.segments, x)
-            return _pool(x, samples) if self.pool else x
+            return global_pool(x, samples, self.pool) if self.pool else x
         if not use_engine:
             for stage in self.stages:
                 x = stage(x)
-            return _pool(x, samples) if self.pool else x
+            return global_pool(x, samples, self.pool) if self.pool else x
         return _Engine.apply(x, self, samples, *params)
-
-
-def _pool(y: Tensor, samples: int) -> Tensor:
-    """Mean over space and over the sub-images that batch pooling moved to the batch axis."""
-    return unpool_batch(y, samples).mean(dim=(1, 3, 4))
 
 
 def _hands_back(seq: InvertibleSequence) -> list[bool]:
@@ -213,7 +211,7 @@ def _hands_back(seq: InvertibleSequence) -> list[bool]:
     for stage, mode in zip(seq.stages, seq._modes):
         back = uses_output
         out.append(back)
-        uses_output = mode in (Mode.INVERT, Mode.RECOMPUTE) or (
+        uses_output = mode in (Mode.INVERT, Mode.FLOOR, Mode.RECOMPUTE) or (
             mode.bits is not None and back and isinstance(stage, Invertible))
     return out
 
@@ -282,7 +280,7 @@ class _Engine(torch.autograd.Function):
         ctx.used = False
         if seq.pool:
             ctx.y = h  # never handed out, so the backward may overwrite it
-            return _pool(h, samples)
+            return global_pool(h, samples, seq.pool)
         ctx.save_for_backward(h)
         return h
 
@@ -300,10 +298,7 @@ class _Engine(torch.autograd.Function):
         if seq.pool:
             y = ctx.y
             del ctx.y
-            b = ctx.samples
-            per = y.shape[0] // b
-            gy = (gout / (per * y.shape[2] * y.shape[3])).view(b, 1, -1, 1, 1).expand(b, per, *y.shape[1:])
-            gy = gy.contiguous().view(y.shape)
+            gy = global_pool_grad(y, gout, ctx.samples, seq.pool)
         else:
             # the output and its incoming gradient belong to the caller: work on copies
             (y,) = ctx.saved_tensors
@@ -331,6 +326,8 @@ class _Engine(torch.autograd.Function):
                     else:
                         y = None  # the stage before keeps what it needs
                     del kept
+                elif mode is Mode.FLOOR:
+                    y, gy = stage.floor_backward_(y, gy, tape, grads)
                 elif mode is Mode.RECOMPUTE and isinstance(stage, Coupling):
                     y, gy = stage.recompute_backward_(y, gy, tape, grads)
                 elif mode is Mode.RECOMPUTE:

@@ -32,3 +32,7 @@ class ModeError(EdgerevError):
 
 class ExportError(EdgerevError):
     """A model cannot be exported to ONNX, its export does not match PyTorch, or an ONNX file cannot be used."""
+
+
+class ArchitectureError(EdgerevError):
+    """A model's arguments describe a network its design cannot build (a width, a block list)."""

@@ -21,7 +21,7 @@ from edgerev.layers import (
 # The shapes here are tiny: one thread is faster than two, and does not spin against other work.
 torch.set_num_threads(1)
 
-MODES = ("invert", "recompute", "store")
+MODES = ("invert", "floor", "recompute", "store")
 
 #: every block kind the layer tests cover
 BLOCKS = (
@@ -87,7 +87,7 @@ def make_block(kind: str, channels: int = 8, dtype: torch.dtype = torch.float64,
 
 
 def exact_modes(stage: nn.Module) -> tuple[str, ...]:
-    """The exact engine modes (invert, recompute, store) ``stage`` supports, cheapest first."""
+    """The exact engine modes (invert, floor, recompute, store) ``stage`` supports, default first."""
     return tuple(str(m) for m in supported_modes(stage) if str(m) in MODES)
 
 

@@ -213,3 +213,18 @@ def test_module_help():
     assert res.returncode == 0, res.stderr
     for command in ("memory", "plan", "diagnose"):
         assert command in res.stdout
+
+
+def test_memory_mode_floor(capsys):
+    d = run_json(capsys, "memory", "--arch", "revnext", "--mode", "floor", "--batch", "1", "--size", "16", "--fake",
+                 "--json")
+    assert d["modes"] == ["floor", "invert", "store"]  # hybrid blocks, pools, the stem
+
+
+@pytest.mark.parametrize("argv,match", [
+    (("--arch", "revnet", "--mode", "floor"), "no stage of revnet can run in floor mode; its stages support recompute"),
+    (("--arch", "revnet", "--mode", "store,floor" + ",store" * 12), "stage 1 (Coupling) cannot run in floor mode"),
+    (("--arch", "revnext", "--mode", "bogus"), "unknown mode 'bogus'"),
+])
+def test_memory_mode_errors(capsys, argv, match):
+    assert_one_line_error(capsys, "memory", *argv, "--batch", "1", "--size", "16", "--fake", match=match)

@@ -197,7 +197,10 @@ def test_default_models_float32_cosine(name):
 
 @pytest.mark.parametrize("name", ["revnext", "revnet"])
 def test_float32_reconstruction_error(name):
-    """Every stage input the backward rebuilds is within 1e-5 (relative) of the plain forward's input."""
+    """Every stage input the backward rebuilds is within 1e-5 (relative) of the plain forward's input;
+    2e-4 for revnext, whose faithful initialization (every batch-norm scale at ``gamma = 1``) lets the
+    activations grow about 12x in RMS from the stem to the last block: the block inverses keep the
+    absolute float32 error, so the relative error at the stem reaches 9e-5 (81 dB; seeds 0-2)."""
     torch.manual_seed(0)
     model = create_model(name)
     x = torch.randn(4, 3, 32, 32)
@@ -220,7 +223,7 @@ def test_float32_reconstruction_error(name):
     with executing(model, probe=probe):
         model(x).sum().backward()
     assert sorted(errors) == list(range(len(stages)))
-    assert max(errors.values()) <= 1e-5, errors
+    assert max(errors.values()) <= (2e-4 if name == "revnext" else 1e-5), errors
 
 
 # ---- modes ----------------------------------------------------------------------------------------
@@ -286,7 +289,7 @@ def test_unknown_single_mode():
 
 def test_bad_pool_argument():
     with pytest.raises(ValueError):
-        InvertibleSequence([InvLeakyReLU()], pool="max")
+        InvertibleSequence([InvLeakyReLU()], pool="median")
 
 
 # ---- the caller's tensors ------------------------------------------------------------------------
@@ -487,3 +490,124 @@ def test_invert_mode_peak_does_not_grow_with_depth():
     assert b["after_forward"] - a["after_forward"] < 0.05 * a["volume"], (a, b)
     s8, s16 = _hybrid_step(8, "store"), _hybrid_step(16, "store")
     assert s16["peak"] - s8["peak"] > 4 * a["volume"]  # the measurement can see growth
+
+
+@pytest.mark.parametrize("kind", ["mean", "max"])
+def test_global_pool_gradient_equals_autograd_with_ties(kind):
+    """The engine's pooling gradient is autograd's, ties included (amax splits the gradient evenly)."""
+    from edgerev.layers import global_pool, global_pool_grad
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(-2, 3, (8, 4, 2, 2), generator=g).double()  # batch-pooled: 2 samples x 4 sub-images
+    gout = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    leaf = y.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(global_pool(leaf, 2, kind), leaf, gout)
+    with chunk_budget(64):  # several batch slices
+        got = global_pool_grad(y, gout, 2, kind)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)
+
+
+# ---- floor: the hybrid backward without a copy of a gradient half ---------------------------------
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("budget", [0, 1 << 11])
+def test_floor_gradients_equal_plain_autograd(depth, training, budget):
+    """Float64: floor against plain autograd within 1e-10, on hybrid blocks whose F and G hold ``depth``
+    batch norms (each measured in its own pass over slices), whole-batch and in slices of one sample."""
+    torch.manual_seed(depth)
+    seq = randomize_(InvertibleSequence([HybridBlock(8, depth=depth), BatchPool(),
+                                         HybridBlock(8, depth=depth)], modes="floor"), depth)
+    seq = seq.double().train(training)
+    assert seq.modes == [Mode.FLOOR, Mode.INVERT, Mode.FLOOR]
+    x = torch.randn(4, 8, 8, 8, dtype=torch.float64)
+    with chunk_budget(budget):
+        check_against_plain(seq, x, depth, tol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["revnext", "layerwise"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_floor_model_gradients_equal_plain_autograd(name, seed):
+    kwargs, size = MODEL_CONFIGS[name]
+    torch.manual_seed(seed)
+    model = randomize_(create_model(name, **kwargs), seed).double()
+    model.body.set_modes("floor")
+    assert (Mode.FLOOR in model.body.modes) == (name == "revnext")  # only hybrid blocks run floor
+    x = torch.randn(4, 3, size, size, dtype=torch.float64)
+    with chunk_budget(1 << 12):
+        check_against_plain(model, x, seed, tol=1e-10)
+
+
+def test_floor_float32_cosine():
+    torch.manual_seed(1)
+    model = create_model("revnext")
+    model.body.set_modes("floor")
+    x, u = torch.randn(4, 3, 32, 32), torch.randn(4, 10)
+    _, _, g_ref = loss_grads(model, x, u, reference=True, input_grad=False)
+    _, _, g = loss_grads(model, x, u, reference=False, input_grad=False)
+    for (n, _), a, b in zip(model.named_parameters(), g, g_ref):
+        assert cosine(a, b) >= 0.9999, f"{n}: cosine {cosine(a, b)}"
+
+
+def test_floor_on_a_generic_coupling_names_the_stage_and_its_modes():
+    seq, _ = mixed_stack(0)
+    modes = [str(m) for m in seq.modes]
+    modes[2] = "floor"  # a hybrid block: fine
+    seq.set_modes(modes)
+    modes[4] = "floor"  # a coupling of generic residual functions
+    with pytest.raises(ModeError) as info:
+        seq.set_modes(modes)
+    assert str(info.value) == ("stage 4 (Coupling) cannot run in floor mode; "
+                               "it supports recompute, store, store8, store4")
+    assert seq.modes[2] is Mode.FLOOR and seq.modes[4] is Mode.RECOMPUTE  # nothing half-applied
+    with pytest.raises(NotImplementedError):
+        seq.stages[4].floor_backward_(None, None, None, {})
+
+
+def test_floor_mode_peak_is_half_a_volume_below_invert():
+    inv = _hybrid_step(8, "invert")
+    flo = _hybrid_step(8, "floor")
+    v = flo["volume"]
+    # invert holds a copy of half the gradient at its peak; floor one slice of it (2 KiB here)
+    assert inv["peak"] - flo["peak"] >= 0.45 * v, (inv, flo)
+    assert flo["peak"] < 3.5 * v, flo
+    assert flo["after_forward"] == inv["after_forward"]
+    assert flo["after_step"] == inv["after_step"]
+
+
+def test_floor_bytes_predicted_on_fake_tensors_equal_the_measured():
+    """The fake-tensor prediction of a step in floor mode (what the planner and ``edgerev memory --fake``
+    use) is the byte count the tracker measures on real tensors."""
+    from edgerev.memory.measure import fake_step_peak, step_peak
+
+    torch.manual_seed(0)
+    model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1))
+    model.body.set_modes("floor")
+    modes = tuple(str(m) for m in model.body.modes)
+    with chunk_budget(1 << 12):
+        gc.collect()
+        measured = step_peak(model, 4, 32).peak_bytes
+        predicted = fake_step_peak(model, modes, 4, 32)
+    assert predicted == measured
+
+
+def test_planner_chooses_floor_when_the_cap_demands_it():
+    """A budget between the least-memory peak with floor and the least without it: every plan that fits
+    runs some stage in floor (bytes from fake tensors, seconds from FLOPs: nothing timed)."""
+    import dataclasses
+
+    from edgerev.memory.knapsack import plan, smallest_budget
+    from edgerev.memory.profile import estimate_profile
+
+    torch.manual_seed(0)
+    model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1))
+    with chunk_budget(1 << 12):
+        prof = estimate_profile(model, 32)
+        without = dataclasses.replace(prof, stages=[{m: c for m, c in s.items() if m != "floor"} for s in prof.stages])
+        low, high = smallest_budget(prof), smallest_budget(without)
+        assert high - low > 8 * 32 * 32 * 4 // 4, (low, high)  # a quarter of a volume at batch 1, at least
+        budget = (low + high) // 2
+        p = plan(prof, budget, batches=[1])
+    assert "floor" in p.modes and p.predicted_peak_bytes <= budget
+    model.body.set_modes(list(p.modes))

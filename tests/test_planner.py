@@ -389,7 +389,7 @@ def test_plan_model_rejects_a_budget_below_the_weights(cache):
     with pytest.raises(BudgetTooSmall) as info:
         plan_model(model, 16, 1000, profile=measured())
     # the figure named is the exact peak of batch 1 in the least-memory modes, and it is enough
-    assert info.value.smallest == fake_step_peak(model, minimal_modes(model), 1, 16)
+    assert info.value.smallest == fake_step_peak(model, minimal_modes(model, 16), 1, 16)
     fitted = plan_model(model, 16, info.value.smallest, profile=measured())
     assert fitted.plan.predicted_peak_bytes <= info.value.smallest
     assert verify(model, fitted.plan.modes, fitted.plan.batch, 16)["measured_peak_bytes"] <= info.value.smallest

@@ -34,6 +34,7 @@ from edgerev.errors import ExportError
 from edgerev.export.images import normalize
 from edgerev.export.metadata import ModelMeta, set_props
 from edgerev.export.runtime import first_line, inference_session
+from edgerev.models.head import ScaledLinear
 from edgerev.train.checkpoint import ModelInfo, load_model
 
 MAX_OPSET = 21
@@ -112,6 +113,9 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
     arch = getattr(model, "arch", info.arch)
     # a copy: eval() and tracing never touch the caller's model (its mode, its batch-norm statistics)
     model = copy.deepcopy(model).cpu().eval()
+    if isinstance(getattr(model, "head", None), ScaledLinear):
+        # the same logits from a plain Gemm(features, weight, bias): what head fine-tuning looks for
+        model.head = model.head.folded()
     example = torch.zeros(2, len(info.mean), info.input_size, info.input_size)
     if hasattr(model, "check_input"):
         model.check_input(example)  # one clear error for an input size the model cannot take

@@ -5,7 +5,7 @@ from edgerev.layers.base import Invertible, InvSequential, Tape, chunk_budget, r
 from edgerev.layers.conv import InvConv2d
 from edgerev.layers.coupling import Coupling, HybridBlock
 from edgerev.layers.norm import InvBatchNorm2d
-from edgerev.layers.pooling import BatchPool, ChannelPool, unpool_batch
+from edgerev.layers.pooling import POOLS, BatchPool, ChannelPool, global_pool, global_pool_grad, unpool_batch
 
 __all__ = [
     "BatchPool",
@@ -17,8 +17,11 @@ __all__ = [
     "InvLeakyReLU",
     "InvSequential",
     "Invertible",
+    "POOLS",
     "Tape",
     "chunk_budget",
+    "global_pool",
+    "global_pool_grad",
     "replaying",
     "unpool_batch",
 ]

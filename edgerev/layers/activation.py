@@ -24,6 +24,7 @@ class InvLeakyReLU(Invertible):
     """
 
     modes = ("invert", "recompute", "store")
+    per_sample = True
 
     def __init__(self, slope: float = 0.2) -> None:
         super().__init__()
@@ -43,7 +44,7 @@ class InvLeakyReLU(Invertible):
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
         return F.leaky_relu_(y, 1.0 / self.slope)
 
-    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
         for sl in batch_slices(y):
             gy[sl] = torch.ops.aten.leaky_relu_backward(gy[sl], y[sl], self.slope, True)
         return F.leaky_relu_(y, 1.0 / self.slope), gy

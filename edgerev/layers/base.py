@@ -55,9 +55,10 @@ def batch_slices(t: Tensor, width: float = 1.0) -> Iterator[slice]:
         yield slice(start, min(n, start + step))
 
 
-def add_grad(grads: Grads, p: nn.Parameter, g: Tensor) -> None:
-    """Accumulate ``g`` into the gradient of ``p`` kept in ``grads``."""
-    if not p.requires_grad:
+def add_grad(grads: Grads | None, p: nn.Parameter, g: Tensor) -> None:
+    """Accumulate ``g`` into the gradient of ``p`` kept in ``grads`` (None: a pass that wants no parameter
+    gradients)."""
+    if grads is None or not p.requires_grad:
         return
     if p in grads:
         grads[p].add_(g)
@@ -108,6 +109,8 @@ class Invertible(nn.Module):
 
     #: engine modes (``edgerev.engine.Mode`` values) this layer supports
     modes: tuple[str, ...] = ("invert", "recompute", "store")
+    #: True when ``backward_`` treats every sample alone, so it may run on any slice of the batch
+    per_sample: bool = False
 
     def inverse(self, y: Tensor) -> Tensor:
         """Out-of-place inverse; in training mode it uses the statistics of the last forward."""
@@ -120,7 +123,7 @@ class Invertible(nn.Module):
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
         raise NotImplementedError(f"{type(self).__name__} has no layer-wise backward")
 
     def _plain_tape(self) -> Tape:

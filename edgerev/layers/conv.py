@@ -27,6 +27,8 @@ class InvConv2d(Invertible):
         kernel_size: odd kernel size; padding keeps the resolution.
     """
 
+    per_sample = True
+
     def __init__(self, channels: int, kernel_size: int = 3) -> None:
         super().__init__()
         if channels % 2 or channels < 2:
@@ -70,15 +72,18 @@ class InvConv2d(Invertible):
             y1[sl].sub_(self._conv(y2[sl], wf))
         return y
 
-    def _conv_backward(self, gout: Tensor, inp: Tensor, w: nn.Parameter) -> tuple[Tensor, Tensor | None]:
+    def _conv_backward(self, gout: Tensor, inp: Tensor, w: nn.Parameter,
+                       want_gw: bool) -> tuple[Tensor, Tensor | None]:
         p = self.padding
         gin, gw, _ = torch.ops.aten.convolution_backward(
-            gout, inp, w.detach(), None, [1, 1], [p, p], [1, 1], False, [0, 0], 1, [True, w.requires_grad, False]
+            gout, inp, w.detach(), None, [1, 1], [p, p], [1, 1], False, [0, 0], 1,
+            [True, want_gw and w.requires_grad, False],
         )
         return gin, gw
 
-    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
         wf, wg = self.weight_f, self.weight_g
+        want_gw = grads is not None
         y1, y2 = halves(y)
         g1, g2 = halves(gy)
         dwf = dwg = None
@@ -87,13 +92,13 @@ class InvConv2d(Invertible):
             # of each input serves both the convolution and its backward)
             inp = y1[sl].contiguous()
             y2[sl].sub_(self._conv(inp, wg.detach()))
-            gin, gw = self._conv_backward(g2[sl], inp, wg)
+            gin, gw = self._conv_backward(g2[sl], inp, wg, want_gw)
             g1[sl].add_(gin)
             dwg = gw if dwg is None or gw is None else dwg.add_(gw)
             # y1 = x1 + f(x2): recover x1, then push the (total) y1 gradient through f
             inp = y2[sl].contiguous()
             y1[sl].sub_(self._conv(inp, wf.detach()))
-            gin, gw = self._conv_backward(g1[sl], inp, wf)
+            gin, gw = self._conv_backward(g1[sl], inp, wf, want_gw)
             g2[sl].add_(gin)
             dwf = gw if dwf is None or gw is None else dwf.add_(gw)
             del inp, gin

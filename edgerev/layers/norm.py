@@ -13,7 +13,7 @@ class InvBatchNorm2d(Invertible):
     r"""Batch norm whose scale is bounded away from zero, so it can be inverted.
 
     .. math::
-        s = \operatorname{sign}(\gamma)\,(|\gamma| + \epsilon_i), \qquad
+        s = |\gamma| + \epsilon_i, \qquad
         y = s\,\frac{x - \mu}{\sigma} + \beta, \qquad
         x = \frac{y - \beta}{s}\,\sigma + \mu
 
@@ -21,6 +21,10 @@ class InvBatchNorm2d(Invertible):
     estimates in eval mode). Only the per-channel :math:`\mu, \sigma` are kept for the backward;
     the normalized input :math:`\hat x = (y - \beta) / s` is recovered from the output. Running
     statistics are updated once per training forward and never while the engine replays.
+
+    The scale is the authors' ``|gamma| + eps_i``, continuous in ``gamma``. A signed variant,
+    ``sign(gamma) (|gamma| + eps_i)``, jumps by ``2 eps_i`` where ``gamma`` crosses zero: a step that
+    moves ``gamma`` across it changes the output by far more than the gradient predicts.
 
     Args:
         channels: number of channels.
@@ -45,9 +49,8 @@ class InvBatchNorm2d(Invertible):
         return f"{self.channels}, eps_i={self.eps_i}, momentum={self.momentum}"
 
     def scale(self) -> Tensor:
-        """The bounded scale ``s``; its derivative with respect to ``gamma`` is 1."""
-        sign = torch.where(self.weight.detach() >= 0, 1.0, -1.0).to(self.weight.dtype)
-        return self.weight + self.eps_i * sign
+        """The bounded scale ``s = |gamma| + eps_i``; its derivative with respect to ``gamma`` is ``sign(gamma)``."""
+        return self.weight.abs() + self.eps_i
 
     def _view(self, v: Tensor) -> Tensor:
         return v.view(1, -1, 1, 1)
@@ -93,37 +96,73 @@ class InvBatchNorm2d(Invertible):
         return x.mul_(self._view(a)).add_(self._view(self.bias.detach() - mean * a))
 
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
+        a, b = self.inverse_coefficients(tape)
+        return y.mul_(a).add_(b)
+
+    def inverse_coefficients(self, tape: Tape) -> tuple[Tensor, Tensor]:
+        """``(a, b)`` as ``[1, C, 1, 1]`` views with ``x = a y + b`` (computed once, applied to any slice)."""
         mean, sigma = self._stats(tape)
         a = sigma / self.scale().detach()
-        return y.mul_(self._view(a)).add_(self._view(mean - self.bias.detach() * a))
+        return self._view(a), self._view(mean - self.bias.detach() * a)
 
-    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
-        r"""Gradients from the output alone, with ``xhat = (y - beta) / s``:
-
-        .. math::
-            deta = \sum g, \quad d\gamma = \sum g \hat x, \quad
-            g_x = rac{s}{\sigma}\Big(g - rac{deta}{N} - \hat x rac{d\gamma}{N}\Big)
-
-        (training mode; in eval mode ``g_x = s g / \sigma``), written over ``gy`` in two passes,
-        while ``y`` becomes the input ``x = \sigma \hat x + \mu`` in place.
-        """
-        mean, sigma = self._stats(tape)
+    def grad_sums(self, y: Tensor, gy: Tensor) -> tuple[Tensor, Tensor]:
+        r"""``(dbeta, ds) = (sum g, sum g xhat)`` per channel over the samples given, from the output
+        ``y`` (``xhat = (y - beta) / s``) and its gradient ``g``: the gradients of the shift and of the
+        scale ``s`` (:meth:`weight_grad` turns ``ds`` into ``gamma``'s), and in training mode the only
+        two numbers per channel through which the backward couples the samples."""
         s, beta = self.scale().detach(), self.bias.detach()
         dbeta = gy.sum(dim=(0, 2, 3))
         gyy = torch.zeros_like(dbeta)
         for sl in batch_slices(y):
             gyy += (gy[sl] * y[sl]).sum(dim=(0, 2, 3))
-        dgamma = (gyy - beta * dbeta) / s
+        return dbeta, (gyy - beta * dbeta) / s
+
+    def weight_grad(self, ds: Tensor) -> Tensor:
+        """``gamma``'s gradient from the scale's: ``ds/dgamma = sign(gamma)`` (0 at ``gamma = 0``, as
+        autograd's ``abs`` has it)."""
+        return ds * self.weight.detach().sign()
+
+    def grad_coefficients(self, tape: Tape, sums: tuple[Tensor, Tensor], n: int) -> tuple[Tensor, Tensor, Tensor]:
+        r"""``(a, c, k)`` as ``[1, C, 1, 1]`` views with ``g_x = a g + c - k y``, given the whole batch's
+        ``sums`` (:meth:`grad_sums`) over ``n`` values per channel. Once they are known the map is per
+        sample, so it applies to any batch slice (:meth:`input_grad_`):
+
+        .. math::
+            a = \frac{s}{\sigma}, \qquad
+            k = \frac{a\,ds}{n s}, \qquad
+            c = a \Big(\frac{ds\,\beta}{n s} - \frac{d\beta}{n}\Big)
+
+        (training mode; eval mode's map is ``g_x = a g``, per sample anyway).
+        """
+        _, sigma = self._stats(tape)
+        s, beta = self.scale().detach(), self.bias.detach()
+        dbeta, ds = sums
         a = s / sigma
+        k = a * ds / (n * s)
+        return self._view(a), self._view(a * (ds * beta / (n * s) - dbeta / n)), self._view(k)
+
+    @staticmethod
+    def input_grad_(y: Tensor, gy: Tensor, coefficients: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """Write ``g_x = a g + c - k y`` over ``gy`` (:meth:`grad_coefficients`); ``y`` is the output."""
+        a, c, k = coefficients
+        torch.addcmul(c, gy, a, out=gy)
+        return gy.addcmul_(y, k, value=-1.0)
+
+    def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
+        r"""Gradients from the output alone, with ``xhat = (y - beta) / s``:
+
+        .. math::
+            d\beta = \sum g, \quad ds = \sum g \hat x, \quad d\gamma = \operatorname{sign}(\gamma)\, ds, \quad
+            g_x = \frac{s}{\sigma}\Big(g - \frac{d\beta}{N} - \hat x \frac{ds}{N}\Big)
+
+        (training mode; in eval mode ``g_x = s g / \sigma``), written over ``gy`` in two passes,
+        while ``y`` becomes the input ``x = \sigma \hat x + \mu`` in place.
+        """
+        dbeta, ds = self.grad_sums(y, gy)
         if self.training:
-            n = y.numel() // y.shape[1]
-            # g_x = a g - (a dgamma / (n s)) y + a (dgamma beta / (n s) - dbeta / n)
-            k = a * dgamma / (n * s)
-            const = a * (dgamma * beta / (n * s) - dbeta / n)
-            torch.addcmul(self._view(const), gy, self._view(a), out=gy)
-            gy.addcmul_(y, self._view(-k))
+            self.input_grad_(y, gy, self.grad_coefficients(tape, (dbeta, ds), y.numel() // y.shape[1]))
         else:
-            gy.mul_(self._view(a))
-        add_grad(grads, self.weight, dgamma)
+            gy.mul_(self._view(self.scale().detach() / self._stats(tape)[1]))
+        add_grad(grads, self.weight, self.weight_grad(ds))
         add_grad(grads, self.bias, dbeta)
         return self.inverse_(y, tape), gy

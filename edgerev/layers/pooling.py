@@ -8,6 +8,7 @@ batch slice instead of a second copy of the activation.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from edgerev.layers.base import Grads, Invertible, Tape, batch_slices, check_even
@@ -95,3 +96,39 @@ class BatchPool(_Pool):
 def unpool_batch(y: Tensor, samples: int) -> Tensor:
     """View a batch-pooled ``[P*B, C, h, w]`` as ``[B, P, C, h, w]`` (sample-major; no copy when contiguous)."""
     return y.reshape(samples, y.shape[0] // samples, *y.shape[1:])
+
+
+POOLS = ("mean", "max")
+
+
+def global_pool(y: Tensor, samples: int, kind: str) -> Tensor:
+    """Per-sample features ``[B, C]`` of a (possibly batch-pooled) ``[P*B, C, h, w]`` activation.
+
+    ``"mean"`` averages over space and the ``P`` sub-images; ``"max"`` takes their maximum (the
+    RevNeXt head: a global max over space and over the batch-pooled sub-images).
+    """
+    u = unpool_batch(y, samples)
+    if kind == "max":
+        return u.amax(dim=(1, 3, 4))
+    return u.mean(dim=(1, 3, 4))
+
+
+def global_pool_grad(y: Tensor, gout: Tensor, samples: int, kind: str) -> Tensor:
+    """The gradient of :func:`global_pool` with respect to ``y``, a new tensor shaped like ``y``.
+
+    ``"max"`` sends each feature's gradient to the maxima, split evenly among ties (as the backward
+    of ``amax`` does, so the engine and plain autograd agree); the masks are built a batch slice at a
+    time so that nothing but the result grows with the batch.
+    """
+    u = unpool_batch(y, samples)
+    b, per, c, h, w = u.shape
+    if kind != "max":
+        gy = (gout / (per * h * w)).view(b, 1, c, 1, 1).expand(b, per, c, h, w)
+        return gy.contiguous().view(y.shape)
+    gy = torch.empty_like(y)
+    gu = unpool_batch(gy, samples)
+    for sl in batch_slices(u):
+        hit = u[sl] == u[sl].amax(dim=(1, 3, 4), keepdim=True)
+        share = gout[sl].view(-1, 1, c, 1, 1) / hit.sum(dim=(1, 3, 4), keepdim=True)
+        torch.mul(hit, share, out=gu[sl])
+    return gy

@@ -78,6 +78,8 @@ def _stage_costs(stage: nn.Module, mode: Mode, v: _Vol) -> tuple[float, float, b
         return saved, 0.0, _saves_input(layers[0]) or isinstance(stage, Coupling)
     if mode is Mode.INVERT:
         return 0.0, (0.5 * out.units if isinstance(stage, HybridBlock) else 0.0), False
+    if mode is Mode.FLOOR:  # no copy of a gradient half: the activation and its gradient only
+        return 0.0, 0.0, False
     # recompute (Coupling.recompute_backward_): one residual function's graph at a time, its output
     # (half a volume), and gradients in flight between its nodes: the input and output gradient of
     # one node plus the half-volume result (1.5 volumes; this term is read off PyTorch's backward of

@@ -59,12 +59,18 @@ class _ModesSolver:
         self.profile = profile
 
     def floors(self) -> list[Proposal]:
-        """Batch 1 in the least-memory plan: per stage invert, else recompute, else a 4-bit copy."""
+        """Batch 1 in the least-memory plans: per stage floor, else invert, else recompute, else a 4-bit copy;
+        and the same without floor (whose batch slices of temporaries can outweigh the half-gradient copy it
+        saves when a whole activation is smaller than a slice). The floor is the least of them, exactly."""
         out = []
-        for stage in self.model.body.stages:
-            names = [m.value for m in supported_modes(stage)]
-            out.append(next(m for m in ("invert", "recompute", "store4") if m in names))
-        return [Proposal(1, tuple(out), None, 0, 0.0)]
+        for order in (("floor", "invert", "recompute", "store4"), ("invert", "recompute", "store4")):
+            modes = []
+            for stage in self.model.body.stages:
+                names = [m.value for m in supported_modes(stage)]
+                modes.append(next(m for m in order if m in names))
+            if not out or tuple(modes) != out[0].modes:
+                out.append(Proposal(1, tuple(modes), None, 0, 0.0))
+        return out
 
     def smallest(self) -> int:
         return smallest_budget(self.profile)
@@ -299,9 +305,11 @@ def plan_plain(model: nn.Module, size: int, budget: int, device: str = "cpu", st
                      tp.fitted_peak_bytes, tp.solve_seconds)
 
 
-def minimal_modes(model: nn.Module) -> tuple[str, ...]:
-    """Per stage, the mode that keeps least: invert, else recompute, else a 4-bit copy."""
-    return _ModesSolver(model, 0, "cpu", None, False).floors()[0].modes
+def minimal_modes(model: nn.Module, size: int) -> tuple[str, ...]:
+    """The modes of least exact peak at batch 1 among the least-memory candidates (per stage floor or invert,
+    else recompute, else a 4-bit copy)."""
+    floors = _ModesSolver(model, size, "cpu", None, False).floors()
+    return min(floors, key=lambda f: fake_step_peak(model, f.modes, 1, size)).modes
 
 
 def minimal_segments(model: nn.Module, size: int) -> tuple[tuple, int]:

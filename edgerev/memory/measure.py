@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgerev._torchapi import fake_mode, storage_bytes
-from edgerev.engine import Execution
+from edgerev.engine import Execution, Mode, supported_modes
+from edgerev.errors import ModeError
 from edgerev.memory.account import StepShape, account_step
 from edgerev.memory.tracker import CudaPeak, MemoryTracker
 from edgerev.models import create_model
@@ -79,6 +80,25 @@ def apply_plan(model: nn.Module, modes: tuple[str, ...] | None, segments: tuple 
     model.body.set_execution(Execution(segments=tuple(segments) if segments is not None else None))
 
 
+def set_modes(model: nn.Module, modes: str) -> None:
+    """Set engine modes from a command line's text: one mode for every stage that supports it (at least
+    one must), or a comma-separated mode per stage (each must be one its stage supports).
+
+    Raises:
+        ModeError: an unknown mode, a stage that cannot run its mode (named, with the modes it supports),
+            or a single mode no stage supports.
+    """
+    body = model.body
+    if "," in modes:
+        body.set_modes([m.strip() for m in modes.split(",")])
+        return
+    body.set_modes(modes)
+    if Mode(modes) not in body.modes:
+        allowed = sorted({m.value for s in body.stages for m in supported_modes(s)})
+        raise ModeError(f"no stage of {getattr(model, 'arch', type(model).__name__)} can run in {modes} mode; "
+                        f"its stages support {', '.join(allowed)}")
+
+
 @contextlib.contextmanager
 def _maybe_fake(fake: bool):
     if not fake:
@@ -107,7 +127,7 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
         if not fake:
             model = model.to(device)
         if modes is not None:
-            model.body.set_modes(modes)
+            set_modes(model, modes)
         params = sum(p.numel() for p in model.parameters())
         first = step_peak(model, batch, size, device)
         second = step_peak(model, 2 * batch, size, device)

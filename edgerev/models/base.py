@@ -24,13 +24,16 @@ class EngineModel(nn.Module):
         num_classes: outputs of the linear head.
         divisor: input height and width must be multiples of this (two per pooling).
         in_channels: channels of the input image.
+        pool: how the last activation becomes per-sample features: ``"mean"`` or ``"max"`` over
+            space and the batch-pooled sub-images (see :func:`edgerev.layers.global_pool`).
+        head: the head module (default: ``nn.Linear(features, num_classes)``).
     """
 
     def __init__(self, stages: Sequence[nn.Module], features: int, num_classes: int, divisor: int,
-                 in_channels: int = 3) -> None:
+                 in_channels: int = 3, pool: str = "mean", head: nn.Module | None = None) -> None:
         super().__init__()
-        self.body = InvertibleSequence(stages, pool="mean")
-        self.head = nn.Linear(features, num_classes)
+        self.body = InvertibleSequence(stages, pool=pool)
+        self.head = head if head is not None else nn.Linear(features, num_classes)
         self.divisor, self.in_channels, self.num_classes = divisor, in_channels, num_classes
 
     @property

@@ -13,9 +13,9 @@ from typing import Literal
 from edgerev.config import Pruned, check
 from edgerev.sizes import ByteSize
 
-SCHEDULES = ("onecycle", "constant")
+SCHEDULES = ("onecycle", "linear", "constant")
 FORMAT = 1  # the saved recipe's format: a file of a later format is refused, not misread
-MODES = ("auto", "plain", "invert", "recompute", "store", "store8", "store4")
+MODES = ("auto", "plain", "invert", "floor", "recompute", "store", "store8", "store4")
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,17 @@ class AugmentConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """SGD; ``lr`` is the peak of the one-cycle schedule (reached after ``warmup`` of the steps).
+    """SGD; ``lr`` is the peak of the schedule (reached after ``warmup`` of the steps).
 
-    ``clip_grad_norm``: scale each step's gradient down to this norm (None: never). RevNeXt at the
-    paper's peak lr 0.4 diverged on the generated data set without it (batch 256: the stem's output,
-    then every activation, grows without bound within 15 steps, in plain autograd as in the engine);
-    with a clip of 2 it trains. The presets that use lr >= 0.1 set it.
+    ``schedule``: ``onecycle`` (warm-up from ``lr/25``, cosine down), ``linear`` (the RevNeXt authors'
+    cycle: from 0 up to ``lr``, then straight down to 0; their CIFAR-10 runs: ``warmup: 0.1``, i.e. 5 of
+    50 epochs) or ``constant``.
+
+    ``clip_grad_norm``: scale each step's gradient down to this norm (None: never). edgerev's earlier
+    RevNeXt (a bare convolution as stem, a mean and a biased linear layer as head) diverged at the
+    paper's peak lr 0.4 without it (batch 256: the stem's output, then every activation, grew without
+    bound within 15 steps); the paper's stem and head remove the cause. The presets that use
+    lr >= 0.1 still set it.
     """
 
     lr: float = 0.4
@@ -112,7 +117,7 @@ class OptimConfig:
     nesterov: bool = True
     weight_decay: float = 5e-4
     label_smoothing: float = 0.0
-    schedule: Literal["onecycle", "constant"] = "onecycle"
+    schedule: Literal["onecycle", "linear", "constant"] = "onecycle"
     warmup: float = 0.25
     clip_grad_norm: float | None = None
 
@@ -182,12 +187,13 @@ class MemoryConfig:
     counts it: weights, gradients, optimizer state, the teacher, the batch and the planned micro-batch's
     activations. On CPU it bounds tensors, not the interpreter (see deploy/edgerev.service's
     ``MemoryMax=`` for the outer guard). ``mode``: ``auto``
-    lets the planner choose per-stage modes (the model's least-memory modes when there is no budget);
+    lets the planner choose per-stage modes (the model's default modes, ``invert`` where supported, when
+    there is no budget);
     ``plain`` trains through plain autograd; a mode name runs every stage in it. ``profile``: the
     planner's per-stage costs, ``measure``d once per model and size (cached) or ``estimate``d."""
 
     budget: ByteSize | None = None
-    mode: Literal["auto", "plain", "invert", "recompute", "store", "store8", "store4"] = "auto"
+    mode: Literal["auto", "plain", "invert", "floor", "recompute", "store", "store8", "store4"] = "auto"
     profile: Literal["measure", "estimate"] = "measure"
 
     def __post_init__(self) -> None:

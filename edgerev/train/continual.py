@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgerev.models.head import ScaledLinear
 from edgerev.train.checkpoint import CheckpointError, load_tensors, save_tensors
 from edgerev.train.labeled import LabeledImages
 
@@ -35,7 +36,10 @@ def grow_head(model: nn.Module, old: tuple[str, ...], new: tuple[str, ...]) -> N
     if len(new) == len(old):
         return
     head: nn.Linear = model.head
-    grown = nn.Linear(head.in_features, len(new), bias=head.bias is not None).to(head.weight.device)
+    if isinstance(head, ScaledLinear):  # keeps its kind: no bias, the same logit scale
+        grown: nn.Linear = head.resized(len(new))
+    else:
+        grown = nn.Linear(head.in_features, len(new), bias=head.bias is not None).to(head.weight.device)
     with torch.no_grad():
         grown.weight[: len(old)] = head.weight
         if head.bias is not None:

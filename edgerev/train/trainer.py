@@ -65,9 +65,16 @@ class RunResult:
 
 def lr_at(step: int, total: int, cfg) -> float:
     """One-cycle: linear warm-up from ``lr/25`` to ``lr`` over ``warmup`` of the steps, then cosine
-    annealing to ``lr/25e4`` (the shape of ``torch.optim.lr_scheduler.OneCycleLR``); or constant."""
+    annealing to ``lr/25e4`` (the shape of ``torch.optim.lr_scheduler.OneCycleLR``); linear: the RevNeXt
+    authors' piecewise-linear cycle, from 0 up to ``lr`` over ``warmup`` of the steps and straight back
+    down towards 0; or constant."""
     if cfg.schedule == "constant":
         return cfg.lr
+    if cfg.schedule == "linear":
+        rise = max(1, int(round(cfg.warmup * total)))
+        if step < rise:
+            return cfg.lr * step / rise
+        return cfg.lr * max(0.0, total - step) / max(1, total - rise)
     start, end = cfg.lr / 25, cfg.lr / 25e4
     rise = max(1, int(round(cfg.warmup * total)))
     if step < rise:
