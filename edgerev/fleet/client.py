@@ -13,8 +13,7 @@ one line in the device's log and an event in its store; the ClientApp raises, an
 error to the server, which leaves the device out of that round.
 
 Differential privacy (Flower's ``fixedclipping_mod``) applies to a train message when the server's
-strategy wrapper put a clipping norm in its config; SecAgg+ (``secaggplus_mod``) when the message is a
-stage of that protocol. One ClientApp serves every setting.
+strategy wrapper put a clipping norm in its config, so one ClientApp serves every setting.
 """
 
 from __future__ import annotations
@@ -89,7 +88,7 @@ def fleet_model(content: RecordDict, run_id: int, link: DeviceLink, what: str) -
         if ARRAYS not in content.array_records or CONFIG not in content.config_records:
             raise FleetError(f"the message lacks its {ARRAYS!r} or {CONFIG!r} record")
         config = dict(content.config_records[CONFIG])
-        unknown = sorted(k for k in config if k not in KNOWN_CONFIG and not k.startswith("secagg"))
+        unknown = sorted(k for k in config if k not in KNOWN_CONFIG)
         if unknown:
             raise FleetError(f"unknown keys in the fleet's config: {', '.join(unknown[:5])}")
         classes = config.get("classes")
@@ -120,8 +119,6 @@ def _when_clipping(msg: Message, context: Context, call_next) -> Message:
 
 def make_client_app(link_for: Callable[[Context], DeviceLink]) -> ClientApp:
     """A ClientApp whose device is ``link_for(context)``."""
-    from edgerev.fleet.secagg import when_secagg
-
     app = ClientApp()
 
     @app.query()
@@ -133,7 +130,7 @@ def make_client_app(link_for: Callable[[Context], DeviceLink]) -> ClientApp:
                                                           "class-counts": [counts[n] for n in names]})}),
                        reply_to=msg)
 
-    @app.train(mods=[when_secagg, _when_clipping])
+    @app.train(mods=[_when_clipping])
     def train(msg: Message, context: Context) -> Message:
         link = link_for(context)
         fm = fleet_model(msg.content, context.run_id, link, "round")

@@ -1,4 +1,4 @@
-"""The fleet's ServerApp: the class registry, FedAvg over the devices' rounds, DP and SecAgg+ as settings.
+"""The fleet's ServerApp: the class registry, FedAvg over the devices' rounds, DP as a setting.
 
 ``app`` is what a SuperLink runs (``flwr run``; ``[tool.flwr.app.components] serverapp =
 "edgerev.fleet.server:app"``); :func:`make_server_app` builds one that reports each round to a callback
@@ -53,10 +53,6 @@ def run_fleet(grid: Grid, settings: FleetSettings, on_round: RoundHook | None = 
             on_round(server_round, arrays, registry.classes[:rows])
         return None
 
-    if settings.secagg:
-        from edgerev.fleet.secagg import run_secagg
-
-        return run_secagg(grid, fleet, settings, initial_arrays(settings, registry.classes), config, evaluate_fn)
     return strategy.start(grid, initial_arrays(settings, registry.classes), num_rounds=settings.rounds,
                           timeout=settings.timeout, train_config=config, evaluate_config=ConfigRecord(dict(config)),
                           evaluate_fn=evaluate_fn)

@@ -20,9 +20,8 @@ class FleetSettings:
     trainable tensor); batch-norm statistics stay on the devices unless ``share_bn_stats`` (FedBN).
     ``local_epochs``: epochs of each device's round job. ``dp_clipping_norm`` > 0 turns on central DP with
     client-side fixed clipping (Flower's ``fixedclipping_mod`` and its strategy wrapper) with Gaussian noise
-    of ``dp_noise_multiplier`` x the norm / the devices sampled; ``secagg``: SecAgg+ masks each device's
-    update so the server sees only the sum. ``min_devices``: devices a round waits for; ``timeout``:
-    seconds a round waits for their replies (a device that has not answered by then is left out)."""
+    of ``dp_noise_multiplier`` x the norm / the devices sampled. ``min_devices``: devices a round waits for;
+    ``timeout``: seconds a round waits for their replies (a device that has not answered by then is left out)."""
 
     rounds: int = 3
     sharing: str = "all"
@@ -36,10 +35,6 @@ class FleetSettings:
     timeout: float = 3600.0
     dp_clipping_norm: float = 0.0
     dp_noise_multiplier: float = 0.0
-    secagg: bool = False
-    secagg_shares: int = 3
-    secagg_threshold: int = 2
-    secagg_clipping_range: float = 8.0
 
     def __post_init__(self) -> None:
         check(self.rounds >= 1, "rounds", f"must be at least 1, got {self.rounds}")
@@ -51,9 +46,6 @@ class FleetSettings:
         check(self.dp_noise_multiplier >= 0, "dp_noise_multiplier", f"must be >= 0, got {self.dp_noise_multiplier}")
         check(not (self.dp_noise_multiplier > 0 and self.dp_clipping_norm == 0), "dp_noise_multiplier",
               "needs dp_clipping_norm > 0 (noise is calibrated to the clipping norm)")
-        check(not (self.secagg and self.dp_clipping_norm > 0), "secagg",
-              "and client-side DP clipping cannot be combined in this version; choose one")
-        check(self.secagg_threshold >= 2, "secagg_threshold", f"must be at least 2, got {self.secagg_threshold}")
 
     @property
     def dp(self) -> bool:
