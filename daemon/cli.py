@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     requests = Requests()
     try:
         with handling({signal.SIGTERM: requests.ask_stop, signal.SIGINT: requests.ask_stop,
-                       signal.SIGHUP: requests.ask_reload}, ignore_after=(signal.SIGHUP,)):
+                       signal.SIGHUP: requests.ask_reload}, ignore_after=(signal.SIGHUP,), wakeup=requests.wakeup):
             config = _config(args)
             setup_logging(config.log_level)
             _serve(Daemon(config, config_path=args.config, requests=requests), args.poll)
@@ -54,10 +53,7 @@ def _http(daemon):
         return None
     from edgerev_daemon.http import StatusServer
 
-    server = StatusServer(daemon.config)
-    server.start()
-    logging.getLogger("edgerev.daemon").info("status page on http://%s:%d/", daemon.config.http.host, server.port)
-    return server
+    return StatusServer(daemon.config).start()  # which logs the one "status page on" line
 
 
 def cmd_once(args: argparse.Namespace) -> int:
@@ -67,8 +63,8 @@ def cmd_once(args: argparse.Namespace) -> int:
     setup_logging(config.log_level if not args.json else "WARNING")
     requests = Requests()
     try:
-        with handling({signal.SIGTERM: requests.ask_stop}), Daemon(config, config_path=args.config,
-                                                                    requests=requests) as daemon:
+        with (handling({signal.SIGTERM: requests.ask_stop}, wakeup=requests.wakeup),
+              Daemon(config, config_path=args.config, requests=requests) as daemon):
             report = daemon.cycle()
     finally:
         requests.close()

@@ -122,7 +122,9 @@ class TrainingConfig:
     ``optim``, ``continual``: as in a recipe (the daemon's defaults in :data:`TRAINING_DEFAULTS`).
     ``memory``: ``budget``, the hard cap on a job's training memory (bytes or ``"400MiB"``, read once
     into an int; null: none), and the planner's ``mode`` and ``profile``. ``device``: where jobs train.
-    The data, its size (``image_size``) and augmentation are the daemon's.
+    The data, its size (``image_size``) and augmentation are the daemon's. ``min_samples_per_label``: a
+    label with fewer training samples is held back (not trained as a class, not judged) and reported
+    until enough arrive.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -131,9 +133,12 @@ class TrainingConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     continual: ContinualConfig = field(default_factory=lambda: ContinualConfig(**TRAINING_DEFAULTS["continual"]))
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+    min_samples_per_label: int = 5
 
     def __post_init__(self) -> None:
         check(self.model.init is None, "model.init", "is the daemon's (the current version); leave it out")
+        check(self.min_samples_per_label >= 1, "min_samples_per_label",
+              f"must be at least 1, got {self.min_samples_per_label}")
 
 
 def _merged(defaults: dict, given) -> dict:

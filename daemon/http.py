@@ -30,6 +30,8 @@ import ipaddress
 import json
 import logging
 import math
+import os
+import re
 import socket
 import socketserver
 import sqlite3
@@ -50,6 +52,9 @@ log = logging.getLogger("edgerev.daemon.http")
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOW = "GET, HEAD"
+# a version name as the registry writes it and one of its pictures, nothing else
+_PICTURE = re.compile(r"/versions/(v\d{4,})/(curves|classes)\.png")
+_PICTURE_LIMIT = 16 * 1024 * 1024  # a plot is well under 1 MiB; a bigger file is not read whole
 _DRAIN_LIMIT = 64 * 1024  # request body bytes read (and dropped) before a 405, so the reply is not lost to a reset
 
 
@@ -144,6 +149,17 @@ def _family(name: str, kind: str, help_text: str, samples: Iterable[tuple[dict[s
     return lines
 
 
+_PROGRESS = (  # the running job's latest report: (its key, the metric, help); absent while no job trains
+    ("step", "edgerev_job_step", "Optimizer steps the running job has taken."),
+    ("total_steps", "edgerev_job_total_steps", "The running job's steps at its epoch maximum."),
+    ("epoch", "edgerev_job_epoch", "The running job's epoch (1-based)."),
+    ("epochs", "edgerev_job_epochs", "The running job's epoch maximum."),
+    ("loss", "edgerev_job_loss", "The running job's mean training loss since its previous report."),
+    ("val_acc", "edgerev_job_heldout_accuracy", "The running job's held-out accuracy at its last epoch (0..1)."),
+    ("eta_seconds", "edgerev_job_eta_seconds", "Seconds until the running job reaches its epoch maximum."),
+)
+
+
 def format_metrics(s: dict) -> str:
     """A :func:`~edgerev_daemon.status.status` snapshot in Prometheus text exposition format 0.0.4.
 
@@ -178,6 +194,10 @@ def format_metrics(s: dict) -> str:
                      [({}, float(accuracy))] if isinstance(accuracy, int | float) else [])
     lines += _family("edgerev_job_active", "gauge", "1 while a fine-tuning job is queued or running, else 0.",
                      [({}, 1 if job and job["state"] in ("queued", "running") else 0)])
+    progress = (job or {}).get("progress") or {}
+    for key, name, help_text in _PROGRESS:
+        value = progress.get(key)
+        lines += _family(name, "gauge", help_text, [({}, value)] if isinstance(value, int | float) else [])
     lines += _family("edgerev_jobs_failed_total", "counter", "Fine-tuning jobs that failed (of the latest 1000).",
                      [({}, s["jobs_failed"])])
     lines += _family("edgerev_store_rows", "gauge", "Rows per table of the store (events are pruned).",
@@ -193,7 +213,7 @@ _PAGE = """<!DOCTYPE html>
 <meta charset="utf-8">
 <meta http-equiv="refresh" content="30">
 <title>edgerev daemon</title>
-<style>body{{font-family:sans-serif;margin:1.5em}}pre{{background:#f4f4f4;padding:.8em}}
+<style>body{{font-family:sans-serif;margin:1.5em}}pre{{background:#f4f4f4;padding:.8em;white-space:pre-wrap}}
 td,th{{padding:.2em .8em;text-align:left}}</style>
 </head>
 <body>
@@ -203,31 +223,63 @@ td,th{{padding:.2em .8em;text-align:left}}</style>
 {versions}
 <h2>Recent events</h2>
 {events}
-<p><a href="/status.json">status.json</a> &middot; <a href="/metrics">metrics</a></p>
+<p>Times are the device's local time. <a href="/status.json">status.json</a> &middot; <a href="/metrics">metrics</a></p>
 </body>
 </html>
 """
+
+
+class _Links(tuple):
+    """A cell of links to paths of this server, ``(text, path)`` pairs (built here, never from stored text)."""
 
 
 def _table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
     rows = list(rows)
     if not rows:
         return "<p>none</p>"
-    cell = lambda tag, v: f"<{tag}>{html.escape('' if v is None else str(v))}</{tag}>"  # noqa: E731
+
+    def cell(tag: str, v: object) -> str:
+        if isinstance(v, _Links):
+            links = " ".join(f'<a href="{html.escape(p, quote=True)}">{html.escape(t)}</a>' for t, p in v)
+            return f"<{tag}>{links}</{tag}>"
+        return f"<{tag}>{html.escape('' if v is None else str(v))}</{tag}>"
+
     head = "<tr>" + "".join(cell("th", h) for h in header) + "</tr>"
     body = "".join("<tr>" + "".join(cell("td", v) for v in r) + "</tr>" for r in rows)
     return f"<table>{head}{body}</table>"
 
 
+def local_time(at: float | None) -> str:
+    """``2026-11-23 14:05:09 CET``: a stored time in the device's own time zone."""
+    if at is None:
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(at)).strip()
+
+
+def readable(message: object) -> str:
+    """An event's message as text: its ``message`` when that is all it says, else ``key: value`` pairs."""
+    if not isinstance(message, dict):
+        return str(message)
+    if set(message) == {"message"}:
+        return str(message["message"])
+    return "; ".join(f"{k}: {v if isinstance(v, str) else json.dumps(v, sort_keys=True)}"
+                     for k, v in sorted(message.items()))
+
+
 def format_html(s: dict) -> str:
-    """A :func:`~edgerev_daemon.status.status` snapshot as a small HTML page (every value escaped)."""
-    versions = _table(("version", "promoted", "on disk", "job", "reason"),
-                      ((v["version"], v["promoted"], v["on_disk"], v["job"], v["reason"])
+    """A :func:`~edgerev_daemon.status.status` snapshot as a small HTML page (every value escaped): the
+    summary, each version once (with links to its curves and per-class picture while its folder is on
+    disk), the events in local time."""
+    versions = _table(("version", "promoted", "job", "reason", "pictures"),
+                      ((v["version"], "yes" if v["promoted"] else "no", v["job"], v["reason"],
+                        _Links((n, f"/versions/{v['version']}/{n}.png") for n in ("curves", "classes"))
+                        if v["on_disk"] else "pruned")
                        for v in reversed(s["versions"][-20:])))
-    events = _table(("id", "at", "kind", "message"),
-                    ((e["id"], e["at"], e["kind"], json.dumps(e["message"], sort_keys=True))
+    events = _table(("at", "kind", "message"),
+                    ((local_time(e["at"]) + (f" (x{e['repeats']}, last {local_time(e['last_at'])})"
+                                             if e.get("repeats", 1) > 1 else ""), e["kind"], readable(e["message"]))
                      for e in reversed(s["events"])))
-    return _PAGE.format(summary=html.escape(format_status(s)), versions=versions, events=events)
+    return _PAGE.format(summary=html.escape(format_status(s, versions=False)), versions=versions, events=events)
 
 
 # server -------------------------------------------------------------------------------------------------
@@ -284,6 +336,8 @@ class _Handler(BaseHTTPRequestHandler):
             elif path == "/metrics":
                 if (s := self._snapshot(events=0)) is not None:
                     self._send(HTTPStatus.OK, format_metrics(s), METRICS_CONTENT_TYPE)
+            elif (m := _PICTURE.fullmatch(path)) is not None and (png := self._picture(*m.groups())) is not None:
+                self._send(HTTPStatus.OK, png, "image/png")
             else:
                 self._send(HTTPStatus.NOT_FOUND, "not found\n")
         except (BrokenPipeError, ConnectionResetError):
@@ -293,6 +347,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error (see the daemon's log)\n")
 
     do_HEAD = do_GET  # noqa: N815 (same headers, no body: see _send)
+
+    def _picture(self, version: str, name: str) -> bytes | None:
+        """A version's ``NAME.png``, or None (no such version or file on disk): the name matched
+        :data:`_PICTURE` and the file is opened without following a link out of the version folder."""
+        from edgerev_daemon.registry import Registry
+
+        folder = Registry(self.server.config.layout.root).path(version)
+        try:
+            fd = os.open(folder / f"{name}.png", os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(_PICTURE_LIMIT)
 
     def _not_allowed(self) -> None:
         length = self.headers.get("Content-Length", "")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,10 +24,12 @@ import torch
 from edgerev.train.config import AugmentConfig, DataConfig, RunConfig
 from edgerev.train.data import decode_image
 from edgerev.train.labeled import LabeledImages
+from edgerev.train.progress import Progress
 from edgerev.train.state import has_checkpoint
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.records import Job, Sample, Split
+from edgerev_daemon.schedule import held_back, listed
 from edgerev_daemon.store import Store
 
 
@@ -37,6 +39,7 @@ class JobOutcome:
     run_dir: Path
     reason: str = ""
     summary: dict | None = None
+    held_back: dict[str, int] = field(default_factory=dict)  # label -> its training samples (too few)
 
 
 def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[str]) -> LabeledImages:
@@ -67,31 +70,49 @@ def job_dir(config: DaemonConfig, job: Job) -> Path:
     return config.layout.root / "jobs" / f"job-{job.id:05d}"
 
 
-def job_data(store: Store, blobs: BlobStore, job: Job, base_batch: int) -> tuple[LabeledImages, LabeledImages]:
-    """(training samples new since ``base_batch``, held-out samples) up to the job's data."""
+def job_data(store: Store, blobs: BlobStore, job: Job, base_batch: int, known: Sequence[str] = (),
+             minimum: int = 1) -> tuple[LabeledImages, LabeledImages, dict[str, int]]:
+    """(training samples, held-out samples, held-back labels) up to the job's data.
+
+    The training samples are those new since ``base_batch`` plus, for a label the model in service does
+    not know (``known``: its classes), every earlier one: a label held back by earlier jobs brings all
+    its samples once it has ``minimum``. Held-back labels (:func:`held_back`) are left out of both.
+    """
     classes = store.labels()
-    train = store.samples(Split.TRAIN, after_batch=base_batch, upto_batch=job.data_batch_id)
-    held = store.samples(Split.HELDOUT, upto_batch=job.data_batch_id)
-    return load_samples(train, blobs, classes), load_samples(held, blobs, classes)
+    waiting = held_back(store, job.data_batch_id, minimum)
+    known = set(known)
+    train = [s for s in store.samples(Split.TRAIN, upto_batch=job.data_batch_id)
+             if s.label not in waiting and (s.batch_id > base_batch or s.label not in known)]
+    held = [s for s in store.samples(Split.HELDOUT, upto_batch=job.data_batch_id) if s.label not in waiting]
+    return load_samples(train, blobs, classes), load_samples(held, blobs, classes), waiting
 
 
 def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, current: Path | None,
-            base_batch: int, stop: Callable[[], bool]) -> JobOutcome:
+            base_batch: int, stop: Callable[[], bool],
+            report: Callable[[Progress], None] | None = None) -> JobOutcome:
     """Train (or resume) ``job``'s candidate from ``current`` (a version directory, or None).
 
     Args:
         base_batch: the last ingest batch the current version was trained on (0: none).
         stop: polled after every training step; the job checkpoints and returns ``"stopped"``.
+        report: called with the trainer's progress reports (each epoch's end, and every
+            ``training.train.progress_seconds`` within one); the latest is also in ``progress.json`` in the
+            job's folder, which ``status`` reads.
     """
     from edgerev.train.trainer import train
 
     out = job_dir(config, job)
-    train_new, held = job_data(store, blobs, job, base_batch)
+    known = _classes_of(current) if current is not None else ()
+    train_new, held, waiting = job_data(store, blobs, job, base_batch, known, config.training.min_samples_per_label)
     if len(train_new) == 0:
-        return JobOutcome("skipped", out, "no new training sample (every new sample is held out)")
+        why = "no new training sample (every new sample is held out" + (", or held back)" if waiting else ")")
+        return JobOutcome("skipped", out, why, held_back=waiting)
     present = train_new.present() if current is None else ()
     if current is None and len(present) < 2:
-        return JobOutcome("skipped", out, f"a first model needs two labels, the store has {list(present)}")
+        return JobOutcome("skipped", out, f"a first model needs two labels with at least "
+                          f"{config.training.min_samples_per_label} training samples each, the store has "
+                          f"{list(present)}" + (f" (held back: {listed(waiting)})" if waiting else ""),
+                          held_back=waiting)
     val = held if len(held) else None
     resume = has_checkpoint(out)
     if not resume and out.exists():
@@ -99,15 +120,24 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
     cfg = recipe(config, current)
     if val is not None and current is not None:
         # the held-out samples of labels the candidate will know; a label seen only in held-out is left out
-        known = tuple(dict.fromkeys([*_classes_of(current), *train_new.present()]))
+        known = tuple(dict.fromkeys([*known, *train_new.present()]))
         val = val.restrict([c for c in val.classes if c in known])
     elif val is not None:
         val = val.restrict(train_new.present())
-    result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False,
-                   data=(train_new, val if val is not None and len(val) else None))
+    if val is None or len(val) == 0:
+        val = None  # the trainer holds out data.val_fraction of the training samples
+        if cfg.train.patience is not None and len(train_new.held_out(cfg.data.val_fraction)[1]) == 0:
+            # too few samples to hold any out (the trainer's own split): no plateau to see, the maximum runs
+            cfg = replace(cfg, train=replace(cfg.train, patience=None))
+    source = (f"the daemon's store, job {job.id}: training samples of ingest batches {base_batch + 1}-"
+              f"{job.data_batch_id} (and earlier ones of labels new to the model in service), held-out samples "
+              f"up to batch {job.data_batch_id}")
+    result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False, report=report,
+                   data=(train_new, val), source=source)
     if result.status == "stopped":
-        return JobOutcome("stopped", out, f"stopped at step {result.step} of {result.total_steps}")
-    return JobOutcome("trained", out, "", result.summary)
+        return JobOutcome("stopped", out, f"stopped at step {result.step} of {result.total_steps}",
+                          held_back=waiting)
+    return JobOutcome("trained", out, "", result.summary, waiting)
 
 
 def _classes_of(model_dir: Path) -> tuple[str, ...]:

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerev.train.checkpoint import load_model
+from edgerev.train.evaluate import confusion as confusion_of
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages
 from edgerev_daemon.blobs import BlobStore
@@ -96,11 +98,7 @@ def score(model_dir: Path, groups: dict[str, LabeledImages]) -> Scores:
                 counts = per_class.setdefault(t, [0, 0])
                 counts[0] += p == t
                 counts[1] += 1
-            columns = list(dict.fromkeys([*known, *labels]))
-            matrix = [[0] * len(columns) for _ in labels]
-            for t, p in zip(truth, predicted):
-                matrix[labels.index(t)][columns.index(p)] += 1
-            confusion = {"labels": labels, "predicted": columns, "matrix": matrix}
+            confusion = confusion_of(truth, predicted, labels, list(dict.fromkeys([*known, *labels])))
     return Scores(acc, per_class, known, confusion, samples)
 
 
@@ -109,10 +107,13 @@ def accuracy(model_dir: Path, data: LabeledImages) -> float | None:
     return score(model_dir, {"all": data}).accuracy["all"]
 
 
-def held_out_groups(store: Store, blobs: BlobStore, job: Job, base_batch: int) -> dict[str, LabeledImages]:
-    """The held-out samples up to the job's data: ``old`` (up to ``base_batch``), ``new``, ``all``."""
+def held_out_groups(store: Store, blobs: BlobStore, job: Job, base_batch: int,
+                    held_back: Collection[str] = ()) -> dict[str, LabeledImages]:
+    """The held-out samples up to the job's data: ``old`` (up to ``base_batch``), ``new``, ``all``; none
+    of a ``held_back`` label (neither model was trained on it)."""
     classes = store.labels()
-    held: list[Sample] = store.samples(Split.HELDOUT, upto_batch=job.data_batch_id)
+    held: list[Sample] = [s for s in store.samples(Split.HELDOUT, upto_batch=job.data_batch_id)
+                          if s.label not in held_back]
     old = [s for s in held if s.batch_id <= base_batch]
     new = [s for s in held if s.batch_id > base_batch]
     return {"old": load_samples(old, blobs, classes), "new": load_samples(new, blobs, classes),
@@ -172,7 +173,7 @@ def judge(cand: Scores, cur: Scores | None, gate: Gate) -> Decision:
 
 
 VERSION_FILES = ("model.safetensors", "model.json", "replay.safetensors", "config.yaml", "summary.json",
-                 "curves.png", "metrics.jsonl")
+                 "curves.png", "classes.png", "metrics.jsonl")
 
 
 def version_files(run_dir: Path, onnx: Path, metrics: dict) -> dict[str, Path | bytes]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgerev_daemon.config import ScheduleConfig
-from edgerev_daemon.records import JobState
+from edgerev_daemon.records import JobState, Split
 from edgerev_daemon.store import Store
 
 
@@ -59,3 +59,18 @@ def next_job(store: Store, s: ScheduleConfig, now: float) -> Schedule:
     wait = "" if since is None else f", or {s.max_interval_seconds - (now - since):.0f} s"
     return Schedule(None, f"{n} new samples: {needed} more (schedule.min_new_samples {s.min_new_samples}){wait}",
                     n, needed)
+
+
+def held_back(store: Store, upto_batch: int | None, minimum: int) -> dict[str, int]:
+    """Labels with fewer than ``minimum`` training samples up to ``upto_batch``: label -> that count.
+
+    Such a label is not trained as a class (a class of one sample teaches the head nothing but that
+    sample) and its held-out samples are not judged; it waits, reported, until enough arrive, and is
+    then trained on every sample it has (see :func:`edgerev_daemon.jobs.job_data`).
+    """
+    return {label: n for label, n in store.label_counts(Split.TRAIN, upto_batch=upto_batch).items() if n < minimum}
+
+
+def listed(waiting: dict[str, int]) -> str:
+    """``cat (2), dog (0)``: held-back labels with their training samples (log, events, status alike)."""
+    return ", ".join(f"{label} ({n})" for label, n in waiting.items())

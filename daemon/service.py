@@ -36,6 +36,7 @@ from pathlib import Path
 
 from edgerev.errors import EdgerevError
 from edgerev.export.runtime import onnxruntime
+from edgerev.train.progress import Progress
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
@@ -49,7 +50,7 @@ from edgerev_daemon.promote import decide, export, held_out_groups, version_file
 from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
-from edgerev_daemon.schedule import next_job
+from edgerev_daemon.schedule import listed, next_job
 from edgerev_daemon.signals import Requests
 from edgerev_daemon.store import Store
 from edgerev_daemon.watch import InboxWatch
@@ -310,9 +311,12 @@ class Daemon:
         if done is not None:  # decided before a crash: finish that decision instead of deciding again
             return self._conclude(job, done, out, current_name)
         try:
-            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, self._alive)
+            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, self._alive,
+                              report=lambda p: self._progress(job.id, p))
         except (EdgerevError, OSError, RuntimeError) as e:
             return self._fail(job, f"training failed: {e}")
+        if outcome.held_back:
+            self._report_held_back(job.id, outcome.held_back)
         if outcome.status == "stopped":
             log.info("job %d %s; it resumes at the next start", job.id, outcome.reason)
             return {"job": job.id, "status": "stopped", "reason": outcome.reason}
@@ -321,16 +325,31 @@ class Daemon:
             self.store.add_event(EventKind.INFO, {"message": f"job {job.id} skipped: {outcome.reason}"})
             shutil.rmtree(out, ignore_errors=True)
             return {"job": job.id, "status": "skipped", "reason": outcome.reason}
-        groups = held_out_groups(self.store, self.blobs, job, base_batch)
+        groups = held_out_groups(self.store, self.blobs, job, base_batch, outcome.held_back)
         decision = decide(outcome.run_dir, current, groups, self.config.promotion.gate)
         summary = outcome.summary or {}
         metrics = {"data_batch_id": job.data_batch_id, "base_batch": base_batch, "promote": decision.promote,
                    "evaluation": decision.metrics, "classes": summary.get("classes"),
-                   "training": {k: summary.get(k) for k in ("steps", "train_samples", "forgetting", "plan")}}
+                   "training": {k: summary.get(k) for k in ("steps", "train_samples", "forgetting", "plan",
+                                                            "stopped_early")},
+                   "held_back": outcome.held_back}
         version = self.store.add_version(job.id, current_name, promoted=False, metrics=metrics, reason=decision.reason)
         log.info("job %d: candidate %s %s: %s", job.id, version.id,
                  "promoted" if decision.promote else "kept out", decision.reason)
         return self._conclude(job, version, out, current_name)
+
+    def _report_held_back(self, job_id: int, waiting: dict[str, int]) -> None:
+        minimum = self.config.training.min_samples_per_label
+        line = (f"job {job_id}: held back (fewer than {minimum} training samples): "
+                + listed(waiting))
+        log.info("%s", line)
+        self.store.add_event(EventKind.INFO, {"message": line})
+
+    def _progress(self, job_id: int, progress: Progress) -> None:
+        """A training report: one log line, and systemd's ``STATUS=``."""
+        line = f"job {job_id}: {progress.line()}"
+        log.info("%s", line)
+        self.notifier.status(line)
 
     def _version_of(self, job: Job) -> Version | None:
         found = [v for v in self.store.versions() if v.job_id == job.id]
@@ -414,6 +433,7 @@ class Daemon:
         """
         log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
         self.notifier.ready(f"serving {self.config.data_dir}")
+        self.notifier.watchdog()  # the first ping at once: a first cycle may stop before any wait
         while not self.stopping:
             if self.requests.reload:
                 self._apply_reload()

@@ -34,6 +34,11 @@ class Wakeup:
     def __init__(self) -> None:
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
+    @property
+    def write_fd(self) -> int:
+        """The pipe's non-blocking write end (for ``signal.set_wakeup_fd``)."""
+        return self._write
+
     def notify(self) -> None:
         """Wake the waiter; takes no lock and never blocks (a full pipe already holds a wake-up)."""
         try:
@@ -97,8 +102,8 @@ Handler = Callable[[], None]
 
 
 @contextmanager
-def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal.Signals, ...] = ()
-             ) -> Iterator[None]:
+def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal.Signals, ...] = (),
+             wakeup: Wakeup | None = None) -> Iterator[None]:
     """Install ``handlers`` (each called with no argument; it must only set flags and notify a
     :class:`Wakeup`) for the block, then put the previous ones back.
 
@@ -107,6 +112,11 @@ def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal
         ignore_after: signals ignored after the block instead of getting their previous handler back:
             a reload asked for while the service is already stopping has nothing left to reload, and
             the default action of SIGHUP would kill a process that is exiting cleanly.
+        wakeup: woken by the interpreter itself (``signal.set_wakeup_fd``) whichever thread a signal
+            lands in. Threads started before the block keep the signals unblocked (a BLAS library starts
+            its pool when numpy is imported): a signal delivered to one of them runs the Python handler
+            in the main thread only once that thread wakes, so without this a stop waited out the
+            whole poll interval.
 
     Also turns on ``siginterrupt(False)`` so a signal does not make a system call of another thread (the
     status page's) fail with EINTR; the main thread's ``poll`` is woken all the same (Linux never restarts
@@ -115,10 +125,13 @@ def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal
     previous = {}
     waiter = None
     blocked = None
+    old_fd = None
     try:
         for signum, fn in handlers.items():
             previous[signum] = signal.signal(signum, _call(fn))
             signal.siginterrupt(signum, False)
+        if wakeup is not None:
+            old_fd = signal.set_wakeup_fd(wakeup.write_fd, warn_on_full_buffer=False)
         # Then take the signals off every thread started from here on (threads inherit the mask) and
         # receive them in one thread with sigwait: no handler frame runs at all, so a storm of thousands
         # of signals cannot nest handlers inside the training step under way (a Python handler can be
@@ -131,6 +144,8 @@ def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal
     finally:
         for signum, old in previous.items():
             signal.signal(signum, signal.SIG_IGN if signum in ignore_after else old)
+        if old_fd is not None:
+            signal.set_wakeup_fd(old_fd)
         if waiter is not None:
             waiter.stop()
         if blocked is not None:

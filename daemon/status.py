@@ -14,7 +14,7 @@ from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
 from edgerev_daemon.records import JobState, Split
 from edgerev_daemon.registry import Registry, RegistryError
-from edgerev_daemon.schedule import next_job
+from edgerev_daemon.schedule import held_back, listed, next_job
 from edgerev_daemon.store import Store
 
 
@@ -87,6 +87,8 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             "samples": {"total": store.count_samples(), "train": store.count_samples(Split.TRAIN),
                         "heldout": store.count_samples(Split.HELDOUT)},
             "labels": store.labels(),
+            # too few training samples to be trained as a class yet: label -> its training samples
+            "labels_held_back": held_back(store, None, config.training.min_samples_per_label),
             "new_samples_since_last_job": store.new_samples_since_last_job(),
             "schedule": next_job(store, config.schedule, clock()).to_json(),
             "inbox_problems": store.inbox_problems(),
@@ -118,12 +120,28 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
 
 
 def _job(job) -> dict:
+    """A job as JSON; a running one with its trainer's latest report (``progress``: step, epoch, loss, ETA)."""
+    from edgerev.train.progress import read_progress  # no torch
+
+    running = job.state == JobState.RUNNING and job.checkpoint_dir
     return {"id": job.id, "state": job.state.value, "reason": job.reason, "started_at": job.started_at,
-            "finished_at": job.finished_at, "error": job.error}
+            "finished_at": job.finished_at, "error": job.error,
+            "progress": read_progress(job.checkpoint_dir) if running else None}
 
 
-def format_status(s: dict) -> str:
-    """The human-readable form of :func:`status` (``edgerev daemon status``)."""
+def progress_line(progress: dict | None) -> str | None:
+    """A job's progress report as the trainer prints it (None: none, or from another edgerev)."""
+    from edgerev.train.progress import Progress
+
+    try:
+        return Progress(**progress).line() if progress else None
+    except (TypeError, ValueError):
+        return None
+
+
+def format_status(s: dict, versions: bool = True) -> str:
+    """The human-readable form of :func:`status` (``edgerev daemon status``); ``versions``: list the last
+    five (the HTML page has a table of its own)."""
     lines = [f"data directory {s['data_dir']} (inbox {s['inbox']})",
              "daemon: " + (f"running, pid {s['daemon_pid']}" if s["daemon_pid"] else "not running"),
              f"samples: {s['samples']['total']} ({s['samples']['train']} train, {s['samples']['heldout']} held out), "
@@ -134,6 +152,9 @@ def format_status(s: dict) -> str:
     if disk.get("below_floor"):
         lines.append(f"disk: {disk['free_bytes']} bytes free, below storage.min_free_space "
                      f"({disk['min_free_bytes']}): ingest and training wait")
+    if waiting := s.get("labels_held_back"):
+        lines.append("labels held back (too few training samples yet): "
+                     + listed(waiting))
     for folder, error in s.get("inbox_problems", {}).items():
         lines.append(f"inbox folder {folder} skipped: {error}")
     cur = s["current"]
@@ -150,14 +171,21 @@ def format_status(s: dict) -> str:
         if per_class:
             lines.append("  per class: " + ", ".join(f"{c} {'-' if a is None else f'{100 * a:.0f} %'}"
                                                      for c, a in per_class.items()))
-    for v in s["versions"][-5:]:
+    for v in s["versions"][-5:] if versions else ():
         mark = "promoted" if v["promoted"] else "kept out"
         lines.append(f"  {v['version']} {mark}{'' if v['on_disk'] else ' (pruned)'}: {v['reason']}")
     if s["job"] is not None:
         j = s["job"]
-        lines.append(f"last job: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
+        what = "job" if j["state"] in ("queued", "running") else "last job"
+        lines.append(f"{what}: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
+        if (line := progress_line(j.get("progress"))) is not None:
+            lines.append(f"  {line}")
     sched = s.get("schedule") or {}
-    if sched.get("due"):
+    job = s.get("job") or {}
+    if job.get("state") in ("queued", "running"):  # the job above is the next one: not "due", under way
+        lines.append(f"next job: job {job['id']} " + ("runs now" if s.get("daemon_pid") else
+                                                       "resumes from its checkpoint at the next start"))
+    elif sched.get("due"):
         lines.append(f"next job: due now ({sched['due']})")
     elif sched.get("waiting"):
         lines.append(f"next job: not yet: {sched['waiting']}")

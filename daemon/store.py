@@ -256,6 +256,20 @@ class Store:
         where, args = self._filter(split, after_batch, upto_batch)
         return self._one("SELECT COUNT(*) FROM samples s" + where, args)[0]
 
+    def label_counts(self, split: Split | None = None, upto_batch: int | None = None) -> dict[str, int]:
+        """Samples per label in ``split`` from batches up to ``upto_batch``: every label, in arrival order
+        (0 for one with none there)."""
+        on, args = "", []
+        if split is not None:
+            on += " AND s.split = ?"
+            args.append(Split(split).value)
+        if upto_batch is not None:
+            on += " AND s.batch_id <= ?"
+            args.append(upto_batch)
+        rows = self._conn.execute("SELECT l.name, COUNT(s.sha256) FROM labels l LEFT JOIN samples s "
+                                  f"ON s.label_id = l.id{on} GROUP BY l.id ORDER BY l.id", args)
+        return {name: n for name, n in rows}
+
     def samples(self, split: Split | None = None, after_batch: int | None = None,
                 upto_batch: int | None = None) -> list[Sample]:
         """Samples in ``split``, from batches in ``(after_batch, upto_batch]``, in arrival order."""

@@ -2,9 +2,11 @@
 
 A *stored* segment runs under ordinary autograd; a *checkpoint* segment keeps only its input and is
 re-run with autograd in the backward (``torch.utils.checkpoint``, non-reentrant, without updating
-batch-norm running statistics a second time); a *store8*/*store4* segment keeps an 8- or 4-bit copy
-of its input instead (:mod:`edgerev.quantize`). A segment is anything with ``start``, ``end`` and
-``mode`` (:class:`edgerev.memory.costs.Segment`); this module imports nothing from the planner.
+batch-norm running statistics a second time); a *store8*/*store4* segment runs once under ordinary
+autograd, which keeps an 8- or 4-bit copy of each activation it saves (per-layer approximate
+activations, :mod:`edgerev.approximate`): nothing is re-run, so running statistics move once. A
+segment is anything with ``start``, ``end`` and ``mode`` (:class:`edgerev.memory.costs.Segment`); this
+module imports nothing from the planner.
 """
 
 from __future__ import annotations
@@ -16,28 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from edgerev import approximate
+from edgerev._torchapi import storage_key
 from edgerev.layers.base import replaying
-from edgerev.quantize import Quantized, dequantize, quantize
-
-
-class _QuantizedSegment(torch.autograd.Function):
-    """A segment kept as an 8/4-bit copy of its input and re-run with autograd in the backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, fn, modules, bits: int, *params: Tensor) -> Tensor:
-        ctx.q: Quantized = quantize(x.detach(), bits)
-        ctx.fn, ctx.modules, ctx.params = fn, modules, params
-        with torch.no_grad():
-            return fn(x)
-
-    @staticmethod
-    def backward(ctx, gy: Tensor):
-        xin = dequantize(ctx.q).requires_grad_()
-        del ctx.q
-        with torch.enable_grad(), _replaying_all(ctx.modules):
-            out = ctx.fn(xin)
-        grads = torch.autograd.grad(out, [xin, *ctx.params], gy, allow_unused=True)
-        return (grads[0], None, None, None, *grads[1:])
 
 
 @contextlib.contextmanager
@@ -65,6 +48,8 @@ def run_segments(stages: Sequence[nn.Module], segments: Sequence, x: Tensor) -> 
             x = checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False,
                            context_fn=lambda part=part: (contextlib.nullcontext(), _replaying_all(part)))
         else:
-            params = [p for m in part for p in m.parameters() if p.requires_grad]
-            x = _QuantizedSegment.apply(x, fn, part, 8 if seg.mode == "store8" else 4, *params)
+            # an input that needs no gradient is the image, which the caller holds anyway: saved exact
+            exact = [] if x.requires_grad else [storage_key(x)]
+            with approximate.saving(8 if seg.mode == "store8" else 4, part, exact):
+                x = fn(x)
     return x

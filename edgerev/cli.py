@@ -322,13 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train or fine-tune a model from a YAML recipe",
                        description="Train (or fine-tune from model.init, growing the head for new classes) as the "
-                                   "recipe says, under its memory budget. Writes the resolved config, metrics.jsonl, "
-                                   "checkpoints, curves.png and a model directory (model.safetensors + model.json) "
-                                   "to --out. SIGTERM or Ctrl-C stops at a step boundary with a checkpoint.")
+                                   "recipe says, under its memory budget, stopping on a held-out plateau when "
+                                   "train.patience is set. Writes the resolved config, metrics.jsonl, progress.json, "
+                                   "checkpoints, curves.png, classes.png and a model directory (model.safetensors + "
+                                   "model.json) to --out. Progress goes to stderr: a bar on a terminal, otherwise one "
+                                   "line per epoch and every train.progress_seconds. SIGTERM or Ctrl-C stops at a "
+                                   "step boundary with a checkpoint.")
     t.add_argument("--config", help="the recipe (YAML); see configs/")
     t.add_argument("--out", required=True, help="output folder of the run")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines")
     t.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     t.set_defaults(fn=cmd_train)
 

@@ -137,9 +137,19 @@ def from_dict(cls: type[T], data: Any, key: str = "") -> T:
         raise
 
 
+class Pruned:
+    """A config section some of whose fields mean nothing in some cases (a folder source has no noise):
+    :func:`to_dict` writes only :meth:`saved_fields`, so a saved config says only what was used."""
+
+    def saved_fields(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self))
+
+
 def to_dict(cfg) -> dict:
-    """Plain data (lists for tuples) of a config dataclass."""
+    """Plain data (lists for tuples) of a config dataclass (of a :class:`Pruned` one, its saved fields)."""
     def plain(v):
+        if isinstance(v, Pruned):
+            return {name: plain(getattr(v, name)) for name in v.saved_fields()}
         if dataclasses.is_dataclass(v):
             return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         if isinstance(v, (tuple, list)):

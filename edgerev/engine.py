@@ -11,12 +11,16 @@ mode       forward keeps                           backward does
 invert     nothing                                 block inverse, then layer-wise inverses (hybrid)
 recompute  nothing                                 block inverse, then autograd on the recomputed stage
 store      the stage's autograd graph (its input)  ordinary backward of the stage
-store8     an 8-bit copy of the stage input        autograd on the stage recomputed from the copy
-store4     a 4-bit copy (two codes per byte)       the same; approximate gradients
+store8     an 8-bit copy of each layer's saved input autograd's backward, each layer from its own copy
+store4     the same at 4 bits (two codes per byte) the same; approximate gradients
 ========== ======================================= =================================================
 
-With ``store8``/``store4`` the forward stays exact; the earlier stages then rebuild their inputs
-from the dequantized copy, so its error reaches their gradients too (see :mod:`edgerev.quantize`).
+With ``store8``/``store4`` (Chakrabarti & Moseley, :mod:`edgerev.approximate`) the forward is exact and
+runs once (batch-norm statistics move once); ReLU and leaky-ReLU masks are exact, and one layer's
+approximation never reaches another layer's copy. Only the parameter gradients (and batch norm's
+variance term) read the copies. When the stage before needs this stage's input to rebuild itself
+(``invert``, ``recompute``), an invertible stage rebuilds it from its exact output with its inverse;
+any other stage then also keeps its input in float32.
 
 How a sequence runs besides its modes is one :class:`Execution` value, given whole (never four
 flags set one by one from other modules): plain autograd (the reference for every gradient test and
@@ -38,13 +42,13 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from edgerev import approximate
 from edgerev._torchapi import storage_key
 from edgerev.errors import ModeError, NonFiniteError
 from edgerev.layers.base import Grads, Invertible, Tape, add_grads, is_fake, replaying
 from edgerev.layers.coupling import Coupling
 from edgerev.layers.norm import InvBatchNorm2d
 from edgerev.layers.pooling import unpool_batch
-from edgerev.quantize import bn_range, dequantize, quantize
 
 
 class Mode(str, enum.Enum):
@@ -95,8 +99,8 @@ def _parse_mode(value: Mode | str) -> Mode:
 def supported_modes(stage: nn.Module) -> tuple[Mode, ...]:
     """Modes a stage can run in: invertible layers declare theirs, anything else is ``store`` only.
 
-    Every stage also runs in ``store8`` and ``store4``: the backward recomputes it with autograd
-    from the dequantized copy of its input.
+    Every stage also runs in ``store8`` and ``store4``: its autograd forward keeps an 8- or 4-bit copy
+    of each activation it saves (:mod:`edgerev.approximate`).
     """
     return (*(Mode(m) for m in getattr(stage, "modes", ("store",))), Mode.STORE8, Mode.STORE4)
 
@@ -152,9 +156,13 @@ class InvertibleSequence(nn.Module):
             raise ModeError(f"got {len(modes)} modes for {len(self.stages)} stages")
         parsed = []
         for i, (stage, m) in enumerate(zip(self.stages, modes)):
-            m = _parse_mode(m)
+            ok = ", ".join(x.value for x in supported_modes(stage))
+            try:
+                m = Mode(m)
+            except ValueError:
+                name = type(stage).__name__
+                raise ModeError(f"stage {i} ({name}) cannot run in mode {m!r}; it supports {ok}") from None
             if m not in supported_modes(stage):
-                ok = ", ".join(x.value for x in supported_modes(stage))
                 raise ModeError(f"stage {i} ({type(stage).__name__}) cannot run in {m.value} mode; it supports {ok}")
             parsed.append(m)
         self._modes = parsed
@@ -194,12 +202,27 @@ def _pool(y: Tensor, samples: int) -> Tensor:
     return unpool_batch(y, samples).mean(dim=(1, 3, 4))
 
 
-def _quant_range(seq: InvertibleSequence, i: int) -> tuple[Tensor, Tensor] | None:
-    """The paper's range after a batch norm (from its scale and shift); None: measure the batch."""
-    prev = seq.stages[i - 1] if i > 0 else None
-    if isinstance(prev, InvBatchNorm2d):
-        return bn_range(prev.scale().detach(), prev.bias.detach())
-    return None
+def _hands_back(seq: InvertibleSequence) -> list[bool]:
+    """Per stage: must its backward hand its exact input to the stage before (which rebuilds from it)?
+
+    ``invert`` and ``recompute`` rebuild a stage's input from its output; ``store`` keeps its input
+    anyway. An approximate invertible stage that must hand its input back inverts its own output, so
+    it needs its output handed to it in turn.
+    """
+    out, uses_output = [], False
+    for stage, mode in zip(seq.stages, seq._modes):
+        back = uses_output
+        out.append(back)
+        uses_output = mode in (Mode.INVERT, Mode.RECOMPUTE) or (
+            mode.bits is not None and back and isinstance(stage, Invertible))
+    return out
+
+
+def _record_stats(stage: nn.Module, tape: Tape) -> None:
+    """Put the batch statistics an autograd forward of ``stage`` measured on ``tape`` (for its inverse)."""
+    for m in stage.modules():
+        if isinstance(m, InvBatchNorm2d) and m.training and m._last_stats is not None:
+            tape.stats[m] = m._last_stats
 
 
 def _stage_params(stage: nn.Module) -> list[nn.Parameter]:
@@ -211,7 +234,8 @@ class _Engine(torch.autograd.Function):
     def forward(ctx, x: Tensor, seq: InvertibleSequence, samples: int, *params: nn.Parameter) -> Tensor:
         run = seq.execution
         tape = Tape(probe=run.probe)
-        stored: dict[int, tuple[Tensor, Tensor]] = {}
+        stored: dict[int, object] = {}
+        back = _hands_back(seq)
         h = x
         for i, (stage, mode) in enumerate(zip(seq.stages, seq._modes)):
             if mode is Mode.STORE:
@@ -233,17 +257,28 @@ class _Engine(torch.autograd.Function):
                 if in_place_next and (key in saved or key == storage_key(xin) or not h.is_contiguous()):
                     # the next stage overwrites h: never the stage's saved tensors or its input
                     h = h.clone(memory_format=torch.contiguous_format)
+            elif mode.bits is not None:
+                # the image (a first stage's input that needs no gradient) is held by the caller: kept exact
+                exact = {storage_key(x)} if i == 0 and not x.requires_grad else set()
+                out, kept = approximate.forward(stage, h, mode.bits, i > 0 or ctx.needs_input_grad[0], exact)
+                if back[i] and isinstance(stage, Invertible):
+                    _record_stats(stage, tape)  # the backward inverts the stage to hand its input back
+                elif back[i]:
+                    kept.input = h
+                stored[i] = kept
+                nxt = i + 1
+                in_place_next = nxt < len(seq.stages) and seq._modes[nxt] is not Mode.STORE and isinstance(
+                    seq.stages[nxt], Invertible)
+                if in_place_next and (storage_key(out) in (storage_key(h), storage_key(x)) or not out.is_contiguous()):
+                    out = out.clone(memory_format=torch.contiguous_format)  # never overwrite a kept input
+                h = out
             else:
-                if mode.bits is not None:
-                    stored[i] = quantize(h, mode.bits, _quant_range(seq, i))
-                if not isinstance(stage, Invertible):  # a plain module kept as an 8/4-bit input copy
-                    h = stage(h)
-                    continue
                 if (h is x and not run.owns_buffers) or not h.is_contiguous():
                     h = h.clone(memory_format=torch.contiguous_format)  # never overwrite the caller's tensor
                 h = stage.forward_(h, tape)
         check_finite(h, "the output of the invertible sequence (diverged weights or a bad input)")
         ctx.seq, ctx.tape, ctx.stored, ctx.samples, ctx.params = seq, tape, stored, samples, params
+        ctx.back = back
         ctx.used = False
         if seq.pool:
             ctx.y = h  # never handed out, so the backward may overwrite it
@@ -279,7 +314,7 @@ class _Engine(torch.autograd.Function):
                 gy = gout.clone(memory_format=torch.contiguous_format)
         tape.replay = True
         grads: Grads = {}
-        stored = ctx.stored
+        stored, back = ctx.stored, ctx.back
         for i in reversed(range(len(seq.stages))):
             stage, mode = seq.stages[i], seq._modes[i]
             with replaying(stage):
@@ -287,10 +322,15 @@ class _Engine(torch.autograd.Function):
                     xin, out = stored.pop(i)
                     y, gy = _autograd_backward(stage, xin, out, gy, grads)
                 elif mode.bits is not None:
-                    xin = dequantize(stored.pop(i)).requires_grad_(i > 0 or ctx.needs_input_grad[0])
-                    with torch.enable_grad():
-                        out = stage(xin)
-                    y, gy = _autograd_backward(stage, xin, out, gy, grads)
+                    kept = stored.pop(i)
+                    gy = approximate.backward(kept, gy, grads)
+                    if kept.input is not None:
+                        y = kept.input
+                    elif back[i]:
+                        y = stage.inverse_(y, tape)
+                    else:
+                        y = None  # the stage before keeps what it needs
+                    del kept
                 elif mode is Mode.RECOMPUTE and isinstance(stage, Coupling):
                     y, gy = stage.recompute_backward_(y, gy, tape, grads)
                 elif mode is Mode.RECOMPUTE:
@@ -302,7 +342,7 @@ class _Engine(torch.autograd.Function):
                     y = x
                 else:
                     y, gy = stage.backward_(y, gy, tape, grads)
-            if tape.probe is not None:
+            if tape.probe is not None and y is not None:
                 tape.probe(stage, y)
             if gy is None:
                 break

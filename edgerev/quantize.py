@@ -1,11 +1,14 @@
 """Approximate activation storage (Chakrabarti & Moseley): a sign-preserving 8- or 4-bit copy.
 
-The forward stays exact; only the copy kept for the backward pass is quantized. Each value keeps
-its sign (one bit) and a magnitude on ``2**(bits-1)`` levels per channel, reconstructed at the
-middle of its bin and never at zero, so ``x > 0`` holds for the copy exactly when it holds for
-the original: leaky-ReLU and ReLU gradients computed from the copy are exact. Magnitudes are
-clipped to a per-channel range: from the batch-norm scale and shift that produced the tensor when
-there is one (``beta +/- k |s|``), else measured on the batch. Four-bit codes are packed two per
+The forward stays exact; only the copy kept for the backward pass is quantized. The ``2**bits`` codes
+of a channel are split between the two signs in proportion to their ranges (at least one code each):
+``P`` codes for ``(0, hi]`` and ``N`` for ``[-lo, 0]``, each value reconstructed at the middle of its
+bin and never at zero, so ``x > 0`` holds for the copy exactly when it holds for the original: ReLU
+and leaky-ReLU gradients computed from the copy are exact (the sign is one bit of information the
+code carries). A ReLU output (``lo = 0``) thus gets ``2**bits - 1`` levels for its positive values
+and one code for its zeros; a centred batch-norm output about half the codes per sign, as the
+paper's uniform grid aligned on zero. Ranges are per channel: the batch's largest value of each sign,
+or a given range (values beyond it are clipped to its end bins). Four-bit codes are packed two per
 byte, so the kept copy is an eighth of the float32 tensor.
 """
 
@@ -26,6 +29,7 @@ class Quantized:
     codes: Tensor
     pos: Tensor  # [C] upper end of the positive range
     neg: Tensor  # [C] upper end of the negative magnitudes
+    neg_codes: Tensor  # [C] codes given to values <= 0 (the others go to positive values)
     bits: int
     shape: torch.Size
     dtype: torch.dtype
@@ -54,6 +58,13 @@ def _view(v: Tensor, dim: int) -> Tensor:
     return v.view(1, -1, *([1] * (dim - 2)))
 
 
+def split_codes(hi: Tensor, lo: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """Codes per channel for positive values and for the others, in proportion to the two ranges."""
+    total = 2**bits
+    positive = (total * hi / (hi + lo)).round_().clamp_(1, total - 1)
+    return positive, total - positive
+
+
 def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None) -> Quantized:
     """Sign-preserving ``bits``-bit copy of ``x`` (``bits`` is 8 or 4); ``x`` is left untouched."""
     if bits not in (8, 4):
@@ -63,28 +74,29 @@ def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None) -> 
     hi, lo = channel_range(x) if rng is None else rng
     # a range of 0 would put a whole sign at zero on the way back: keep every range positive
     floor = torch.finfo(x.dtype).eps
-    hi, lo = hi.clamp_min(floor), lo.clamp_min(floor)
-    levels = 2 ** (bits - 1)
-    tiny = torch.finfo(x.dtype).tiny
-    inv_hi = _view(levels / hi.clamp_min(tiny), x.dim())
-    inv_lo = _view(levels / lo.clamp_min(tiny), x.dim())
+    hi, lo = hi.to(x.dtype).clamp_min(floor), lo.to(x.dtype).clamp_min(floor)
+    npos, nneg = split_codes(hi, lo, bits)
+    dim = x.dim()
+    inv_hi, inv_lo = _view(npos / hi, dim), _view(nneg / lo, dim)
+    top_pos, top_neg = _view(npos - 1, dim), _view(nneg - 1, dim)
+    first_pos = _view(nneg, dim)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     for sl in batch_slices(x):
         xs = x[sl]
         positive = xs > 0
-        mag = torch.where(positive, xs * inv_hi, -xs * inv_lo).floor_().clamp_(0, levels - 1)
-        codes[sl] = (mag + positive * levels).to(torch.uint8)
+        up = (xs * inv_hi).floor_().clamp_(min=0).minimum(top_pos).add_(first_pos)
+        down = (xs * -inv_lo).floor_().clamp_(min=0).minimum(top_neg)
+        codes[sl] = torch.where(positive, up, down).to(torch.uint8)
     if bits == 4:
         flat = codes.view(-1)
         if flat.numel() % 2:
             flat = torch.cat([flat, flat.new_zeros(1)])
         codes = flat[0::2] | (flat[1::2] << 4)
-    return Quantized(codes, hi, lo, bits, x.shape, x.dtype)
+    return Quantized(codes, hi, lo, nneg.to(torch.uint8), bits, x.shape, x.dtype)
 
 
 def dequantize(q: Quantized) -> Tensor:
     """Float tensor of the original shape: each code at the middle of its bin, with its sign."""
-    levels = 2 ** (q.bits - 1)
     codes = q.codes
     if q.bits == 4:
         n = 1
@@ -94,11 +106,14 @@ def dequantize(q: Quantized) -> Tensor:
     codes = codes.view(q.shape)
     out = torch.empty(q.shape, dtype=q.dtype, device=codes.device)
     dim = len(q.shape)
-    step_hi = _view(q.pos / levels, dim).to(q.dtype)
-    step_lo = _view(q.neg / levels, dim).to(q.dtype)
+    nneg = q.neg_codes.to(q.dtype)
+    npos = 2**q.bits - nneg
+    step_hi, step_lo = _view(q.pos / npos, dim), _view(q.neg / nneg, dim)
+    first_pos = _view(q.neg_codes, dim)
     for sl in batch_slices(out):
         c = codes[sl]
-        positive = c >= levels
-        mag = (c - positive.to(torch.uint8) * levels).to(q.dtype) + 0.5
-        out[sl] = torch.where(positive, mag * step_hi, -mag * step_lo)
+        positive = c >= first_pos
+        up = (c - first_pos).to(q.dtype).add_(0.5).mul_(step_hi)
+        down = c.to(q.dtype).add_(0.5).mul_(-step_lo)
+        out[sl] = torch.where(positive, up, down)
     return out

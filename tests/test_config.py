@@ -7,7 +7,7 @@ from edgerev.train.config import RunConfig, load_config
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"trian": {}}, "trian: unknown key; expected one of model, data"),
+    ({"trian": {}}, "trian: unknown key; expected one of format, model, data"),
     ({"train": {"epochs": "ten"}}, "train.epochs: expected int, got str 'ten'"),
     ({"train": {"epochs": 2.5}}, "train.epochs: expected int, got float 2.5"),
     ({"train": {"epochs": True}}, "train.epochs: expected int, got bool True"),

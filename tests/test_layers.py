@@ -393,7 +393,10 @@ def _stats(module: nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("modes", ["invert", "recompute", "store",
                                    ["store", "invert", "recompute", "invert", "store", "recompute", "invert"],
-                                   ["recompute", "store", "store", "recompute", "invert", "store", "recompute"]])
+                                   ["recompute", "store", "store", "recompute", "invert", "store", "recompute"],
+                                   "store8", "store4",
+                                   ["invert", "store8", "recompute", "store4", "invert", "store8", "recompute"],
+                                   ["store4", "recompute", "store8", "invert", "store8", "store4", "invert"]])
 def test_running_stats_updated_once_per_step(modes):
     seq = _bn_stack()
     seq.set_modes(modes)

@@ -49,3 +49,27 @@ def test_without_evaluations_the_axis_is_the_step(tmp_path):
         plt.close(fig)
     plot_run(rows(continual=False), {}, tmp_path / "c.png", title="t")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_per_class_picture_names_every_class_and_counts_each_cell(tmp_path):
+    from edgerev.train.evaluate import confusion
+    from edgerev.train.plots import classes_figure, plot_classes
+
+    truth = ["cat"] * 4 + ["dog"] * 3 + ["eel"] * 2
+    predicted = ["cat"] * 3 + ["dog"] + ["dog"] * 3 + ["cat", "cat"]  # eel: none right
+    ev = {"per_class": {"cat": 0.75, "dog": 1.0, "eel": 0.0}, "confusion": confusion(truth, predicted,
+                                                                                     ["cat", "dog", "eel"])}
+    assert ev["confusion"]["matrix"] == [[3, 1, 0], [0, 3, 0], [2, 0, 0]]
+    fig = classes_figure(ev, "t")
+    try:
+        ax_acc, ax_conf = fig.axes[:2]
+        assert [t.get_text() for t in ax_acc.get_yticklabels()] == ["cat (4)", "dog (3)", "eel (2)"]
+        assert [round(b.get_width(), 2) for b in ax_acc.patches] == [0.75, 1.0, 0.0]
+        texts = [t.get_text().strip() for t in ax_acc.texts]
+        assert texts == ["75 %", "100 %", "0 %"]
+        assert sorted(t.get_text() for t in ax_conf.texts) == ["1", "2", "3", "3"]  # the non-zero cells
+        assert [t.get_text() for t in ax_conf.get_xticklabels()] == ["cat", "dog", "eel"]
+    finally:
+        plt.close(fig)
+    plot_classes(ev, tmp_path / "classes.png")
+    assert (tmp_path / "classes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

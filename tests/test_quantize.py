@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgerev import approximate
 from edgerev.engine import InvertibleSequence, plain
 from edgerev.layers import InvBatchNorm2d, InvLeakyReLU
 from edgerev.memory.profile import stage_inputs
@@ -29,15 +30,24 @@ def sample(shape, seed: int = 0, dtype: torch.dtype = torch.float32, zeros: floa
     return x.to(dtype)
 
 
+def codes_of(hi: torch.Tensor, lo: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documented split: ``2**bits`` codes shared by the signs in proportion to their ranges, one at least."""
+    total = 2**bits
+    npos = (total * hi / (hi + lo)).round().clamp(1, total - 1)
+    return npos, total - npos
+
+
 def reference(x: torch.Tensor, bits: int, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The documented rule, element by element: the middle of the bin on ``2**(bits-1)`` levels, signed."""
-    levels = 2 ** (bits - 1)
+    """The documented rule, element by element: the middle of the bin of its sign's share of the codes."""
     shape = (1, -1, *([1] * (x.dim() - 2)))
-    tiny = torch.finfo(x.dtype).tiny
-    inv_hi, inv_lo = (levels / hi.clamp_min(tiny)).view(shape), (levels / lo.clamp_min(tiny)).view(shape)
+    eps = torch.finfo(x.dtype).eps
+    hi, lo = hi.clamp_min(eps), lo.clamp_min(eps)
+    npos, nneg = (c.view(shape) for c in codes_of(hi, lo, bits))
+    hi, lo = hi.view(shape), lo.view(shape)
     pos = x > 0
-    mag = torch.where(pos, x * inv_hi, -x * inv_lo).floor().clamp(0, levels - 1) + 0.5
-    return torch.where(pos, mag * (hi / levels).view(shape), -mag * (lo / levels).view(shape))
+    up = (x * npos / hi).floor().clamp(min=0).minimum(npos - 1) + 0.5
+    down = (-x * nneg / lo).floor().clamp(min=0).minimum(nneg - 1) + 0.5
+    return torch.where(pos, up * hi / npos, -down * lo / nneg)
 
 
 # ---- the quantizer ---------------------------------------------------------------------------------------------
@@ -74,9 +84,10 @@ def test_error_is_at_most_half_a_bin(bits, dtype):
     q = quantize(x, bits)
     hi, lo = channel_range(x)
     assert torch.equal(q.pos, hi) and torch.equal(q.neg, lo)
-    levels = 2 ** (bits - 1)
+    npos, nneg = codes_of(hi, lo, bits)
+    assert bool((npos + nneg == 2**bits).all()) and bool((npos >= 1).all()) and bool((nneg >= 1).all())
     view = (1, -1, 1, 1)
-    half = torch.where(x > 0, (hi / levels).view(view), (lo / levels).view(view)) / 2
+    half = torch.where(x > 0, (hi / npos).view(view), (lo / nneg).view(view)) / 2
     dq = dequantize(q)
     slack = 4 * torch.finfo(dtype).eps * x.abs().amax()
     assert bool(((dq - x).abs() <= half + slack).all())
@@ -111,9 +122,9 @@ def test_values_are_clipped_to_the_given_range(bits):
     torch.testing.assert_close(lo, torch.tensor([0.3, 1.5, 1.0]))
     x = sample((4, 3, 5, 5), 4) * 4.0  # well outside the range
     dq = dequantize(quantize(x, bits, (hi, lo)))
-    levels = 2 ** (bits - 1)
-    top = ((levels - 0.5) / levels * hi).view(1, 3, 1, 1).expand_as(x)
-    bottom = ((levels - 0.5) / levels * lo).view(1, 3, 1, 1).expand_as(x)
+    npos, nneg = codes_of(hi, lo, bits)
+    top = ((npos - 0.5) / npos * hi).view(1, 3, 1, 1).expand_as(x)
+    bottom = ((nneg - 0.5) / nneg * lo).view(1, 3, 1, 1).expand_as(x)
     assert torch.equal(dq > 0, x > 0)
     assert bool((dq <= top + 1e-6).all()) and bool((-dq <= bottom + 1e-6).all())
     above, below = x > top, x < -bottom
@@ -147,10 +158,13 @@ def test_four_bit_codes_are_packed_two_per_byte(numel_shape):
     hi, lo = channel_range(x)
     torch.testing.assert_close(dequantize(q4), reference(x, 4, hi, lo), rtol=0, atol=1e-6)
     # and two 4-bit codes in a byte are the low and high nibble of consecutive elements
-    levels, tiny, view = 8, torch.finfo(x.dtype).tiny, (1, -1, *[1] * (x.dim() - 2))
-    inv_hi, inv_lo = (levels / hi.clamp_min(tiny)).view(view), (levels / lo.clamp_min(tiny)).view(view)
-    mag = torch.where(x > 0, x * inv_hi, -x * inv_lo)
-    codes = (mag.floor().clamp(0, levels - 1) + (x > 0) * levels).to(torch.uint8).flatten()
+    view = (1, -1, *[1] * (x.dim() - 2))
+    eps = torch.finfo(x.dtype).eps
+    hi, lo = hi.clamp_min(eps), lo.clamp_min(eps)
+    npos, nneg = (c.view(view) for c in codes_of(hi, lo, 4))
+    up = (x * npos / hi.view(view)).floor().clamp(min=0).minimum(npos - 1) + nneg  # positives after the others
+    down = (-x * nneg / lo.view(view)).floor().clamp(min=0).minimum(nneg - 1)
+    codes = torch.where(x > 0, up, down).to(torch.uint8).flatten()
     if n % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
     assert torch.equal(q4.codes.flatten(), codes[0::2] | (codes[1::2] << 4))
@@ -199,17 +213,30 @@ def kept_bytes(model, x: torch.Tensor, mode: str) -> int:
     return kept
 
 
-def test_store4_keeps_less_than_store8_less_than_store():
+def test_store4_keeps_less_than_store8_less_than_store(monkeypatch):
     torch.manual_seed(0)
     model = create_model("revnext", **SMALL)
     batch, size = 4, 16
     x = torch.randn(batch, 3, size, size)
-    kept = {m: kept_bytes(model, x, m) for m in ("store", "store8", "store4", "invert")}
+    copies: list = []
+
+    def spy(t, bits, rng=None):
+        copies.append(quantize(t, bits, rng))
+        return copies[-1]
+
+    monkeypatch.setattr(approximate, "quantize", spy)
+    kept, numels = {}, {}
+    for m in ("store", "store8", "store4", "invert"):
+        copies.clear()
+        kept[m] = kept_bytes(model, x, m)
+        numels[m] = [math.prod(q.shape) for q in copies]
     assert kept["invert"] < kept["store4"] < kept["store8"] < kept["store"], kept
-    # the difference is exactly the codes: one byte per element of every stage input, or half a byte (rounded up)
-    numels = [batch * math.prod(s) for s in stage_inputs(model, size)]
-    assert kept["store8"] - kept["store4"] == sum(numels) - sum(math.ceil(n / 2) for n in numels)
-    # and an 8-bit copy of every stage input is at least 3 times smaller than their autograd graphs
+    # one copy per saved activation of every layer, the same ones at either precision
+    assert numels["store8"] == numels["store4"] and len(numels["store8"]) > len(stage_inputs(model, size))
+    # the difference is exactly the codes: one byte per element of every copy, or half a byte (rounded up)
+    n = numels["store8"]
+    assert kept["store8"] - kept["store4"] == sum(n) - sum(math.ceil(k / 2) for k in n)
+    # and 8-bit copies of every layer's saved activations are at least 3 times smaller than the graphs
     assert kept["store8"] * 3 < kept["store"]
 
 

@@ -46,13 +46,19 @@ def test_a_run_writes_its_folder_and_learns(tmp_path):
     r = run(tmp_path)
     out = r.out
     assert r.status == "done" and r.step == r.total_steps == 3 * (256 // 32)
-    for name in ("config.yaml", "metrics.jsonl", "model.safetensors", "model.json", "summary.json", "curves.png"):
+    for name in ("config.yaml", "metrics.jsonl", "model.safetensors", "model.json", "summary.json", "curves.png",
+                 "classes.png", "progress.json"):
         assert (out / name).is_file(), name
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [row for row in rows if row["kind"] == "eval"]
     assert [e["epoch"] for e in evals] == [1, 2, 3]
     assert r.summary["final"]["acc"] > 0.6  # four classes: chance is 0.25
+    conf = r.summary["final"]["confusion"]
+    assert conf["labels"] == conf["predicted"] == ["class0", "class1", "class2", "class3"]
+    assert sum(map(sum, conf["matrix"])) == r.summary["val_samples"]
+    right = [conf["matrix"][i][i] / sum(row) for i, row in enumerate(conf["matrix"]) if sum(row)]
+    assert right == [r.summary["final"]["per_class"][c] for c in conf["labels"] if c in r.summary["final"]["per_class"]]
     model, info, sha = load_model(out)
     assert info.classes == ("class0", "class1", "class2", "class3") and info.input_size == 16
     assert sha == r.summary["weights_sha256"]

@@ -3,9 +3,10 @@
 A plain model's stages form a linear graph ``x_0 -> stage_0 -> x_1 -> ... -> x_n``. A plan keeps some
 vertices and splits the chain into segments between them. A *stored* segment keeps its autograd
 graph from the forward to the backward (fastest); a *checkpoint* segment keeps only its input
-``x_i`` (in float32, or as an 8- or 4-bit copy) and is re-run with autograd in the backward, once,
-just before its gradients are needed (``torch.utils.checkpoint`` with ``use_reentrant=False`` for
-float32 inputs). During the backward of a segment the memory is what the earlier segments keep plus
+``x_i`` and is re-run with autograd in the backward, once, just before its gradients are needed
+(``torch.utils.checkpoint`` with ``use_reentrant=False``); a *store8*/*store4* segment keeps its
+graph with every saved activation as an 8- or 4-bit copy (:mod:`edgerev.approximate`), re-running
+nothing. During the backward of a segment the memory is what the earlier segments keep plus
 the segment's own graph plus the gradient at its output, which is Re-forwarding's cost model for a
 linear graph. Re-forwarding minimizes that peak; here the same segment structure is chosen to
 minimize the step time under the budget, exactly, by a dynamic program over (stage, bytes kept).
@@ -23,7 +24,8 @@ from edgerev.errors import EdgerevError
 from edgerev.memory.costs import BudgetTooSmall, Segment, SegmentPlan, StageStats
 
 SEGMENT_MODES = ("store", "checkpoint", "store8", "store4")
-_KEPT_BYTES_PER_ELEMENT = {"checkpoint": None, "store8": 1.0, "store4": 0.5}
+#: bytes an approximate segment keeps per float32 byte of its graph (the 1-d statistics stay exact: rounding)
+_APPROXIMATE_FRACTION = {"store8": 1 / 4, "store4": 1 / 8}
 
 
 def _segment_cost(stats: Sequence[StageStats], i: int, j: int, mode: str,
@@ -32,12 +34,11 @@ def _segment_cost(stats: Sequence[StageStats], i: int, j: int, mode: str,
     graph = sum(s.graph_bytes for s in stats[i:j]) + stats[i].input_bytes  # the input is saved too
     if mode == "store":
         return graph, 0.0, 0.0
-    per = _KEPT_BYTES_PER_ELEMENT[mode]
-    kept = stats[i].input_bytes if per is None else stats[i].input_elements * per
-    recompute = sum(s.forward_seconds.at(batch) for s in stats[i:j])
-    if per is not None:
-        recompute += 2 * batch * stats[i].input_bytes / 4e9  # quantize and dequantize, memory bound
-    return kept, graph, recompute
+    if mode == "checkpoint":
+        return stats[i].input_bytes, graph, sum(s.forward_seconds.at(batch) for s in stats[i:j])
+    # one layer's copy at a time comes back in float32 during the backward
+    extra = max(s.input_bytes for s in stats[i:j])
+    return graph * _APPROXIMATE_FRACTION[mode], extra, 2 * batch * graph / 4e9  # quantize, dequantize: memory bound
 
 
 def solve_segments(stats: Sequence[StageStats], cap_per_sample: float, modes: Sequence[str] = SEGMENT_MODES,

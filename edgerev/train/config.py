@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from edgerev.config import check
+from edgerev.config import Pruned, check
 from edgerev.sizes import ByteSize
 
 SCHEDULES = ("onecycle", "constant")
+FORMAT = 1  # the saved recipe's format: a file of a later format is refused, not misread
 MODES = ("auto", "plain", "invert", "recompute", "store", "store8", "store4")
 
 
@@ -34,16 +35,18 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class SourceConfig:
+class SourceConfig(Pruned):
     """Where images come from.
 
     ``synthetic``: the generated set (``samples`` from index ``start``, ``num_classes``, ``classes``
     subset, ``seed``: the classes' identity, ``noise``); the same seed at another ``start`` gives
     other samples of the same classes; ``folder``: ``path/<class>/<image>``; ``cifar10``: the binary version at ``path``
-    (``split`` train or test).
+    (``split`` train or test); ``provided``: ``samples`` images a program gave the trainer (a daemon
+    job's store), said in ``description``: written in a run's saved recipe, never read from a file.
+    A saved recipe holds only the fields of its source's kind.
     """
 
-    kind: Literal["synthetic", "folder", "cifar10"] = "synthetic"
+    kind: Literal["synthetic", "folder", "cifar10", "provided"] = "synthetic"
     path: str | None = None
     samples: int = 2000
     num_classes: int = 10
@@ -52,6 +55,12 @@ class SourceConfig:
     start: int = 0
     noise: float = 40.0
     split: Literal["train", "test"] = "train"
+    description: str | None = None
+
+    def saved_fields(self) -> tuple[str, ...]:
+        return {"synthetic": ("kind", "samples", "num_classes", "classes", "seed", "start", "noise"),
+                "folder": ("kind", "path"), "cifar10": ("kind", "path", "split"),
+                "provided": ("kind", "samples", "description")}[self.kind]
 
     def __post_init__(self) -> None:
         if self.kind in ("folder", "cifar10"):
@@ -120,16 +129,21 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """``batch``: samples per optimizer step (split into micro-batches when the cap needs it);
-    ``checkpoint_every``: steps between checkpoints (and at each epoch's end). ``threads``: the CPU
-    threads training uses (null: one fewer than the cores this process may run on, at least one: a
-    device usually also serves predictions)."""
+    """``epochs``: the number of epochs, or with ``patience`` their maximum; ``patience``: stop once
+    this many epochs in a row bring no held-out gain (null: run every epoch; see
+    :class:`edgerev.train.progress.Plateau`); ``batch``: samples per optimizer step (split into
+    micro-batches when the cap needs it); ``checkpoint_every``: steps between checkpoints (and at each
+    epoch's end); ``progress_seconds``: within an epoch, seconds between progress lines (one is printed
+    at every epoch's end). ``threads``: the CPU threads training uses (null: one fewer than the cores
+    this process may run on, at least one: a device usually also serves predictions)."""
 
     epochs: int = 10
+    patience: int | None = None
     batch: int = 128
     seed: int = 0
     checkpoint_every: int = 50
     log_every: int = 10
+    progress_seconds: float = 60.0
     eval_batch: int = 256
     threads: int | None = None
 
@@ -137,6 +151,9 @@ class TrainConfig:
         for name in ("epochs", "batch", "checkpoint_every", "log_every", "eval_batch"):
             value = getattr(self, name)
             check(value >= 1, name, f"must be at least 1, got {value}")
+        check(self.patience is None or self.patience >= 1, "patience",
+              f"must be at least 1 epoch (or null: no early stopping), got {self.patience}")
+        check(self.progress_seconds > 0, "progress_seconds", f"must be positive, got {self.progress_seconds}")
         if self.threads is not None:
             cores = available_cores()
             check(1 <= self.threads <= cores, "threads",
@@ -206,8 +223,9 @@ class ContinualConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """A whole training recipe."""
+    """A whole training recipe; ``format``: the version of this layout (saved with every run)."""
 
+    format: int = FORMAT
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
@@ -216,6 +234,11 @@ class RunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     continual: ContinualConfig = field(default_factory=ContinualConfig)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+
+    def __post_init__(self) -> None:
+        check(self.format <= FORMAT, "format", f"{self.format} is newer than this edgerev reads ({FORMAT}): "
+              "upgrade edgerev")
+        check(self.format >= 1, "format", f"must be at least 1, got {self.format}")
 
 
 def load_config(path) -> RunConfig:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,8 @@ def evaluate(model: nn.Module, data: LabeledImages, info: ModelInfo, device: str
         data = data.relabel(info.classes)
     logits = predict_logits(model, data, info, device, batch)
     if len(data) == 0:
-        return {"samples": 0, "loss": None, "acc": None, "old_acc": None, "new_acc": None, "per_class": {}}
+        return {"samples": 0, "loss": None, "acc": None, "old_acc": None, "new_acc": None, "per_class": {},
+                "confusion": confusion([], [], info.classes)}
     correct = logits.argmax(1) == data.labels
     is_old = torch.tensor([c in set(old) for c in info.classes])[data.labels]
     per_class = {c: _accuracy(correct, data.labels == k) for k, c in enumerate(info.classes)}
@@ -54,4 +55,18 @@ def evaluate(model: nn.Module, data: LabeledImages, info: ModelInfo, device: str
         "old_acc": _accuracy(correct, is_old),
         "new_acc": _accuracy(correct, ~is_old),
         "per_class": {c: a for c, a in per_class.items() if a is not None},
+        "confusion": confusion([info.classes[k] for k in data.labels.tolist()],
+                               [info.classes[k] for k in logits.argmax(1).tolist()], info.classes),
     }
+
+
+def confusion(truth: Sequence[str], predicted: Sequence[str], labels: Sequence[str],
+              columns: Sequence[str] | None = None) -> dict:
+    """``{"labels", "predicted", "matrix"}``: ``matrix[i][j]`` counts samples of ``labels[i]`` predicted as
+    ``columns[j]`` (default: the labels; a model may predict classes the data lacks, and the reverse)."""
+    labels = list(labels)
+    columns = labels if columns is None else list(columns)
+    matrix = [[0] * len(columns) for _ in labels]
+    for t, p in zip(truth, predicted, strict=True):
+        matrix[labels.index(t)][columns.index(p)] += 1
+    return {"labels": labels, "predicted": list(columns), "matrix": matrix}

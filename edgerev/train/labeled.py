@@ -131,5 +131,8 @@ def load_source(cfg, size: int) -> LabeledImages:
         return data
     if cfg.kind == "folder":
         return _stack(ImageFolder(cfg.path, size), size)
+    if cfg.kind == "provided":
+        raise DataError(f"a provided source ({cfg.description or 'images a program gave'}) is not read from a "
+                        "recipe: give its images to train(data=...), or a synthetic, folder or cifar10 source")
     ds = CIFAR10Binary(cfg.path, train=cfg.split == "train")
     return LabeledImages(ds.images, ds.labels, ds.classes).resized(size)

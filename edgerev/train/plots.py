@@ -31,17 +31,67 @@ def _legend_below(ax) -> None:
 
 def plot_run(rows: list[dict], plan: dict, path: str | Path, title: str = "") -> None:
     """Write ``path`` (PNG): the :func:`figure` of a run's metrics rows and memory plan."""
+    _save(figure(rows, plan, title), path)
+
+
+def _save(fig, path: str | Path) -> None:
     from io import BytesIO
 
     import matplotlib.pyplot as plt
 
     from edgerev.atomic import atomic_write
 
-    fig = figure(rows, plan, title)
     buf = BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     atomic_write(path, buf.getvalue())
+
+
+def plot_classes(evaluation: dict, path: str | Path, title: str = "") -> None:
+    """Write ``path`` (PNG): the :func:`classes_figure` of an evaluation (:func:`edgerev.train.evaluate.evaluate`)."""
+    _save(classes_figure(evaluation, title), path)
+
+
+def classes_figure(evaluation: dict, title: str = ""):
+    """Per-class accuracy (one bar per class, its held-out samples beside it) and the confusion matrix
+    (rows: the true class, columns: the predicted one; each cell's count written in it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conf = evaluation["confusion"]
+    labels, columns, matrix = conf["labels"], conf["predicted"], conf["matrix"]
+    n = len(labels)
+    fig, (ax_acc, ax_conf) = plt.subplots(1, 2, figsize=(6 + 0.5 * n, 1.8 + 0.45 * n),
+                                          gridspec_kw={"width_ratios": [1, 1.3]})
+    per_class = evaluation.get("per_class", {})
+    samples = [sum(row) for row in matrix]
+    values = [per_class.get(c) for c in labels]
+    ax_acc.barh(range(n), [v or 0.0 for v in values],
+                color=["#c92a2a" if v == 0 else "#1971c2" for v in values])
+    ax_acc.set_yticks(range(n), [f"{c} ({k})" for c, k in zip(labels, samples, strict=True)], fontsize=8)
+    for i, v in enumerate(values):
+        ax_acc.text(min(v or 0.0, 0.98), i, "no samples" if v is None else f" {100 * v:.0f} %", va="center",
+                    ha="right" if (v or 0) > 0.5 else "left", fontsize=7, color="white" if (v or 0) > 0.5 else "black")
+    ax_acc.set_xlim(0, 1)
+    ax_acc.invert_yaxis()
+    ax_acc.set_xlabel("accuracy (held-out samples)")
+    most = max((max(row) for row in matrix if row), default=0)
+    ax_conf.imshow(matrix or [[0]], cmap="Blues", vmin=0, vmax=max(1, most), aspect="auto")
+    for i, row in enumerate(matrix):
+        for j, k in enumerate(row):
+            if k:
+                ax_conf.text(j, i, str(k), ha="center", va="center", fontsize=7,
+                             color="white" if k > most / 2 else "black")
+    ax_conf.set_yticks(range(n), labels, fontsize=8)
+    ax_conf.set_xticks(range(len(columns)), columns, fontsize=8, rotation=60, ha="right")
+    ax_conf.set_xlabel("predicted")
+    ax_conf.set_ylabel("true")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
 
 
 def figure(rows: list[dict], plan: dict, title: str = ""):

@@ -6,9 +6,10 @@
 - ``metrics.jsonl``: one JSON object per logged step (``"kind": "train"``) and per evaluation
   (``"kind": "eval"``);
 - ``checkpoints/``: the latest step's weights and optimizer state (:mod:`edgerev.train.state`);
+- ``progress.json``: the latest progress report (:mod:`edgerev.train.progress`), for status readers;
 - at the end, ``model.safetensors`` + ``model.json`` (a model directory, see
-  :mod:`edgerev.train.checkpoint`), ``replay.safetensors`` when replay is on, ``summary.json`` and
-  ``curves.png``.
+  :mod:`edgerev.train.checkpoint`), ``replay.safetensors`` when replay is on, ``summary.json`` (with the
+  final per-class accuracy and confusion matrix), ``curves.png`` and ``classes.png`` (the same as a picture).
 
 Everything random is a function of the seed and the step: the weights' initialization, each
 epoch's order, each step's augmentation. A run resumed from a checkpoint therefore takes the same
@@ -36,11 +37,12 @@ from edgerev.errors import EdgerevError, NonFiniteError
 from edgerev.memory.cap import train_step
 from edgerev.train.augment import Augment
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
-from edgerev.train.config import RunConfig, default_threads
+from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev.train.memory import loss_of, plan_memory
+from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
 from edgerev.train.state import has_checkpoint, load_checkpoint, save_checkpoint
 
 CONFIG = "config.yaml"
@@ -57,7 +59,7 @@ class RunResult:
     status: str  # "done" or "stopped" (at a step boundary, with a checkpoint)
     out: Path
     step: int
-    total_steps: int
+    total_steps: int  # the epoch maximum's steps (a run that stopped on a plateau took fewer)
     summary: dict = field(default_factory=dict)
 
 
@@ -139,6 +141,9 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
         train_new, val = new.held_out(cfg.data.val_fraction)
     if len(train_new) == 0:
         raise RunError("no training sample is left after holding out the validation split")
+    if cfg.train.patience is not None and len(val) == 0:
+        raise RunError("train.patience stops on held-out figures, but no sample is held out: give data.val or "
+                       "a data.val_fraction above 0, or set train.patience to null")
     torch.manual_seed(cfg.train.seed)
     teacher, start_eval, source_sha, replay = None, None, None, None
     if cfg.model.init is not None:
@@ -211,26 +216,66 @@ def training_threads(n: int | None) -> Iterator[int]:
 
 
 def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Callable[[], bool] | None = None,
-          progress: bool | None = None, data: tuple[LabeledImages, LabeledImages | None] | None = None) -> RunResult:
+          progress: bool | None = None, data: tuple[LabeledImages, LabeledImages | None] | None = None,
+          report: Callable[[Progress], None] | None = None,
+          clock: Callable[[], float] = time.monotonic, source: str | None = None) -> RunResult:
     """Run the recipe ``cfg`` into ``out`` (see the module docstring), with ``train.threads`` CPU threads.
 
     Args:
         resume: continue the run in ``out`` from its latest checkpoint (``cfg`` None or the same).
         stop: polled after every step; when it returns True the run checkpoints and returns
             ``status="stopped"`` (a signal handler sets it).
-        progress: show a progress bar (default: when stderr is a terminal).
+        progress: what stderr shows: None (default) a bar on a terminal and otherwise one line per epoch
+            and every ``train.progress_seconds`` within an epoch; True a bar; False nothing.
         data: ``(train, val)`` images held by the caller (a service's store) instead of the recipe's
             sources; ``val`` None holds out ``data.val_fraction`` of ``train``. A resumed run must be
             given the same data.
+        report: called with each progress report (at the pace of the lines, whatever stderr shows).
+        clock: the monotonic clock that paces reports and measures speed (tests inject one).
+        source: what ``data`` is, for the saved recipe (whose ``data.train`` and ``data.val`` then say
+            ``kind: provided``, their sample counts and this: the recipe saved is what was trained).
     """
     out = Path(out)
     cfg = resolve_run(cfg, out, resume)
+    if data is not None and not resume:
+        cfg = as_given(cfg, data, source)
     with training_threads(cfg.train.threads):
-        return _train(cfg, out, resume, stop, progress, data)
+        return _train(cfg, out, resume, stop, progress, data, report, clock)
+
+
+def as_given(cfg: RunConfig, data: tuple[LabeledImages, LabeledImages | None], source: str | None) -> RunConfig:
+    """``cfg`` with its data sources replaced by what the caller gave (``kind: provided``)."""
+    what = source or "images given by the program that ran the trainer"
+    train_src = SourceConfig(kind="provided", samples=max(1, len(data[0])), description=f"training: {what}")
+    val_src = None if data[1] is None else SourceConfig(kind="provided", samples=max(1, len(data[1])),
+                                                         description=f"validation: {what}")
+    return replace(cfg, data=replace(cfg.data, train=train_src, val=val_src))
+
+
+class _Reporter:
+    """Where each :class:`Progress` goes: ``progress.json``, stderr (bar or lines), the caller's hook."""
+
+    def __init__(self, out: Path, total: int, initial: int, progress: bool | None,
+                 report: Callable[[Progress], None] | None) -> None:
+        tty = sys.stderr.isatty()
+        self.bar = _progress(total, initial, tty if progress is None else progress)
+        self.lines = progress is not False
+        self.out, self.hook = out, report
+
+    def __call__(self, p: Progress, epoch_end: bool) -> None:
+        write_progress(self.out, p)
+        if self.lines:
+            if isinstance(self.bar, _NoBar):
+                print(p.line(), file=sys.stderr, flush=True)
+            elif epoch_end or p.state != "running":
+                self.bar.write(p.line(), file=sys.stderr)  # above the bar, which shows the steps between
+        if self.hook is not None:
+            self.hook(p)
 
 
 def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | None, progress: bool | None,
-           data: tuple[LabeledImages, LabeledImages | None] | None) -> RunResult:
+           data: tuple[LabeledImages, LabeledImages | None] | None, report: Callable[[Progress], None] | None,
+           clock: Callable[[], float]) -> RunResult:
     device = _device(cfg.device)
     s = _prepare(cfg, device, data)
     model, info = s.model, s.info
@@ -253,13 +298,26 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     metrics = MetricsLog(out / METRICS, step if resume else None)
     augment = Augment(cfg.augment.pad, cfg.augment.flip, cfg.augment.cutout)
     loss_fn = loss_of(cfg)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = _progress(total, step, show)
+    reporter = _Reporter(out, total, step, progress, report)
+    bar = reporter.bar
+    plateau = Plateau(cfg.train.patience, (r for r in metrics.rows if r["kind"] == "eval"))
+    pacer = Pacer(cfg.train.progress_seconds, clock)
     status, started, window = "done", time.perf_counter(), []
+    since_report, first_step, t_start = [], step, clock()
     order, order_epoch = None, -1
+
+    def progress_of(state: str, epoch: int, lr: float) -> Progress:
+        taken = step - first_step
+        rate = taken / (clock() - t_start) if taken and clock() > t_start else None
+        last = next((r for r in reversed(metrics.rows) if r["kind"] == "eval"), None)
+        return Progress(state, step, total, epoch, cfg.train.epochs,
+                        sum(since_report) / len(since_report) if since_report else None, lr, rate,
+                        (total - step) / rate if rate else None,
+                        last and last.get("acc"), last and last.get("loss"), plateau.best_acc, plateau.best_epoch,
+                        time.time())
     try:
         model.train()
-        while step < total:
+        while step < total and not plateau.stop:  # a resumed run may have reached its plateau already
             epoch, k = divmod(step, per_epoch)
             if epoch != order_epoch:
                 order = torch.randperm(len(s.train), generator=torch.Generator().manual_seed(
@@ -286,6 +344,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             if not math.isfinite(res.loss):
                 raise _diverged(step, lr, f"loss {res.loss}")
             window.append((res.loss, time.perf_counter() - t0))
+            since_report.append(res.loss)
             micro = res.micro_batches
             step += 1
             bar.update(1)
@@ -299,25 +358,36 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             if end_of_epoch:
                 ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
                 metrics.write({"kind": "eval", "step": step, "epoch": step // per_epoch,
-                               **{k: v for k, v in ev.items() if k != "per_class"}})
+                               **{k: v for k, v in ev.items() if k not in ("per_class", "confusion")}})
+                plateau.update(step // per_epoch, ev["acc"], ev["loss"])
             stopping = stop is not None and stop()
             if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0:
                 save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro})
-            if stopping and step < total:
+            if pacer.due(end_of_epoch) and step < total and not plateau.stop:  # the last report follows the loop
+                reporter(progress_of("running", epoch + 1, lr), end_of_epoch)
+                since_report = []
+            if stopping and step < total and not plateau.stop:
                 status = "stopped"
                 break
     finally:
         bar.close()
         metrics.close()
+    last_epoch = max(1, -(-step // per_epoch))
     if status == "stopped":
+        reporter(progress_of("stopped", last_epoch, lr_at(max(0, step - 1), total, cfg.optim)), True)
         return RunResult(status, out, step, total)
-    summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step)
+    early = {"epoch": plateau.last_epoch, "reason": plateau.reason()} if plateau.stop else None
+    summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step,
+                      early)
+    reporter(progress_of("plateau" if early else "done", last_epoch, lr_at(max(0, step - 1), total, cfg.optim)), True)
     return RunResult(status, out, step, total, summary)
 
 
 def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelInfo, rows: list[dict],
-            plan_summary: dict, seconds: float, step: int) -> dict:
-    """Final evaluation, the model directory, the replay sample, the summary and the plot."""
+            plan_summary: dict, seconds: float, step: int, early: dict | None) -> dict:
+    """Final evaluation, the model directory, the replay sample, the summary and the plot.
+
+    ``early``: ``{"epoch", "reason"}`` when the run stopped on a plateau before its epoch maximum."""
     device = next(model.parameters()).device
     final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
     extra = {}
@@ -327,7 +397,7 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
         "arch": info.arch, "classes": list(info.classes), "old_classes": list(s.old), "steps": step,
         "train_samples": len(s.train), "val_samples": len(s.val),
         "seconds_this_session": round(seconds, 3), "final": final, "plan": plan_summary,
-        "source_sha256": s.source_sha,
+        "source_sha256": s.source_sha, "stopped_early": early,
     }
     if s.start_eval is not None:
         summary["start_old_acc"] = s.start_eval["acc"]
@@ -336,9 +406,10 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
     summary["weights_sha256"] = save_model(out, model.cpu(), info, extra)
     write_json(out / SUMMARY, summary)
     try:
-        from edgerev.train.plots import plot_run
+        from edgerev.train.plots import plot_classes, plot_run
 
         plot_run(rows, plan_summary, out / "curves.png", title=f"{info.arch}: {out.name}")
+        plot_classes(final, out / "classes.png", title=f"{info.arch}: {out.name}, per class")
     except ImportError as e:  # matplotlib is a dependency; a broken install must not lose the model
         print(f"edgerev: curves not plotted: {e}", file=sys.stderr)
     return summary

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import logging
 import os
 import re
 import socket
+import time
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -15,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from edgerev.train.progress import Progress, write_progress
 from edgerev_daemon import DaemonError, DataDirLock, EventKind, JobState, Store, prepare
 from edgerev_daemon.config import DaemonConfig, HttpConfig
 from edgerev_daemon.http import METRICS_CONTENT_TYPE, StatusServer, escape_label_value, format_metrics
 from edgerev_daemon.records import NewSample
+from edgerev_daemon.status import format_status, status
 
 from .conftest import Clock, make_config
 
@@ -249,3 +253,79 @@ def test_http_client_sees_a_read_only_reply_to_post_with_body(server):
         pytest.fail("the 405 was lost to a connection reset")
     finally:
         conn.close()
+
+
+def test_the_page_shows_each_version_once_events_readable_in_local_time(server):
+    text = get(server, "/")[2].decode()
+    rows = re.findall(r"<tr><td>(v\d{4})</td>", text)
+    assert rows == ["v0002", "v0001"]  # the table, newest first; the summary above it lists none
+    assert "kept out: first" not in text
+    assert time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1000.0)) in text  # the events' stored time, local
+    assert "reason: not an image; source: bad.png" in text and "&quot;reason&quot;" not in text
+    assert "<td>1000.0</td>" not in text
+
+
+def test_each_version_on_disk_links_its_curves(server, config):
+    png = b"\x89PNG\r\n\x1a\nplot"
+    (config.layout.root / "versions" / "v0002" / "curves.png").write_bytes(png)
+    text = get(server, "/")[2].decode()
+    assert '<a href="/versions/v0002/curves.png">curves</a> <a href="/versions/v0002/classes.png">classes</a>' in text
+    assert "/versions/v0001/curves.png" not in text and "pruned" in text  # v0001 has no folder
+    status, headers, body = get(server, "/versions/v0002/curves.png")
+    assert (status, headers["Content-Type"], body) == (200, "image/png", png)
+    (config.layout.root / "versions" / "v0002" / "classes.png").write_bytes(png + b"2")
+    assert get(server, "/versions/v0002/classes.png")[2] == png + b"2"
+    for path in ("/versions/v0001/curves.png", "/versions/../versions/v0002/curves.png",
+                 "/versions/v0002/model.json", "/versions/x/curves.png", "/versions/v0002%2Fcurves.png"):
+        assert get(server, path)[0] == 404, path
+
+
+def test_a_linked_curves_file_is_not_followed(server, config, tmp_path):
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"outside")
+    (config.layout.root / "versions" / "v0002" / "curves.png").symlink_to(secret)
+    assert get(server, "/versions/v0002/curves.png")[0] == 404
+
+
+def test_a_running_job_shows_its_step_epoch_loss_and_eta(tmp_path):
+    cfg = http_config(make_config(tmp_path))
+    populate(cfg)
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    with Store(cfg.layout.database, clock=Clock(2000.0)) as store:
+        job = store.create_job("20 new samples")
+        store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(run_dir))
+    s = status(cfg)
+    assert s["job"]["state"] == "running" and s["job"]["progress"] is None  # no report yet
+    report = Progress("running", 150, 1000, 3, 20, 0.812, 0.21, 4.1, 207.3, 0.712, 0.93, 0.72, 2, 2500.0)
+    write_progress(run_dir, report)
+    s = status(cfg)
+    assert s["job"]["progress"] == report.to_json()
+    assert f"job: {job.id} running (20 new samples)\n  {report.line()}" in format_status(s)
+    assert f"next job: job {job.id} resumes from its checkpoint at the next start" in format_status(s)
+    assert f"next job: job {job.id} runs now" in format_status(s | {"daemon_pid": 4242})
+    m = parse_metrics(format_metrics(s))
+    assert {name: m[name]["samples"][""] for name in ("edgerev_job_step", "edgerev_job_total_steps",
+                                                      "edgerev_job_epoch", "edgerev_job_loss",
+                                                      "edgerev_job_eta_seconds")} == {
+        "edgerev_job_step": 150, "edgerev_job_total_steps": 1000, "edgerev_job_epoch": 3,
+        "edgerev_job_loss": 0.812, "edgerev_job_eta_seconds": 207.3}
+    with Store(cfg.layout.database) as store:
+        store.set_job_state(job.id, JobState.DONE)
+    s = status(cfg)
+    assert s["job"]["progress"] is None and "edgerev_job_step" not in parse_metrics(format_metrics(s))
+    assert f"last job: {job.id} done" in format_status(s)
+
+
+def test_the_start_up_line_is_logged_once(config, caplog):
+    from types import SimpleNamespace
+
+    from edgerev_daemon.cli import _http
+
+    with caplog.at_level(logging.INFO):
+        server = _http(SimpleNamespace(config=config))
+        try:
+            lines = [m for m in caplog.messages if "status page on" in m]
+            assert lines == [f"status page on {server.url}"]
+        finally:
+            server.stop()

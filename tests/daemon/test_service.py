@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -64,7 +65,7 @@ def assert_current_complete(config, daemon=None) -> str:
     return target.name
 
 
-def test_cycles_train_promote_and_keep_out(tmp_path):
+def test_cycles_train_promote_and_keep_out(tmp_path, caplog):
     config, _ = make_config(tmp_path)
     clock = Clock()
     drop(config, 60, range(2))
@@ -72,8 +73,13 @@ def test_cycles_train_promote_and_keep_out(tmp_path):
         r = d.cycle()
         assert r.ingest["accepted"] == 60 and r.due is None and r.job is None  # below the threshold
         drop(config, 100, range(2), start=1000)
-        r = d.cycle()
+        with caplog.at_level(logging.INFO, logger="edgerev.daemon"):
+            r = d.cycle()
         assert r.job["promoted"] and r.job["version"] == "v0001", r.job
+        # the job's progress in the log: a line per epoch (two), the last saying the run is done
+        progress = [m for m in caplog.messages if m.startswith("job 1: epoch ")]
+        assert [m.split(" step")[0] for m in progress] == ["job 1: epoch 1/2", "job 1: epoch 2/2"], caplog.messages
+        assert "val acc" in progress[0] and "ETA" in progress[0] and progress[-1].endswith("| done")
         assert assert_current_complete(config) == "v0001"
         v1 = d.store.get_version("v0001")
         assert v1.promoted and v1.metrics["data_batch_id"] == d.store.last_batch_id()

@@ -73,6 +73,40 @@ r.close()
     assert done.returncode == 0, done.stderr
 
 
+def test_a_signal_landing_in_a_thread_started_before_still_wakes_the_loop_at_once():
+    """A thread started before the signals were blocked (a BLAS pool starts when numpy is imported) can
+    receive one; its Python handler then waits for the main thread's next bytecode, so the loop must be
+    woken by the interpreter itself (it once waited out the whole poll interval before stopping). The
+    signal is sent once the main thread sleeps in the wait (read from /proc), to the bystander itself."""
+    code = f"""
+import signal, threading, time
+from edgerev_daemon.signals import Requests, handling
+main = threading.get_native_id()
+
+def asleep() -> bool:
+    with open(f"/proc/self/task/{{main}}/wchan") as f:
+        where = f.read()
+    if where not in ("", "0"):
+        return "poll" in where
+    with open(f"/proc/self/task/{{main}}/stat") as f:  # no wchan here: sleeping is the best sign
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+def bystander():
+    while not asleep():
+        time.sleep(0.001)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # lands in this thread, by construction
+
+threading.Thread(target=bystander, daemon=True).start()  # before the block: the signals stay unblocked in it
+r = Requests()
+with handling({{signal.SIGTERM: r.ask_stop}}, wakeup=r.wakeup):
+    assert r.wakeup.wait({LIMIT}), "the loop was not woken"
+    assert r.stop
+r.close()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=4 * LIMIT)
+    assert done.returncode == 0, done.stderr
+
+
 def test_signals_are_received_in_a_thread_not_by_a_handler_in_the_step_under_way():
     """The signals are blocked in this thread and taken by sigwait in another: no handler frame can nest
     inside the code running here, however many signals arrive."""
