@@ -271,7 +271,7 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
     import time
 
     from edgerev.config import ConfigError
-    from edgerev_daemon.jobs import check_training, run_job
+    from edgerev_daemon.jobs import check_training
 
     try:
         fresh = check_shared(fm)
@@ -298,7 +298,7 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
         write_model(base, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
     log.info("job %d: %s", job.id, job.reason)
     try:
-        outcome = run_job(config, daemon.store, daemon.blobs, job, base, 0, stop)
+        outcome = daemon.train(job, base, 0, stop, config)
     except (EdgerevError, OSError, RuntimeError) as e:
         daemon.store.set_job_state(job.id, JobState.FAILED, error=str(e))
         raise refuse(daemon, "round", f"training failed: {e}") from None
@@ -374,10 +374,10 @@ def consider(daemon, fm: FleetModel) -> Consideration:
     out = job_dir(daemon.config, job)
     if job.state == JobState.QUEUED:
         job = store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
-    current, _, current_name = daemon.base()
-    done = daemon._version_of(job)
+    current, _, _ = daemon.base()
+    done = daemon.decided(job)
     if done is not None:  # decided before a crash: finish that decision
-        result = daemon._conclude(job, done, out, current_name)
+        result = daemon.carry_out(job, done, out)
         return Consideration(bool(result.get("promoted")), done.reason, done.id,
                              done.metrics.get("evaluation", {}).get("candidate", {}).get("all"), 0, done.metrics)
     write_model(out, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
@@ -390,12 +390,11 @@ def consider(daemon, fm: FleetModel) -> Consideration:
                "evaluation": {"candidate": cand.to_json(), **({"current": cur.to_json()} if cur else {}),
                               "heldout_samples": cand.samples},
                "classes": list(fm.classes)}
-    version = store.add_version(job.id, current_name, promoted=False, metrics=metrics, reason=why)
-    log.info("job %d: fleet model %s %s: %s", job.id, version.id, "promoted" if promote else "kept out", why)
-    result = daemon._conclude(job, version, out, current_name)
+    result = daemon.record_decision(job, out, metrics, why)
+    version = result.get("version")
     if result.get("status") == "failed":
-        return Consideration(False, result.get("error", why), version.id, cand.accuracy.get("all"),
+        return Consideration(False, result.get("error", why), version, cand.accuracy.get("all"),
                              cand.samples.get("all", 0), metrics)
-    return Consideration(bool(result.get("promoted")), why, version.id, cand.accuracy.get("all"),
+    return Consideration(bool(result.get("promoted")), why, version, cand.accuracy.get("all"),
                          cand.samples.get("all", 0), metrics)
 
