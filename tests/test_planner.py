@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -455,6 +456,26 @@ def test_load_or_measure_writes_then_reads_the_cache(cache, monkeypatch):
     monkeypatch.setattr(profile_mod, "measure_profile", FakeMeasure(prof))
     with pytest.raises(AssertionError):
         load_or_measure(model, 32)
+
+
+def test_an_estimate_is_cached_in_the_process_and_on_disk(cache, monkeypatch):
+    """A daemon plans every job; the estimate of one model at one size is made once (fleet rounds paid
+    a minute and more per job for it)."""
+    prof = dataclasses.replace(measured(), source="estimated")
+    fake = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "estimate_profile", fake)
+    monkeypatch.setattr(profile_mod, "_ESTIMATES", {})
+    first = load_or_measure(small_model(), 16, estimate=True)
+    second = load_or_measure(small_model(), 16, estimate=True)
+    assert fake.calls == 1 and first == prof and second == prof and second is not first
+    (path,) = cache.glob("*-estimated.json")
+    monkeypatch.setattr(profile_mod, "_ESTIMATES", {})  # another process: the file answers
+    assert load_or_measure(small_model(), 16, estimate=True) == prof and fake.calls == 1
+    # an estimate never stands in for a measured profile
+    measure = FakeMeasure(measured())
+    monkeypatch.setattr(profile_mod, "measure_profile", measure)
+    load_or_measure(small_model(), 16)
+    assert measure.calls == 1
 
 
 @pytest.mark.parametrize("damage", [
