@@ -113,6 +113,18 @@ class FleetAvg(FedAvg):
         return to_record(merged), MetricRecord({"num-examples": total, "devices": len(contributions)})
 
 
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The devices' held-out accuracies weighted by their held-out counts; a device with no held-out
+        sample (nothing to judge on) counts for nothing, and a round where none had any reports nothing
+        (Flower's weighting divides by the total)."""
+        judged = [m for m in replies if not m.has_error() and METRICS in m.content.metric_records
+                  and int(m.content.metric_records[METRICS].get("num-examples", 0) or 0) > 0]
+        if not judged:
+            log.info("round %d: no device had a held-out sample to judge the fleet model on", server_round)
+            return None
+        return super().aggregate_evaluate(server_round, judged)
+
+
 def _contribution(msg: Message, sent: dict[str, np.ndarray], rows: int) -> Contribution:
     content = msg.content
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:

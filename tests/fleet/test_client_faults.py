@@ -10,8 +10,6 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
-from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from edgerev.fleet.client import DaemonLink, make_client_app  # noqa: E402
 from edgerev.fleet.grid import InProcessGrid  # noqa: E402
@@ -37,14 +35,6 @@ def device(tmp_path):
     with Daemon(config) as daemon:
         daemon.cycle(0.0)  # ingest only: the schedule wants more samples
         yield daemon
-
-
-@pytest.fixture
-def identity():
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def _send(daemon, arrays: ArrayRecord, config: dict) -> Message:
