@@ -20,7 +20,10 @@ class FleetSettings:
     trainable tensor); batch-norm statistics stay on the devices unless ``share_bn_stats`` (FedBN).
     ``local_epochs``: epochs of each device's round job. ``dp_clipping_norm`` > 0 turns on central DP with
     client-side fixed clipping (Flower's ``fixedclipping_mod`` and its strategy wrapper) with Gaussian noise
-    of ``dp_noise_multiplier`` x the norm / the devices sampled. ``min_devices``: devices a round waits for;
+    of ``dp_noise_multiplier`` x the norm / the devices sampled (the Gaussian mechanism's scale for a uniform
+    average; the fleet's average weights devices by their sample counts and head rows by per-class counts,
+    so no (epsilon, delta) is claimed: Flower 1.41's accountant accepts only uniform FedAvg).
+    ``min_devices``: devices a round waits for;
     ``timeout``: seconds a round waits for their replies (a device that has not answered by then is left out)."""
 
     rounds: int = 3
