@@ -1,10 +1,11 @@
 """FedAvg on ArrayRecords with the fleet's class registry (:mod:`edgerev.fleet.aggregate`).
 
-Before each round the strategy asks every device which classes it has (a ``query`` message; the answer
-is class names and counts, never samples), grows the registry and the head's rows, and sends the fleet's
-class list with the weights. Replies are averaged with each head row weighted by the devices' counts of
-that class. A reply whose tensors or counts do not match what was sent, or that is not finite, is left
-out of the average and logged; a round with no usable reply keeps the fleet's weights.
+Before each round (the first: before its initial weights are made) the strategy asks every device
+which classes it has (a ``query`` message; the answer is class names and counts, never samples), grows
+the registry and the head's rows, and sends the fleet's class list with the weights. Replies are
+averaged with each head row weighted by the devices' counts of that class. A reply whose tensors or
+counts do not match what was sent, or that is not finite, is left out of the average and logged; a
+round with no usable reply keeps the fleet's weights.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class FleetAvg(FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self.learn_classes(grid, server_round)
+        if server_round > 1:  # the first round's classes were asked for just before it (the initial weights)
+            self.learn_classes(grid, server_round)
         arrays, config = self._with_classes(arrays, config)
         self._sent = to_numpy(arrays)
         return super().configure_train(server_round, arrays, config, grid)
