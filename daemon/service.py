@@ -41,6 +41,7 @@ from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
 from edgerev_daemon.faults import Conditions, free_bytes, storage_fault
+from edgerev_daemon.handoff import serve_requests
 from edgerev_daemon.ingest import ingest_inbox
 from edgerev_daemon.jobs import JobOutcome, check_training, job_dir, run_job
 from edgerev_daemon.layout import prepare
@@ -67,10 +68,11 @@ class CycleReport:
     due: str | None = None
     waiting: str | None = None  # a storage condition kept this cycle from ingesting or training
     not_due: str | None = None  # why no job ran (the schedule's word: samples still needed, a back-off)
+    fleet: int = 0  # fleet requests carried out (edgerev_daemon.handoff)
 
     def to_json(self) -> dict:
         return {"ingest": self.ingest, "due": self.due, "not_due": self.not_due, "job": self.job,
-                "waiting": self.waiting}
+                "waiting": self.waiting, "fleet": self.fleet}
 
     def summary(self) -> str:
         """One line for systemd's STATUS=: what this cycle did."""
@@ -284,6 +286,10 @@ class Daemon:
             # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
             report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=self._alive,
                                          watch=self.watch, wait=self.requests.wakeup.wait).to_json()
+            if self.stopping:
+                return report
+            # a fleet's requests (a SuperNode beside this running daemon) come before the daemon's own job
+            report.fleet = serve_requests(self, self._alive)
             if self.stopping:
                 return report
             schedule = next_job(self.store, self.config.schedule, now)
