@@ -519,3 +519,32 @@ def test_a_cache_entry_that_is_not_an_object_is_measured_again(cache, monkeypatc
     path.write_text(damage)
     load_or_measure(model, 16)
     assert fake.calls == 2
+
+
+def test_an_account_is_made_once_per_model_step_plan_and_loss(monkeypatch):
+    """A daemon plans every job of the same model: the fake-tensor step behind each account runs once."""
+    from edgerev.memory import autoplan
+    from edgerev.memory.account import StepShape
+    from edgerev.memory.autoplan import Proposal, accounted
+    from edgerev.train.continual import ContinualLoss
+
+    monkeypatch.setattr(autoplan, "_ACCOUNTS", {})
+    calls = []
+    real = autoplan.account_step
+    monkeypatch.setattr(autoplan, "account_step", lambda *a, **k: calls.append(a) or real(*a, **k))
+    model = small_model()
+    p = Proposal(2, tuple(m.value for m in model.body.modes), None, 0, 0.0)
+    step = StepShape(16, 4, momentum=True)
+    first = accounted(model, step, p, ContinualLoss(1.0))
+    assert accounted(small_model(), step, p, ContinualLoss(1.0)) is first and len(calls) == 1
+    # another step, plan, loss or set of trained weights is another account
+    accounted(model, StepShape(16, 8, momentum=True), p, ContinualLoss(1.0))
+    accounted(model, step, Proposal(1, p.modes, None, 0, 0.0), ContinualLoss(1.0))
+    accounted(model, step, p, None)
+    model.head.weight.requires_grad_(False)
+    accounted(model, step, p, ContinualLoss(1.0))
+    assert len(calls) == 5
+    # a loss it cannot describe is accounted every time
+    accounted(model, step, p, lambda *a: a[0].sum())
+    accounted(model, step, p, lambda *a: a[0].sum())
+    assert len(calls) == 7
