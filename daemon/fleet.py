@@ -374,6 +374,7 @@ def consider(daemon, fm: FleetModel) -> Consideration:
     out = job_dir(daemon.config, job)
     if job.state == JobState.QUEUED:
         job = store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
+    log.info("job %d: %s", job.id, job.reason)
     current, _, _ = daemon.base()
     done = daemon.decided(job)
     if done is not None:  # decided before a crash: finish that decision

@@ -2,7 +2,9 @@
 the fleet submitted with ``flwr run deploy/fleet-app``; each device's daemon promotes the fleet model.
 
 Each SuperNode names its device's daemon config in its node config; every message starts a
-``flwr-clientapp`` process that opens the data directory, runs the request as a daemon job and closes it.
+``flwr-clientapp`` process. Device 1's daemon is not running: the ClientApp opens its data directory, runs
+the request as a daemon job and closes it. Device 2's daemon is running (``edgerev daemon run``): the
+ClientApp hands the request over through the data directory and the daemon's loop carries it out.
 Nothing waits on a clock: each step waits for a line in a process's output (or for ``flwr log`` to end
 with the run), bounded by one deadline for the whole test.
 """
@@ -66,6 +68,8 @@ class Process:
                 return line
 
     def stop(self) -> None:
+        if self.log.closed:
+            return
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -135,6 +139,10 @@ def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model(tmp_path)
                            tmp_path / f"supernode{i + 1}.log")
             procs.append(node)
             nodes.append(node)
+        daemon = Process([str(BIN / "edgerev"), "daemon", "run", "--config", str(configs[1]), "--poll", "1"], env,
+                         tmp_path / "daemon2.log")
+        procs.append(daemon)
+        daemon.wait_for(r"serving ", deadline)
         for node in nodes:
             node.wait_for(r"SuperNode ID", deadline)
         run = subprocess.run([str(BIN / "flwr"), "run", str(APP), "local", "--format", "json", "--run-config",
@@ -151,6 +159,10 @@ def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model(tmp_path)
         (run_info,) = [r for r in json.loads(listed.stdout)["runs"] if str(r["run-id"]) == str(run_id)]
         assert run_info["status"].startswith("finished"), run_info
         assert "completed" in run_info["status"] or "N/A" in run_info.get("status-details", ""), run_info
+        daemon.stop()  # SIGTERM: the daemon stops and lets go of its data directory
+        assert daemon.proc.returncode == 0
+        served = (tmp_path / "daemon2.log").read_text()
+        assert f"fleet round {run_id}/1" in served and f"fleet model {run_id}/1" in served, served[-2000:]
     finally:
         for p in reversed(procs):
             p.stop()
