@@ -113,7 +113,9 @@ def serve_requests(daemon, stop=lambda: False) -> int:
     folder = requests_dir(daemon.config.layout.root)
     if not folder.is_dir():
         return 0
-    pending = sorted((p for p in folder.iterdir() if p.name.endswith(".request") and p.is_dir()),
+    # a link is never followed: a request is a folder the ClientApp made inside the data directory
+    pending = sorted((p for p in folder.iterdir()
+                      if p.name.endswith(".request") and not p.is_symlink() and p.is_dir()),
                      key=lambda p: p.stat().st_mtime)
     done = 0
     for req in pending:

@@ -84,3 +84,14 @@ def test_a_bad_request_is_refused_and_answered(running):
     with pytest.raises(FleetError, match="has shape"):
         wait_result(root, rid, 0.0)
     assert daemon.store.jobs() == []
+
+
+def test_a_link_in_the_requests_folder_is_not_followed(running, tmp_path):
+    _, daemon = running
+    root = daemon.config.layout.root
+    elsewhere = tmp_path / "elsewhere"
+    rid = submit(elsewhere, "classes")
+    requests_dir(root).mkdir(parents=True, exist_ok=True)
+    (requests_dir(root) / f"{rid}.request").symlink_to(requests_dir(elsewhere) / f"{rid}.request")
+    assert daemon.cycle(0.0).fleet == 0
+    assert not (requests_dir(root) / f"{rid}.result").exists()
