@@ -41,8 +41,9 @@ from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
 from edgerev_daemon.faults import Conditions, free_bytes, storage_fault
+from edgerev_daemon.handoff import serve_requests
 from edgerev_daemon.ingest import ingest_inbox
-from edgerev_daemon.jobs import check_training, job_dir, run_job
+from edgerev_daemon.jobs import JobOutcome, check_training, job_dir, run_job
 from edgerev_daemon.layout import prepare
 from edgerev_daemon.lock import DataDirLock
 from edgerev_daemon.notify import Notifier
@@ -67,10 +68,11 @@ class CycleReport:
     due: str | None = None
     waiting: str | None = None  # a storage condition kept this cycle from ingesting or training
     not_due: str | None = None  # why no job ran (the schedule's word: samples still needed, a back-off)
+    fleet: int = 0  # fleet requests carried out (edgerev_daemon.handoff)
 
     def to_json(self) -> dict:
         return {"ingest": self.ingest, "due": self.due, "not_due": self.not_due, "job": self.job,
-                "waiting": self.waiting}
+                "waiting": self.waiting, "fleet": self.fleet}
 
     def summary(self) -> str:
         """One line for systemd's STATUS=: what this cycle did."""
@@ -286,6 +288,10 @@ class Daemon:
                                          watch=self.watch, wait=self.requests.wakeup.wait).to_json()
             if self.stopping:
                 return report
+            # a fleet's requests (a SuperNode beside this running daemon) come before the daemon's own job
+            report.fleet = serve_requests(self, self._alive)
+            if self.stopping:
+                return report
             schedule = next_job(self.store, self.config.schedule, now)
             report.due, report.not_due = schedule.due, schedule.waiting
             if report.due is not None:
@@ -307,16 +313,13 @@ class Daemon:
             job = self.store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
         log.info("job %d: %s", job.id, reason)
         current, base_batch, current_name = self.base()
-        done = self._version_of(job)
+        done = self.decided(job)
         if done is not None:  # decided before a crash: finish that decision instead of deciding again
-            return self._conclude(job, done, out, current_name)
+            return self.carry_out(job, done, out)
         try:
-            outcome = run_job(self.config, self.store, self.blobs, job, current, base_batch, self._alive,
-                              report=lambda p: self._progress(job.id, p))
+            outcome = self.train(job, current, base_batch)
         except (EdgerevError, OSError, RuntimeError) as e:
             return self._fail(job, f"training failed: {e}")
-        if outcome.held_back:
-            self._report_held_back(job.id, outcome.held_back)
         if outcome.status == "stopped":
             log.info("job %d %s; it resumes at the next start", job.id, outcome.reason)
             return {"job": job.id, "status": "stopped", "reason": outcome.reason}
@@ -333,10 +336,59 @@ class Daemon:
                    "training": {k: summary.get(k) for k in ("steps", "train_samples", "forgetting", "plan",
                                                             "stopped_early")},
                    "held_back": outcome.held_back}
-        version = self.store.add_version(job.id, current_name, promoted=False, metrics=metrics, reason=decision.reason)
+        return self.record_decision(job, out, metrics, decision.reason)
+
+    # a job's steps, for a job another module drives (a fleet round: edgerev_daemon.fleet) ----------
+
+    def train(self, job: Job, start: Path | None, base_batch: int, stop: Callable[[], bool] | None = None,
+              config: DaemonConfig | None = None) -> JobOutcome:
+        """Train (or resume) ``job``'s candidate from the model directory ``start`` as every job trains:
+        under the cap, checkpointed, stopping at a step boundary when the daemon is asked to stop (or
+        ``stop()`` says so), its progress and held-back labels logged and reported.
+
+        Args:
+            base_batch: the last ingest batch ``start`` was trained on (0: train on every sample).
+            config: the daemon's config with another model or recipe (a fleet's); default: the daemon's.
+        """
+        extra = stop or (lambda: False)
+        outcome = run_job(config or self.config, self.store, self.blobs, job, start, base_batch,
+                          lambda: self._alive() or extra(), report=lambda p: self._progress(job.id, p))
+        if outcome.held_back:
+            self._report_held_back(job.id, outcome.held_back)
+        return outcome
+
+    def decided(self, job: Job) -> Version | None:
+        """The decision recorded on ``job``'s candidate (a crash came before it was carried out), or None."""
+        found = [v for v in self.store.versions() if v.job_id == job.id]
+        return found[-1] if found else None
+
+    def record_decision(self, job: Job, out: Path, metrics: dict, reason: str) -> dict:
+        """Record the gate's decision on the candidate in ``out`` (``metrics["promote"]``, and why) as a
+        version whose parent is the model in service, then carry it out (:meth:`carry_out`)."""
+        version = self.store.add_version(job.id, self.registry.current(), promoted=False, metrics=metrics,
+                                         reason=reason)
         log.info("job %d: candidate %s %s: %s", job.id, version.id,
-                 "promoted" if decision.promote else "kept out", decision.reason)
-        return self._conclude(job, version, out, current_name)
+                 "promoted" if metrics.get("promote") else "kept out", reason)
+        return self.carry_out(job, version, out)
+
+    def carry_out(self, job: Job, version: Version, out: Path) -> dict:
+        """Carry out the recorded decision (idempotent): promote the candidate in ``out`` (export, version
+        directory, ``current`` switched) if it was to be, then mark the job done and remove ``out``."""
+        result = {"job": job.id, "version": version.id, "promoted": False, "reason": version.reason}
+        parent = version.parent_id  # what was in service when it was decided: what a rollback goes back to
+        if version.metrics.get("promote") and not version.promoted:
+            try:
+                self._promote(version, out, parent)
+            except (OSError, EdgerevError) as e:  # a full disk, a failed export: the current model stays
+                reason = f"promotion failed, {parent or 'no model'} stays in service: {e}"
+                self.store.update_version(version.id, reason=reason)
+                return self._fail(job, reason) | {"version": version.id}
+            result["promoted"] = True
+        elif version.promoted:
+            result["promoted"] = True
+        self.store.set_job_state(job.id, JobState.DONE)
+        shutil.rmtree(out, ignore_errors=True)
+        return result
 
     def _report_held_back(self, job_id: int, waiting: dict[str, int]) -> None:
         minimum = self.config.training.min_samples_per_label
@@ -350,27 +402,6 @@ class Daemon:
         line = f"job {job_id}: {progress.line()}"
         log.info("%s", line)
         self.notifier.status(line)
-
-    def _version_of(self, job: Job) -> Version | None:
-        found = [v for v in self.store.versions() if v.job_id == job.id]
-        return found[-1] if found else None
-
-    def _conclude(self, job: Job, version: Version, out: Path, current_name: str | None) -> dict:
-        """Carry out the recorded decision (idempotent), then mark the job done."""
-        result = {"job": job.id, "version": version.id, "promoted": False, "reason": version.reason}
-        if version.metrics.get("promote") and not version.promoted:
-            try:
-                self._promote(version, out, current_name)
-            except (OSError, EdgerevError) as e:  # a full disk, a failed export: the current model stays
-                reason = f"promotion failed, {current_name or 'no model'} stays in service: {e}"
-                self.store.update_version(version.id, reason=reason)
-                return self._fail(job, reason) | {"version": version.id}
-            result["promoted"] = True
-        elif version.promoted:
-            result["promoted"] = True
-        self.store.set_job_state(job.id, JobState.DONE)
-        shutil.rmtree(out, ignore_errors=True)
-        return result
 
     def _promote(self, version: Version, out: Path, current_name: str | None) -> None:
         if not self.registry.path(version.id).is_dir():

@@ -342,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_daemon_parser(sub)
 
+    from edgerev.fleet.cli import add_parser as add_fleet_parser
+
+    add_fleet_parser(sub)
+
     e = sub.add_parser("export", help="export a model directory to ONNX, verified with ONNX Runtime",
                        description="Export the model directory RUN (model.json + model.safetensors) to ONNX with a "
                                    "dynamic batch (opset <= 21, IR <= 10), check its logits against PyTorch with "
@@ -396,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             status = args.fn(args)
         except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
-            command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None)) if c)
+            command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None),
+                                           getattr(args, "fleet_command", None)) if c)
             print(f"edgerev {command}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below

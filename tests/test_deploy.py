@@ -382,3 +382,16 @@ def test_the_unit_is_a_good_neighbour(unit):
     assert int(single(unit, "Nice")) >= 5
     assert int(single(unit, "CPUWeight")) < 100 and int(single(unit, "IOWeight")) < 100
     assert "OMP_WAIT_POLICY=PASSIVE" in effective(unit, "Environment")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_accepts_the_supernode_unit(tmp_path):
+    unit = DEPLOY / "edgerev-supernode.service"
+    text = re.sub(r"^ExecStart=\S+", f"ExecStart={shutil.which('true')}", unit.read_text(), count=1, flags=re.M)
+    (tmp_path / unit.name).write_text(text)
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(tmp_path / unit.name)], capture_output=True,
+                       text=True, timeout=60)
+    problems = [line for line in r.stderr.splitlines() if unit.name in line]
+    assert r.returncode == 0 and not problems, r.stderr
+    # beside the daemon: its requests go through the data directory (edgerev_daemon.handoff)
+    assert "Conflicts=" not in text and 'daemon-config="/etc/edgerev/daemon.yaml"' in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -457,6 +458,26 @@ def test_load_or_measure_writes_then_reads_the_cache(cache, monkeypatch):
         load_or_measure(model, 32)
 
 
+def test_an_estimate_is_cached_in_the_process_and_on_disk(cache, monkeypatch):
+    """A daemon plans every job; the estimate of one model at one size is made once (fleet rounds paid
+    a minute and more per job for it)."""
+    prof = dataclasses.replace(measured(), source="estimated")
+    fake = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "estimate_profile", fake)
+    monkeypatch.setattr(profile_mod, "_ESTIMATES", {})
+    first = load_or_measure(small_model(), 16, estimate=True)
+    second = load_or_measure(small_model(), 16, estimate=True)
+    assert fake.calls == 1 and first == prof and second == prof and second is not first
+    (path,) = cache.glob("*-estimated.json")
+    monkeypatch.setattr(profile_mod, "_ESTIMATES", {})  # another process: the file answers
+    assert load_or_measure(small_model(), 16, estimate=True) == prof and fake.calls == 1
+    # an estimate never stands in for a measured profile
+    measure = FakeMeasure(measured())
+    monkeypatch.setattr(profile_mod, "measure_profile", measure)
+    load_or_measure(small_model(), 16)
+    assert measure.calls == 1
+
+
 @pytest.mark.parametrize("damage", [
     "not json at all {",
     "",
@@ -498,3 +519,32 @@ def test_a_cache_entry_that_is_not_an_object_is_measured_again(cache, monkeypatc
     path.write_text(damage)
     load_or_measure(model, 16)
     assert fake.calls == 2
+
+
+def test_an_account_is_made_once_per_model_step_plan_and_loss(monkeypatch):
+    """A daemon plans every job of the same model: the fake-tensor step behind each account runs once."""
+    from edgerev.memory import autoplan
+    from edgerev.memory.account import StepShape
+    from edgerev.memory.autoplan import Proposal, accounted
+    from edgerev.train.continual import ContinualLoss
+
+    monkeypatch.setattr(autoplan, "_ACCOUNTS", {})
+    calls = []
+    real = autoplan.account_step
+    monkeypatch.setattr(autoplan, "account_step", lambda *a, **k: calls.append(a) or real(*a, **k))
+    model = small_model()
+    p = Proposal(2, tuple(m.value for m in model.body.modes), None, 0, 0.0)
+    step = StepShape(16, 4, momentum=True)
+    first = accounted(model, step, p, ContinualLoss(1.0))
+    assert accounted(small_model(), step, p, ContinualLoss(1.0)) is first and len(calls) == 1
+    # another step, plan, loss or set of trained weights is another account
+    accounted(model, StepShape(16, 8, momentum=True), p, ContinualLoss(1.0))
+    accounted(model, step, Proposal(1, p.modes, None, 0, 0.0), ContinualLoss(1.0))
+    accounted(model, step, p, None)
+    model.head.weight.requires_grad_(False)
+    accounted(model, step, p, ContinualLoss(1.0))
+    assert len(calls) == 5
+    # a loss it cannot describe is accounted every time
+    accounted(model, step, p, lambda *a: a[0].sum())
+    accounted(model, step, p, lambda *a: a[0].sum())
+    assert len(calls) == 7

@@ -201,7 +201,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
     batches = _batches(max_batch, batches)
 
     def exact(p: Proposal) -> StepAccount:
-        return account_step(model, step, p.batch, p.apply, loss_fn)
+        return accounted(model, step, p, loss_fn)
 
     extra = beyond_model(model, step, 1)  # what the solvers' bare-step costs leave out
     floor, floor_account = None, None
@@ -243,7 +243,41 @@ def floor_plan(model: nn.Module, step: StepShape,
     in the least-memory plan, and its account, whose ``total`` is the smallest budget that trains."""
     solver = _SegmentsSolver(model, step.size, "cpu") if is_plain(model) else \
         _ModesSolver(model, step.size, "cpu", None, False)
-    return _floor(solver, lambda p: account_step(model, step, p.batch, p.apply, loss_fn))
+    return _floor(solver, lambda p: accounted(model, step, p, loss_fn))
+
+
+def _loss_key(loss_fn) -> tuple | None:
+    from edgerev.train.continual import ContinualLoss
+
+    if loss_fn is None:
+        return ("cross-entropy",)
+    if type(loss_fn) is ContinualLoss:
+        return ("continual", loss_fn.distill, loss_fn.temperature, loss_fn.label_smoothing)
+    return None  # a loss this cannot describe: accounted every time
+
+
+_ACCOUNTS: dict[tuple, StepAccount] = {}  # (model, step, plan, loss) -> its account, for this process
+
+
+def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[..., Tensor] | None = None
+              ) -> StepAccount:
+    """:func:`~edgerev.memory.account.account_step` of proposal ``p``, remembered for this process.
+
+    An account on fake tensors depends only on the model's structure, its weights' types and which are
+    trained, the step's shape, the plan and the loss: a daemon plans each job of the same model again, and
+    each account runs a whole step under the tracker (seconds on a small CPU).
+    """
+    loss = _loss_key(loss_fn)
+    if loss is None:
+        return account_step(model, step, p.batch, p.apply, loss_fn)
+    key = (profiles.model_key(model, step.size, "cpu"),
+           tuple((n, t.dtype, t.requires_grad) for n, t in model.named_parameters()),
+           tuple((n, t.dtype) for n, t in model.named_buffers()),
+           tuple(str(m) for m in getattr(getattr(model, "body", None), "modes", None) or ()),  # a plan of None
+           step, p.batch, p.modes, p.segments, loss)
+    if key not in _ACCOUNTS:
+        _ACCOUNTS[key] = account_step(model, step, p.batch, p.apply, loss_fn)
+    return _ACCOUNTS[key]
 
 
 def _result(solver, p: Proposal, account: StepAccount | None, peak: int, solve: float) -> TrainingPlan:

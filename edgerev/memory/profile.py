@@ -12,6 +12,7 @@ seconds from FLOP counts at a nominal rate: the planner can answer before anythi
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -241,25 +242,46 @@ class FlopCounter(TorchDispatchMode):
 
 def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
                     estimate: bool = False) -> Profile:
-    """The cached profile for (model, size, device), measuring it (or estimating it) the first time."""
+    """The cached profile for (model, size, device), measuring it (or estimating it) the first time.
+
+    Estimates are cached too (their own file, and in this process): an estimate depends only on the
+    model's structure, the input size and torch, yet runs every stage in every mode under fake tensors,
+    a minute and more on a small CPU; a daemon or a fleet round that plans each job of the same model
+    would pay it every job.
+    """
     key = model_key(model, size, device)
-    if estimate:
-        return estimate_profile(model, size, device)
+    kind = "estimated" if estimate else "measured"
+    if estimate and key in _ESTIMATES:
+        return copy.deepcopy(_ESTIMATES[key])
     root = cache or cache_dir()
-    path = root / f"{getattr(model, 'arch', 'model')}-{size}-{device}-{key}.json"
+    name = f"{getattr(model, 'arch', 'model')}-{size}-{device}-{key}"
+    path = root / (f"{name}-estimated.json" if estimate else f"{name}.json")
+    prof = None
     if path.exists():
         try:
             d = json.loads(path.read_text())
-            if isinstance(d, dict) and d.get("version") == PROFILE_VERSION and d.get("key") == key:
-                return Profile.from_json(d)
+            if isinstance(d, dict) and d.get("version") == PROFILE_VERSION and d.get("key") == key \
+                    and d.get("source", kind) == kind:
+                prof = Profile.from_json(d)
         except (ValueError, KeyError, TypeError, AttributeError):
             pass  # a damaged cache entry is measured again
-    prof = measure_profile(model, size, device)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(prof.to_json()))
-    tmp.replace(path)
+    if prof is None:
+        prof = estimate_profile(model, size, device) if estimate else measure_profile(model, size, device)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(prof.to_json()))
+            tmp.replace(path)
+        except OSError:
+            if not estimate:
+                raise
+            # an estimate is cheap to redo: a read-only or full cache only costs the next process the time
+    if estimate:
+        _ESTIMATES[key] = copy.deepcopy(prof)
     return prof
+
+
+_ESTIMATES: dict[str, Profile] = {}  # model key -> estimated profile, for this process
 
 
 # ---- plain models: per-stage statistics for checkpoint segments (edgerev.memory.segments) ----

@@ -1,0 +1,401 @@
+"""The device's side of a federated round: a job of the daemon's kind, started from weights received.
+
+A fleet (``edgerev.fleet``, on Flower) asks a device's daemon for two things, and nothing else crosses
+from the daemon to the fleet but weights and per-class sample counts:
+
+- **a round** (:func:`train_round`): the fleet model arrives as the shared tensors (which ones is the
+  fleet's ``sharing`` setting) and the fleet's class list (the head's rows, in the fleet registry's
+  order). The daemon composes a model directory from them and from what it keeps locally (the
+  tensors not shared, batch-norm statistics: FedBN), and runs :func:`edgerev_daemon.jobs.run_job` on it
+  as the model to start from: the device's own training samples, distillation from the received model
+  on every fleet class (LwF: a device with three classes does not erase the other seven), under the
+  daemon's memory cap, checkpointed; the job is a row in the store like any other. Its output becomes
+  the device's local state and its shared tensors the reply.
+- **a candidate** (:func:`consider`): the aggregated fleet model, composed with the local state the
+  same way, goes through the device's own gate (:func:`fleet_judge`): promoted (exported, versioned,
+  ``current`` switched by the daemon's own promotion) only if it is no worse than the model in service
+  on this device's held-out samples beyond ``promotion.tolerance``; the reason is recorded on the
+  version either way.
+
+A round interrupted (the daemon stopped, the device dropped out) leaves its job with a checkpoint: the
+same round asked again resumes it; a later round supersedes it (the job is marked failed, its folder
+removed). Weights with the wrong names or shapes, or not finite, are refused before anything is written;
+each refusal is one log line and one event in the store (``edgerev daemon status`` shows it).
+
+Layout: ``DATA_DIR/fleet/local/`` is the device's local state (a model directory); each round's model to
+start from is written beside its job as ``jobs/job-NNNNN.base/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from edgerev.errors import EdgerevError
+from edgerev.train.checkpoint import ModelInfo, load_tensors, read_info, save_model
+from edgerev.train.config import ModelConfig
+from edgerev_daemon.records import EventKind, Job, JobState, Split
+
+log = logging.getLogger("edgerev.daemon.fleet")
+
+JOB_PREFIX = "fleet round "
+CANDIDATE_PREFIX = "fleet model "
+SHARING = ("head", "head+last", "all")
+
+
+class FleetError(EdgerevError):
+    """A fleet request this device cannot carry out (the message says why, in one line)."""
+
+
+@dataclass(frozen=True)
+class FleetModel:
+    """What the fleet sends: the model's description, the fleet's classes (head rows) and the shared tensors.
+
+    ``round``: a name unique to the run and round (``"<run>/<round>"``); ``seed``: the fleet's
+    initialization seed, so every device builds the same tensors for what is not sent.
+    """
+
+    round: str
+    arch: str
+    args: dict
+    input_size: int
+    classes: tuple[str, ...]
+    shared: dict[str, torch.Tensor]
+    sharing: str = "all"
+    share_bn_stats: bool = False
+    seed: int = 0
+    epochs: int = 1
+
+
+@dataclass
+class RoundResult:
+    shared: dict[str, torch.Tensor]
+    counts: list[int]            # training samples per fleet class, in ``classes`` order
+    examples: int
+    peak_bytes: int | None
+    cap_bytes: int | None
+    job: int
+    seconds: float = 0.0
+
+
+@dataclass
+class Consideration:
+    promoted: bool
+    reason: str
+    version: str | None
+    accuracy: float | None
+    heldout: int
+    metrics: dict = field(default_factory=dict)
+
+
+# which tensors travel ---------------------------------------------------------------------------------
+
+def shared_names(state: Mapping[str, torch.Tensor], parameters: set[str], sharing: str,
+                 share_bn_stats: bool = False) -> list[str]:
+    """The names of ``state`` that the fleet shares, in ``state``'s order.
+
+    ``head``: the classifier only; ``head+last``: and the last stage that has weights; ``all``: every
+    trainable tensor. Batch-norm statistics (buffers) stay on the device unless ``share_bn_stats``.
+    """
+    if sharing not in SHARING:
+        raise FleetError(f"sharing must be one of {', '.join(SHARING)}, got {sharing!r}")
+    stages = sorted({int(n.split(".")[2]) for n in parameters if n.startswith("body.stages.")})
+    last = f"body.stages.{stages[-1]}." if stages else None
+
+    def scoped(name: str) -> bool:
+        if name.startswith("head."):
+            return True
+        if sharing == "all":
+            return True
+        return sharing == "head+last" and last is not None and name.startswith(last)
+
+    return [n for n, t in state.items() if scoped(n) and t.is_floating_point()
+            and (n in parameters or share_bn_stats)]
+
+
+def model_names(fm: FleetModel) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A fresh model of the fleet (the fleet's seed: the same tensors on every device) and its shared names."""
+    from edgerev.models import create_model
+
+    torch.manual_seed(fm.seed)
+    model = create_model(fm.arch, **fm.args, num_classes=len(fm.classes))
+    state = model.state_dict()
+    names = shared_names(state, {n for n, _ in model.named_parameters()}, fm.sharing, fm.share_bn_stats)
+    return state, names
+
+
+def check_shared(fm: FleetModel) -> dict[str, torch.Tensor]:
+    """The fleet's fresh state, after checking that ``fm.shared`` is exactly what it should hold.
+
+    Raises:
+        FleetError: a tensor missing, unknown, of the wrong shape, or not finite.
+    """
+    if len(fm.classes) < 1 or len(set(fm.classes)) != len(fm.classes):
+        raise FleetError(f"the fleet's classes must be distinct and not empty, got {list(fm.classes)[:5]}")
+    try:
+        state, names = model_names(fm)
+    except (ValueError, TypeError, KeyError) as e:
+        raise FleetError(f"cannot build the fleet's model {fm.arch} {fm.args}: {e}") from None
+    missing = [n for n in names if n not in fm.shared]
+    unknown = [n for n in fm.shared if n not in names]
+    if missing or unknown:
+        parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
+                ([f"unknown {', '.join(unknown[:3])}"] if unknown else [])
+        raise FleetError(f"the fleet's weights do not fit {fm.arch} with {len(fm.classes)} classes and sharing "
+                         f"{fm.sharing!r}: {'; '.join(parts)}")
+    shapes = [n for n in names if tuple(fm.shared[n].shape) != tuple(state[n].shape)]
+    if shapes:
+        n = shapes[0]
+        raise FleetError(f"the fleet's weights do not fit: {n} has shape {tuple(fm.shared[n].shape)}, "
+                         f"the model's is {tuple(state[n].shape)}" + (f" (and {len(shapes) - 1} more)"
+                                                                       if len(shapes) > 1 else ""))
+    bad = [n for n in names if not torch.isfinite(fm.shared[n]).all()]
+    if bad:
+        raise FleetError(f"the fleet's weights are not finite ({', '.join(bad[:3])}): refused")
+    return state
+
+
+# the device's local state -----------------------------------------------------------------------------
+
+def fleet_dir(root: Path) -> Path:
+    return root / "fleet"
+
+
+def local_state(root: Path) -> tuple[dict[str, torch.Tensor], tuple[str, ...]] | None:
+    """The tensors and classes of the device's last round (``DATA_DIR/fleet/local/``), or None."""
+    folder = fleet_dir(root) / "local"
+    if not (folder / "model.json").is_file():
+        return None
+    info, raw = read_info(folder)
+    return load_tensors(folder / "model.safetensors", raw.get("weights_sha256")), info.classes
+
+
+def compose(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, tuple] | None) -> dict:
+    """The device's copy of the fleet model: shared tensors from the fleet, the rest from the local state
+    (when it fits the fleet's model: same names and shapes), else from the fleet's fresh initialization."""
+    state = dict(fresh)
+    if local is not None:
+        kept, _ = local
+        for name, t in kept.items():
+            if name in state and not name.startswith("head.") and tuple(t.shape) == tuple(state[name].shape):
+                state[name] = t
+    for name, t in fm.shared.items():
+        state[name] = t.to(state[name].dtype)
+    return state
+
+
+def write_model(folder: Path, fm: FleetModel, state: dict[str, torch.Tensor]) -> None:
+    """A model directory the trainer and the promotion read (weights, description; no replay sample: a
+    round trains on all of the device's samples)."""
+    from edgerev.models import create_model
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    model = create_model(fm.arch, **fm.args, num_classes=len(fm.classes))
+    model.load_state_dict(state)
+    save_model(folder, model, ModelInfo(fm.arch, tuple(fm.classes), fm.input_size, model_args=dict(fm.args)),
+               {"fleet_round": fm.round})
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def refuse(daemon, what: str, error: str) -> FleetError:
+    """One log line and one event for a fleet request refused; the exception to raise."""
+    log.error("fleet %s refused: %s", what, error)
+    try:
+        daemon.store.add_event(EventKind.ERROR, {"where": f"fleet {what}", "error": error})
+    except Exception:  # noqa: BLE001 - the refusal matters more than its record (a full disk)
+        log.exception("could not record the refusal")
+    return FleetError(error)
+
+
+def device_config(daemon, fm: FleetModel):
+    """The daemon's config with the fleet's model and round length (every other key: the device's own)."""
+    t = daemon.config.training
+    training = replace(t, model=ModelConfig(arch=fm.arch, args=dict(fm.args)),
+                       train=replace(t.train, epochs=fm.epochs))
+    return replace(daemon.config, training=training)
+
+
+def label_counts(daemon) -> dict[str, int]:
+    """Training samples per label in the device's store (what the fleet registry learns, and nothing more)."""
+    counts: dict[str, int] = {}
+    for s in daemon.store.samples(Split.TRAIN):
+        counts[s.label] = counts.get(s.label, 0) + 1
+    return counts
+
+
+# a round ----------------------------------------------------------------------------------------------
+
+def _round_job(daemon, fm: FleetModel) -> Job:
+    """The job of this round: the one interrupted (resumed), or a new one; an older round is superseded."""
+    store = daemon.store
+    reason = f"{JOB_PREFIX}{fm.round}"
+    active = store.active_job()
+    if active is not None and active.reason == reason:
+        return active
+    if active is not None and active.reason.startswith(JOB_PREFIX):
+        store.set_job_state(active.id, JobState.FAILED, error=f"superseded by {reason}")
+        shutil.rmtree(_job_out(daemon, active), ignore_errors=True)
+        shutil.rmtree(_job_out(daemon, active).with_suffix(".base"), ignore_errors=True)
+    elif active is not None:
+        raise refuse(daemon, "round", f"job {active.id} ({active.reason}) is under way; the round waits for it")
+    return store.create_job(reason)
+
+
+def _job_out(daemon, job: Job) -> Path:
+    from edgerev_daemon.jobs import job_dir
+
+    return job_dir(daemon.config, job)
+
+
+def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False) -> RoundResult:
+    """Run one federated round as a job of ``daemon`` (a :class:`edgerev_daemon.service.Daemon`).
+
+    Raises:
+        FleetError: the weights do not fit, the cap cannot train the fleet's model, a local job is under
+            way, or the round was stopped (it resumes when asked again); logged and recorded.
+    """
+    import time
+
+    from edgerev.config import ConfigError
+    from edgerev_daemon.jobs import check_training
+
+    try:
+        fresh = check_shared(fm)
+    except FleetError as e:
+        raise refuse(daemon, "round", str(e)) from None
+    if fm.input_size != daemon.config.image_size:
+        raise refuse(daemon, "round", f"the fleet trains at {fm.input_size}x{fm.input_size}, this device stores "
+                                      f"{daemon.config.image_size}x{daemon.config.image_size} images")
+    config = device_config(daemon, fm)
+    try:
+        check_training(config)
+    except ConfigError as e:
+        raise refuse(daemon, "round", f"this device's cap cannot train the fleet's model: {e}") from None
+    counts = label_counts(daemon)
+    if not counts:
+        raise refuse(daemon, "round", "no training sample on this device yet")
+    job = _round_job(daemon, fm)
+    out = _job_out(daemon, job)
+    base = out.with_suffix(".base")
+    if job.state == JobState.QUEUED:
+        job = daemon.store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
+    started = time.perf_counter()
+    if not (base / "model.json").is_file():
+        write_model(base, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
+    log.info("job %d: %s", job.id, job.reason)
+    try:
+        outcome = daemon.train(job, base, 0, stop, config)
+    except (EdgerevError, OSError, RuntimeError) as e:
+        daemon.store.set_job_state(job.id, JobState.FAILED, error=str(e))
+        raise refuse(daemon, "round", f"training failed: {e}") from None
+    if outcome.status != "trained":
+        if outcome.status == "skipped":
+            daemon.store.set_job_state(job.id, JobState.FAILED, error=outcome.reason)
+        raise refuse(daemon, "round", f"job {job.id} {outcome.status}: {outcome.reason}")
+    trained = load_tensors(out / "model.safetensors", read_info(out)[1].get("weights_sha256"))
+    info, _ = read_info(out)
+    # a label this device has and the fleet does not know yet was grown by the trainer after the fleet's
+    # rows: it is not sent (the registry learns it from the counts, and the next round carries its row)
+    rows = [info.classes.index(c) for c in fm.classes]
+    shared = {n: (trained[n][rows] if n.startswith("head.") else trained[n]).contiguous() for n in fm.shared}
+    fleet = fleet_dir(daemon.config.layout.root)
+    fleet.mkdir(exist_ok=True)
+    staged = fleet / "local.new"
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(out, staged, ignore=shutil.ignore_patterns("checkpoints", "*.png", "replay.safetensors"))
+    _replace_dir(staged, fleet / "local")
+    plan = (outcome.summary or {}).get("plan") or {}
+    daemon.store.set_job_state(job.id, JobState.DONE)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
+    per_class = [counts.get(c, 0) for c in fm.classes]
+    return RoundResult(shared, per_class, sum(per_class), plan.get("predicted_peak_bytes"), plan.get("budget_bytes"),
+                       job.id, time.perf_counter() - started)
+
+
+# a candidate ------------------------------------------------------------------------------------------
+
+def fleet_judge(cand, cur, gate) -> tuple[bool, str]:
+    """The gate for a fleet model: not worse than the model in service on this device's held-out samples
+    beyond ``gate.tolerance`` (a fleet model knows more classes; it need not beat a local model on the
+    local ones), and no known class at 0 % (``promotion.refuse_class_at_zero``)."""
+    from edgerev_daemon.promote import dead_classes
+
+    c = cand.accuracy.get("all")
+    if c is None:
+        return False, "no held-out sample on this device to judge the fleet model on"
+    dead = dead_classes(cand, gate) if gate.refuse_class_at_zero else []
+    if dead:
+        return False, f"fleet model refused: class {dead[0][0]} at 0 % on its {dead[0][1]} held-out samples"
+    if cur is None:
+        return True, f"fleet model, first in service: held-out accuracy {c:.4f}"
+    r = cur.accuracy.get("all")
+    if r is not None and c < r - gate.tolerance:
+        return False, (f"fleet model worse on this device's held-out samples: {c:.4f} vs {r:.4f} "
+                       f"(tolerance {gate.tolerance:g}); the model in service stays")
+    return True, f"fleet model on this device's held-out samples: {c:.4f} vs {r if r is None else round(r, 4)}"
+
+
+def consider(daemon, fm: FleetModel) -> Consideration:
+    """Put the aggregated model ``fm`` through this device's gate; promote it (the daemon's own promotion:
+    export, version directory, ``current`` switched) when it passes. The decision and its reason are
+    recorded on a version row either way."""
+    from edgerev_daemon.jobs import job_dir
+    from edgerev_daemon.promote import held_out_groups, score
+
+    try:
+        fresh = check_shared(fm)
+    except FleetError as e:
+        raise refuse(daemon, "model", str(e)) from None
+    store = daemon.store
+    reason = f"{CANDIDATE_PREFIX}{fm.round}"
+    active = store.active_job()
+    if active is not None:
+        if active.reason != reason and not active.reason.startswith(CANDIDATE_PREFIX):
+            raise refuse(daemon, "model", f"job {active.id} ({active.reason}) is under way; the fleet model waits")
+        if active.reason != reason:
+            store.set_job_state(active.id, JobState.FAILED, error=f"superseded by {reason}")
+            active = None
+    job = active or store.create_job(reason)
+    out = job_dir(daemon.config, job)
+    if job.state == JobState.QUEUED:
+        job = store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
+    log.info("job %d: %s", job.id, job.reason)
+    current, _, _ = daemon.base()
+    done = daemon.decided(job)
+    if done is not None:  # decided before a crash: finish that decision
+        result = daemon.carry_out(job, done, out)
+        return Consideration(bool(result.get("promoted")), done.reason, done.id,
+                             done.metrics.get("evaluation", {}).get("candidate", {}).get("all"), 0, done.metrics)
+    write_model(out, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
+    groups = {"all": held_out_groups(store, daemon.blobs, job, 0)["all"]}
+    gate = daemon.config.promotion.gate
+    cand = score(out, groups)
+    cur = score(current, groups) if current is not None else None
+    promote, why = fleet_judge(cand, cur, gate)
+    metrics = {"data_batch_id": job.data_batch_id, "base_batch": 0, "promote": promote, "fleet_round": fm.round,
+               "evaluation": {"candidate": cand.to_json(), **({"current": cur.to_json()} if cur else {}),
+                              "heldout_samples": cand.samples},
+               "classes": list(fm.classes)}
+    result = daemon.record_decision(job, out, metrics, why)
+    version = result.get("version")
+    if result.get("status") == "failed":
+        return Consideration(False, result.get("error", why), version, cand.accuracy.get("all"),
+                             cand.samples.get("all", 0), metrics)
+    return Consideration(bool(result.get("promoted")), why, version, cand.accuracy.get("all"),
+                         cand.samples.get("all", 0), metrics)
+

@@ -1,0 +1,92 @@
+"""The settings of a fleet run, read once from Flower's run config (flat keys, scalar values).
+
+Flower carries a run's settings as ``context.run_config`` (``[tool.flwr.app.config]`` in the app's
+``pyproject.toml``, or ``flwr run --run-config``); the simulation builds the same mapping from its YAML.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from edgerev.config import ConfigError, check
+
+SHARING = ("head", "head+last", "all")
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """``sharing``: what travels (``head``, ``head+last``: and the last stage with weights, ``all``: every
+    trainable tensor); batch-norm statistics stay on the devices unless ``share_bn_stats`` (FedBN).
+    ``local_epochs``: epochs of each device's round job. ``dp_clipping_norm`` > 0 turns on central DP with
+    client-side fixed clipping (Flower's ``fixedclipping_mod`` and its strategy wrapper) with Gaussian noise
+    of ``dp_noise_multiplier`` x the norm / the devices sampled (the Gaussian mechanism's scale for a uniform
+    average; the fleet's average weights devices by their sample counts and head rows by per-class counts,
+    so no (epsilon, delta) is claimed: Flower 1.41's accountant accepts only uniform FedAvg).
+    ``min_devices``: devices a round waits for;
+    ``timeout``: seconds a round waits for their replies (a device that has not answered by then is left out)."""
+
+    rounds: int = 3
+    sharing: str = "all"
+    share_bn_stats: bool = False
+    local_epochs: int = 1
+    seed: int = 0
+    arch: str = "revnext"
+    model_args: dict = field(default_factory=dict)
+    image_size: int = 32
+    min_devices: int = 2
+    timeout: float = 3600.0
+    dp_clipping_norm: float = 0.0
+    dp_noise_multiplier: float = 0.0
+
+    def __post_init__(self) -> None:
+        check(self.rounds >= 1, "rounds", f"must be at least 1, got {self.rounds}")
+        check(self.sharing in SHARING, "sharing", f"must be one of {', '.join(SHARING)}, got {self.sharing!r}")
+        check(self.local_epochs >= 1, "local_epochs", f"must be at least 1, got {self.local_epochs}")
+        check(self.min_devices >= 1, "min_devices", f"must be at least 1, got {self.min_devices}")
+        check(self.timeout > 0, "timeout", f"must be positive, got {self.timeout}")
+        check(self.dp_clipping_norm >= 0, "dp_clipping_norm", f"must be >= 0, got {self.dp_clipping_norm}")
+        check(self.dp_noise_multiplier >= 0, "dp_noise_multiplier", f"must be >= 0, got {self.dp_noise_multiplier}")
+        check(not (self.dp_noise_multiplier > 0 and self.dp_clipping_norm == 0), "dp_noise_multiplier",
+              "needs dp_clipping_norm > 0 (noise is calibrated to the clipping norm)")
+
+    @property
+    def dp(self) -> bool:
+        return self.dp_clipping_norm > 0
+
+    def to_run_config(self) -> dict[str, bool | int | float | str]:
+        """Flower's run config: kebab-case keys, scalars only (the model's arguments as JSON text)."""
+        out: dict[str, bool | int | float | str] = {}
+        for k, v in asdict(self).items():
+            out[k.replace("_", "-")] = json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
+        return out
+
+    @staticmethod
+    def from_run_config(run_config: dict) -> FleetSettings:
+        """Read the settings back (unknown keys are Flower's or the app's own and are left alone).
+
+        Raises:
+            ConfigError: a value of the wrong type or out of range (the key is named).
+        """
+        kwargs: dict = {}
+        for name, f in FleetSettings.__dataclass_fields__.items():
+            key = name.replace("_", "-")
+            if key not in run_config:
+                continue
+            value = run_config[key]
+            if name == "model_args":
+                try:
+                    value = json.loads(value) if isinstance(value, str) else value
+                except ValueError as e:
+                    raise ConfigError(f"{key}: not JSON: {e}") from None
+                check(isinstance(value, dict), key, f"expected a JSON object, got {value!r}")
+            elif f.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            want = {"int": int, "float": float, "bool": bool, "str": str}.get(str(f.type))
+            if want is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+                raise ConfigError(f"{key}: expected {want.__name__}, got {type(value).__name__} {value!r}")
+            kwargs[name] = value
+        try:
+            return FleetSettings(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("_", "-", 1) if str(e).split(":")[0] in kwargs else str(e)) from None
