@@ -51,7 +51,7 @@ def _good(classes=("class0", "class1")):
 
 @pytest.mark.parametrize("fault, words", [
     ("shape", "has shape"), ("unknown_array", "unknown body"), ("unknown_key", "unknown keys"),
-    ("nan", "not finite"), ("missing", "missing head.bias")])
+    ("nan", "not finite"), ("missing", "missing head.weight")])
 def test_bad_message_is_refused_with_one_event_and_no_job(device, identity, fault, words):
     arrays, config = _good()
     a = {k: v.numpy().copy() for k, v in arrays.items()}
@@ -64,7 +64,7 @@ def test_bad_message_is_refused_with_one_event_and_no_job(device, identity, faul
     elif fault == "nan":
         a["head.weight"][0, 0] = np.nan
     elif fault == "missing":
-        del a["head.bias"]
+        del a["head.weight"]
     before = device.store.events(EventKind.ERROR)
     reply = _send(device, ArrayRecord({k: Array(v) for k, v in a.items()}), config)
     assert reply.has_error() and words in reply.error.reason

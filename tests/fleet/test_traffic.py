@@ -59,4 +59,4 @@ def test_bytes_per_round_follow_what_is_shared(identity):
         assert shared <= t["sent"] <= shared + 256 * tensors + 1_000
         assert 2 * shared <= t["received"] <= 2 * (shared + 256 * tensors) + 3 * 1_000
     assert rows["head"][2]["sent"] < rows["head+last"][2]["sent"] < rows["all"][2]["sent"]
-    assert rows["head"][0] == 4 * (3 * 128 + 3)  # three fleet classes x 128 features, and their biases
+    assert rows["head"][0] == 4 * 3 * 128  # three fleet classes x 128 features (the head has no bias)
