@@ -593,21 +593,35 @@ def test_floor_bytes_predicted_on_fake_tensors_equal_the_measured():
 
 
 def test_planner_chooses_floor_when_the_cap_demands_it():
-    """A budget between the least-memory peak with floor and the least without it: every plan that fits
-    runs some stage in floor (bytes from fake tensors, seconds from FLOPs: nothing timed)."""
+    """On the default RevNeXt's recorded 32x32 profile at batch 64: a budget between the least peak with
+    floor and the least without it is met only by plans that run some stage in floor, and the plan the
+    planner gives runs on the model (bytes from the profile: nothing timed)."""
     import dataclasses
 
-    from edgerev.memory.knapsack import plan, smallest_budget
-    from edgerev.memory.profile import estimate_profile
+    from edgerev.errors import EdgerevError
+    from edgerev.memory.knapsack import plan
+    from tests.profiles import recorded
 
-    torch.manual_seed(0)
-    model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1))
-    with chunk_budget(1 << 12):
-        prof = estimate_profile(model, 32)
-        without = dataclasses.replace(prof, stages=[{m: c for m, c in s.items() if m != "floor"} for s in prof.stages])
-        low, high = smallest_budget(prof), smallest_budget(without)
-        assert high - low > 8 * 32 * 32 * 4 // 4, (low, high)  # a quarter of a volume at batch 1, at least
-        budget = (low + high) // 2
-        p = plan(prof, budget, batches=[1])
+    prof = recorded("revnext")
+    without = dataclasses.replace(prof, stages=[{m: c for m, c in s.items() if m != "floor"} for s in prof.stages])
+
+    def least(profile) -> int:
+        low, high = 1 << 20, 1 << 32  # bytes: too small, and enough
+        while high - low > 1 << 16:
+            mid = (low + high) // 2
+            try:
+                plan(profile, mid, batches=[64])
+                high = mid
+            except EdgerevError:
+                low = mid
+        return high
+
+    with_floor, without_floor = least(prof), least(without)
+    volume = 64 * 32 * 32 * 32 * 4  # one activation volume at stem width 32, batch 64
+    assert without_floor - with_floor > volume // 4, (with_floor, without_floor)
+    budget = (with_floor + without_floor) // 2
+    p = plan(prof, budget, batches=[64])
     assert "floor" in p.modes and p.predicted_peak_bytes <= budget
-    model.body.set_modes(list(p.modes))
+    with pytest.raises(EdgerevError):
+        plan(without, budget, batches=[64])
+    create_model("revnext").body.set_modes(list(p.modes))  # every stage can run the mode it was given
