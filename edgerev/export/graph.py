@@ -76,6 +76,34 @@ def drop_extra_bn_outputs(model: onnx.ModelProto) -> int:
     return changed
 
 
+def give_head_a_bias(model: onnx.ModelProto, name: str = "head.bias") -> bool:
+    """Give the ``Gemm`` that produces the logits a zero bias if the exporter wrote it without one.
+
+    A head without a bias (the paper's RevNeXt) exports as ``Gemm(features, weight)``: the exporter
+    drops a zero bias. Head fine-tuning trains a weight and a bias (:func:`find_head`), so the bias is
+    put back as an initializer of zeros: the logits do not change. Returns whether one was added.
+    """
+    graph = model.graph
+    if not graph.output:
+        return False
+    logits = graph.output[0].name
+    inits = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if logits not in node.output:
+            continue
+        if node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in inits:
+            return False
+        trans_b = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "transB"), 0)
+        dims = list(inits[node.input[1]].dims)
+        rows = dims[0] if trans_b else dims[1]
+        while name in inits:
+            name += "_"
+        graph.initializer.append(numpy_helper.from_array(np.zeros(rows, dtype=np.float32), name))
+        node.input.append(name)
+        return True
+    return False
+
+
 def find_head(model: onnx.ModelProto) -> Head:
     """Locate the ``Gemm`` that produces the logits (the graph's first output).
 

@@ -31,6 +31,7 @@ from torch import nn
 from edgerev.atomic import atomic_write
 from edgerev.engine import plain
 from edgerev.errors import ExportError
+from edgerev.export.graph import give_head_a_bias
 from edgerev.export.images import normalize
 from edgerev.export.metadata import ModelMeta, set_props
 from edgerev.export.runtime import first_line, inference_session
@@ -122,6 +123,7 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
 
     start = time.perf_counter()
     proto = _export(model, example, opset, exporter, arch)
+    give_head_a_bias(proto)  # a bias-free head (the paper's RevNeXt) exports without one; fine-tuning needs it
     if proto.ir_version > MAX_IR:
         proto.ir_version = MAX_IR
     used_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
