@@ -12,37 +12,11 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import Context, RecordDict  # noqa: E402
-from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: E402
-
-from edgerev.fleet.client import make_client_app  # noqa: E402
-from edgerev.fleet.grid import InProcessGrid  # noqa: E402
-from edgerev.fleet.server import initial_arrays, make_server_app  # noqa: E402
+from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
-from edgerev_daemon.fleet import Consideration, RoundResult  # noqa: E402
+from tests.fleet.devices import run_fleet  # noqa: E402
 
-CLASSES = {2: ["class0", "class1"], 3: ["class1", "class2"]}
 FLEET = ("class0", "class1", "class2")
-
-
-class Stepper:
-    """A device whose round moves every shared float by +1.0."""
-
-    def __init__(self, classes):
-        self.counts = {c: 10 for c in classes}
-
-    def classes(self):
-        return dict(self.counts)
-
-    def train_round(self, fm):
-        counts = [self.counts.get(c, 0) for c in fm.classes]
-        return RoundResult({k: v + 1.0 for k, v in fm.shared.items()}, counts, sum(counts), None, None, 0)
-
-    def consider(self, fm):
-        return Consideration(False, "", None, 0.0, 0)
-
-    def refused(self, what, error):
-        raise AssertionError(error)
 
 
 def _update(clip: float, noise: float) -> np.ndarray:
@@ -50,12 +24,8 @@ def _update(clip: float, noise: float) -> np.ndarray:
     settings = FleetSettings(rounds=1, sharing="head+last", arch="revnext", image_size=16, min_devices=2,
                              model_args={"width": 8, "blocks": [1, 1, 1, 1, 1]}, dp_clipping_norm=clip,
                              dp_noise_multiplier=noise)
-    links = {n: Stepper(c) for n, c in CLASSES.items()}
-    app = make_client_app(lambda ctx: links[ctx.node_id])
-    grid = InProcessGrid({n: (app, Context(1, n, {}, RecordDict(), {})) for n in links})
     seen = {}
-    make_server_app(lambda r, arrays, classes: seen.update(arrays=arrays, classes=classes))(
-        grid, Context(1, SUPERLINK_NODE_ID, {}, RecordDict(), settings.to_run_config()))
+    run_fleet(settings, step=1.0, on_round=lambda r, arrays, classes: seen.update(arrays=arrays, classes=classes))
     assert seen["classes"] == FLEET
     start = initial_arrays(settings, FLEET)
     return np.concatenate([(seen["arrays"][k].numpy() - start[k].numpy()).ravel() for k in start.keys()])

@@ -9,43 +9,15 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import Context, RecordDict  # noqa: E402
-from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: E402
-
-from edgerev.fleet.client import make_client_app  # noqa: E402
-from edgerev.fleet.grid import InProcessGrid  # noqa: E402
-from edgerev.fleet.server import initial_arrays, make_server_app  # noqa: E402
+from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
-from edgerev_daemon.fleet import Consideration, RoundResult  # noqa: E402
-
-CLASSES = {2: ["class0", "class1"], 3: ["class1", "class2"]}
-
-
-class Echo:
-    def __init__(self, classes):
-        self.counts = {c: 10 for c in classes}
-
-    def classes(self):
-        return dict(self.counts)
-
-    def train_round(self, fm):
-        counts = [self.counts.get(c, 0) for c in fm.classes]
-        return RoundResult(dict(fm.shared), counts, sum(counts), None, None, 0)
-
-    def consider(self, fm):
-        return Consideration(False, "", None, 0.0, 0)  # no held-out sample: nothing to judge on
-
-    def refused(self, what, error):
-        raise AssertionError(error)
+from tests.fleet.devices import run_fleet  # noqa: E402
 
 
 def _round(sharing, identity):
     settings = FleetSettings(rounds=1, sharing=sharing, arch="revnext", image_size=16, min_devices=2,
                              model_args={"width": 8, "blocks": [1, 1, 1, 1, 1]})
-    links = {n: Echo(c) for n, c in CLASSES.items()}
-    app = make_client_app(lambda ctx: links[ctx.node_id])
-    grid = InProcessGrid({n: (app, Context(1, n, {}, RecordDict(), {})) for n in links})
-    make_server_app()(grid, Context(1, SUPERLINK_NODE_ID, {}, RecordDict(), settings.to_run_config()))
+    grid = run_fleet(settings)
     arrays = initial_arrays(settings, ("class0", "class1", "class2"))
     return 4 * sum(a.numpy().size for a in arrays.values()), len(arrays), grid.traffic[2].by_round["1"]
 
