@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from _common import write_json
+from step_time import time_steps
 
 from edgerev import create_model, plain
 from edgerev.layers import chunk_budget
@@ -51,22 +51,7 @@ def memory(batches: list[int], size: int, real: bool) -> dict:
 
 
 def step_times(batch: int, size: int, repeats: int, warmup: int) -> dict:
-    torch.manual_seed(0)
-    model = create_model("revnext").train()
-    x = torch.randn(batch, 3, size, size)
-    y = torch.randint(0, model.num_classes, (batch,))
-    variants = ("plain", "invert", "floor")
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for r in range(warmup + repeats):
-        for v in variants:
-            model.zero_grad(set_to_none=True)
-            if v != "plain":
-                model.set_modes(v)
-            t0 = time.perf_counter()
-            with plain(model, v == "plain"):
-                F.cross_entropy(model(x), y).backward()
-            if r >= warmup:
-                times[v].append(time.perf_counter() - t0)
+    times = time_steps("revnext", batch, size, "cpu", repeats, warmup, ["invert", "floor"])
     base = statistics.median(times["plain"])
     return {"batch": batch, "size": size, "repeats": repeats, "threads": torch.get_num_threads(),
             "seconds": times, "median_seconds": {v: statistics.median(t) for v, t in times.items()},
