@@ -333,14 +333,13 @@ def fleet_judge(cand, cur, gate) -> tuple[bool, str]:
     """The gate for a fleet model: not worse than the model in service on this device's held-out samples
     beyond ``gate.tolerance`` (a fleet model knows more classes; it need not beat a local model on the
     local ones), and no known class at 0 % (``promotion.refuse_class_at_zero``)."""
-    from edgerev_daemon.promote import dead_classes
+    from edgerev_daemon.promote import dead_reason
 
     c = cand.accuracy.get("all")
     if c is None:
         return False, "no held-out sample on this device to judge the fleet model on"
-    dead = dead_classes(cand, gate) if gate.refuse_class_at_zero else []
-    if dead:
-        return False, f"fleet model refused: class {dead[0][0]} at 0 % on its {dead[0][1]} held-out samples"
+    if dead := dead_reason(cand, gate):
+        return False, f"fleet model refused: {dead}"
     if cur is None:
         return True, f"fleet model, first in service: held-out accuracy {c:.4f}"
     r = cur.accuracy.get("all")

@@ -132,6 +132,16 @@ def dead_classes(cand: Scores, gate: Gate) -> list[tuple[str, int]]:
             if c in cand.known and n >= gate.min_heldout_per_class and right == 0]
 
 
+def dead_reason(cand: Scores, gate: Gate) -> str | None:
+    """Why the candidate is refused for a class at 0 % (:func:`dead_classes`), or None: none, or the gate
+    does not refuse for it (``promotion.refuse_class_at_zero``)."""
+    dead = dead_classes(cand, gate) if gate.refuse_class_at_zero else []
+    if not dead:
+        return None
+    more = f" (and {len(dead) - 1} more: {', '.join(c for c, _ in dead[1:])})" if len(dead) > 1 else ""
+    return f"class {dead[0][0]} at 0 % on its {dead[0][1]} held-out samples{more} (promotion.refuse_class_at_zero)"
+
+
 # the groups in the schedule's words (edgerev_daemon.schedule): new samples arrived after the data of the model
 # in service, old ones before; "new classes" are labels it does not know
 WORDS = {"new": "held-out new samples", "old": "held-out old samples", "all": "held-out samples"}
@@ -142,10 +152,7 @@ def judge(cand: Scores, cur: Scores | None, gate: Gate) -> Decision:
     m: dict = {"heldout_samples": cand.samples, "candidate": cand.to_json(), "candidate_confusion": cand.confusion}
     if cur is not None:
         m["current"] = cur.to_json()
-    dead = dead_classes(cand, gate) if gate.refuse_class_at_zero else []
-    refuse_dead = (f"class {dead[0][0]} at 0 % on its {dead[0][1]} held-out samples"
-                   + (f" (and {len(dead) - 1} more: {', '.join(c for c, _ in dead[1:])})" if len(dead) > 1 else "")
-                   + " (promotion.refuse_class_at_zero)") if dead else None
+    refuse_dead = dead_reason(cand, gate)
     c = cand.accuracy
     if cur is None:
         n_classes = len([n for _, n in cand.per_class.values() if n]) or 1
