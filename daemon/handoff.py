@@ -1,16 +1,16 @@
 """Fleet requests handed to a daemon that is already running, through its data directory.
 
 A SuperNode's ClientApp cannot open a data directory whose daemon is running (the lock). It writes the
-request instead, ``DATA_DIR/fleet/requests/<id>.request/`` (``request.json``: what is asked and the fleet
+request instead, ``DATA_DIR/fleet/requests/<id>.request/`` (``meta.json``: what is asked and the fleet
 model's description; ``shared.safetensors``: the tensors), complete before its folder gets its final name
 (written as ``.<id>.tmp`` and renamed: the daemon never sees half a request). The daemon's loop takes
 each request at its next cycle (:func:`serve_requests`, from :meth:`edgerev_daemon.service.Daemon.cycle`)
-as a job of its own, writes ``<id>.result/`` the same way (``result.json``, and ``shared.safetensors``
+as a job of its own, writes ``<id>.result/`` the same way (``meta.json``, and ``shared.safetensors``
 for a round), and removes the request. The ClientApp waits for the result folder (:func:`wait_result`),
 reads it and removes it. A daemon killed in the middle of a request takes it again at its next start:
 a round resumes from its checkpoint, a candidate's recorded decision is carried out.
 
-Nothing but ``request.json`` and safetensors is read: no pickle, names confined to the requests folder.
+Nothing but ``meta.json`` and safetensors is read: no pickle, names confined to the requests folder.
 """
 
 from __future__ import annotations
