@@ -73,10 +73,10 @@ def test_diagnose_json(capsys):
     d = run_json(capsys, "diagnose", "--arch", "revnext", "--depth", "1", "--batch", "2", "--size", "16", "--json")
     assert d["arch"] == "revnext" and d["batch"] == 2 and d["size"] == 16
     stages = d["stages"]
-    assert len(stages) == 10  # stem, five levels of one block, four poolings
+    assert len(stages) == 12  # stem (conv, batch norm, leaky ReLU), five levels of one block, four poolings
     assert all("snr_db" in s for s in stages)
-    with_params = [s for s in stages if s["type"] in ("Conv2d", "HybridBlock")]
-    assert len(with_params) == 6
+    with_params = [s for s in stages if s["type"] in ("Conv2d", "InvBatchNorm2d", "HybridBlock")]
+    assert len(with_params) == 7
     assert all(s["grad_angle_deg"] < 1e-2 for s in with_params)  # float32, nearly exact
     assert any(s["snr_db"] is not None and s["snr_db"] > 60 for s in stages)
     assert d["max_grad_angle_deg"] == max(s["grad_angle_deg"] for s in with_params)
@@ -151,9 +151,9 @@ def test_plan_plain_model_json_verify(capsys, tmp_path, monkeypatch):
 
 
 def test_plan_text(capsys, small_revnext):
-    rc, out, err = run(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "1MiB")
+    rc, out, err = run(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "2MiB")
     assert rc == 0, err
-    assert "budget 1,048,576 bytes" in out and "predicted peak" in out and "HybridBlock" in out
+    assert "budget 2,097,152 bytes" in out and "predicted peak" in out and "HybridBlock" in out
 
 
 def test_plan_budget_too_small(capsys, small_revnext):

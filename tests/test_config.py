@@ -13,7 +13,7 @@ from edgerev.train.config import RunConfig, load_config
     ({"train": {"epochs": True}}, "train.epochs: expected int, got bool True"),
     ({"train": {"epochs": 0}}, "train.epochs: must be at least 1, got 0"),
     ({"optim": {"nesterov": "yes"}}, "optim.nesterov: expected bool, got str 'yes'"),
-    ({"optim": {"schedule": "cosine"}}, "optim.schedule: expected one of 'onecycle' or 'constant'"),
+    ({"optim": {"schedule": "cosine"}}, "optim.schedule: expected one of 'onecycle' or 'linear' or 'constant'"),
     ({"optim": {"lr": -1}}, "optim.lr: must be positive"),
     ({"data": {"train": {"kind": "folder"}}}, "data.train.path: a folder source needs a local path"),
     ({"data": {"train": {"classes": [0, "x"]}}}, "data.train.classes[1]: expected int, got str 'x'"),
