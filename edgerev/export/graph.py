@@ -83,25 +83,27 @@ def give_head_a_bias(model: onnx.ModelProto, name: str = "head.bias") -> bool:
     drops a zero bias. Head fine-tuning trains a weight and a bias (:func:`find_head`), so the bias is
     put back as an initializer of zeros: the logits do not change. Returns whether one was added.
     """
+    i, node = _logits_node(model)
+    inits = {t.name: t for t in model.graph.initializer}
+    if node is None or node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in inits:
+        return False
+    trans_b = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "transB"), 0)
+    dims = list(inits[node.input[1]].dims)
+    rows = dims[0] if trans_b else dims[1]
+    while name in inits:
+        name += "_"
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(rows, dtype=np.float32), name))
+    node.input.append(name)
+    return True
+
+
+def _logits_node(model: onnx.ModelProto) -> tuple[int, onnx.NodeProto | None]:
+    """The node that writes the logits (the graph's first output) and its index; ``(-1, None)``: no output,
+    or no such node."""
     graph = model.graph
     if not graph.output:
-        return False
-    logits = graph.output[0].name
-    inits = {t.name: t for t in graph.initializer}
-    for node in graph.node:
-        if logits not in node.output:
-            continue
-        if node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in inits:
-            return False
-        trans_b = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "transB"), 0)
-        dims = list(inits[node.input[1]].dims)
-        rows = dims[0] if trans_b else dims[1]
-        while name in inits:
-            name += "_"
-        graph.initializer.append(numpy_helper.from_array(np.zeros(rows, dtype=np.float32), name))
-        node.input.append(name)
-        return True
-    return False
+        return -1, None
+    return next(((i, n) for i, n in enumerate(graph.node) if graph.output[0].name in n.output), (-1, None))
 
 
 def find_head(model: onnx.ModelProto) -> Head:
@@ -115,16 +117,14 @@ def find_head(model: onnx.ModelProto) -> Head:
         raise ExportError("the ONNX graph has no output")
     logits = graph.output[0].name
     inits = {t.name for t in graph.initializer}
-    for i, node in enumerate(graph.node):
-        if logits not in node.output:
-            continue
+    i, node = _logits_node(model)
+    if node is not None:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         plain_gemm = (node.op_type == "Gemm" and len(node.input) == 3 and attrs.get("transA", 0) == 0
                       and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0)
-        if not plain_gemm or node.input[1] not in inits or node.input[2] not in inits:
-            break
-        return Head(node=i, features=node.input[0], weight=node.input[1], bias=node.input[2],
-                    trans_b=bool(attrs.get("transB", 0)), output=logits)
+        if plain_gemm and node.input[1] in inits and node.input[2] in inits:
+            return Head(node=i, features=node.input[0], weight=node.input[1], bias=node.input[2],
+                        trans_b=bool(attrs.get("transB", 0)), output=logits)
     raise ExportError(f"the logits {logits!r} do not come from a linear head (Gemm with weight and bias): "
                       "not a model written by 'edgerev export'")
 
