@@ -77,7 +77,7 @@ class RoundResult:
     shared: dict[str, torch.Tensor]
     counts: list[int]            # training samples per fleet class, in ``classes`` order
     examples: int
-    peak_bytes: int | None
+    peak_bytes: int | None      # measured under the cap (:func:`peak_of`)
     cap_bytes: int | None
     job: int
     seconds: float = 0.0
@@ -323,8 +323,14 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(base, ignore_errors=True)
     per_class = [counts.get(c, 0) for c in fm.classes]
-    return RoundResult(shared, per_class, sum(per_class), plan.get("predicted_peak_bytes"), plan.get("budget_bytes"),
-                       job.id, time.perf_counter() - started)
+    return RoundResult(shared, per_class, sum(per_class), peak_of(plan), plan.get("budget_bytes"), job.id,
+                       time.perf_counter() - started)
+
+
+def peak_of(plan: Mapping) -> int | None:
+    """A job's peak training memory: measured by the cap's tracker when it ran, else the plan's prediction."""
+    peak = plan.get("measured_peak_bytes") or plan.get("predicted_peak_bytes")
+    return int(peak) if peak else None
 
 
 # a candidate ------------------------------------------------------------------------------------------

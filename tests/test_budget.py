@@ -95,6 +95,7 @@ def capped_steps(model, teacher, cfg, batch: int, micro: int, cap, steps: int = 
         assert result.retries == 0, "the plan accepted at start needed a smaller micro-batch"
         assert result.micro_batches == micro
     assert cap.verified_steps == 1 and cap.trusted_steps == steps - 1
+    assert cap.baseline < cap.peak <= cap.budget, "the verified step's tracked peak"
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["new-only", "replay"])

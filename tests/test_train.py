@@ -212,6 +212,8 @@ def test_training_under_a_budget(tmp_path):
     plan = r.summary["plan"]
     assert plan["mode"] == "planned" and plan["budget_bytes"] == 6 * 2**20
     assert plan["predicted_peak_bytes"] <= 6 * 2**20
+    # the tracker's figure for the steps it verified: real bytes, under the cap
+    assert 0 < plan["measured_peak_bytes"] <= 6 * 2**20
     assert plan["micro_batch"] * plan["micro_batches"] >= 32
     with pytest.raises(BudgetTooSmall, match="smallest"):
         run(tmp_path, "tiny", memory__budget="200KiB", memory__profile="estimate", train__epochs=1)

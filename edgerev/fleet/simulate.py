@@ -187,7 +187,7 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
     from edgerev.fleet.client import DaemonLink, make_client_app
     from edgerev.fleet.grid import InProcessGrid
     from edgerev.fleet.server import make_server_app
-    from edgerev_daemon.fleet import local_state
+    from edgerev_daemon.fleet import local_state, peak_of
 
     started = time.perf_counter()
     out = Path(out)
@@ -204,7 +204,7 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
             version = d.daemon.registry.current_path()
             local[d.spec.name] = _dir_accuracy(version, test) if version is not None else None
             v = d.daemon.store.get_version(job["version"]) if job.get("version") else None
-            peak = ((v.metrics.get("training") or {}).get("plan") or {}).get("predicted_peak_bytes") if v else None
+            peak = peak_of((v.metrics.get("training") or {}).get("plan") or {}) if v else None
             if peak:
                 d.peaks.append(int(peak))
             log.info("%s: local model %s (%s)", d.spec.name, job.get("version"), job.get("reason") or job.get("status"))

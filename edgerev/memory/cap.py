@@ -70,12 +70,16 @@ class CpuCap:
     A step whose key (input and target shapes, micro-batches, the model's modes and execution, its
     parameter shapes) was already verified under the tracker runs without it: its tensors are the
     same. Anything that changes memory changes the key and is verified again.
+
+    ``peak``: the most bytes the tracker saw alive in a verified step, baseline included (0 before the
+    first): the measured figure to set against ``budget``.
     """
 
     def __init__(self, budget: int, baseline: int) -> None:
         self.budget, self.baseline = budget, baseline
         self._verified: set[tuple] = set()
         self.verified_steps = self.trusted_steps = 0
+        self.peak = 0
 
     @staticmethod
     def key(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int) -> tuple:
@@ -172,7 +176,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             guard = cpu_cap(budget, baseline if budget is not None else 0)
         try:
             parts = split_batch(n, micro_batches)
-            with guard:
+            with guard as tracker:
                 total = accumulate(model, x, targets, parts, loss_fn)
         except OOM_ERRORS as e:
             optimizer.zero_grad(set_to_none=True)
@@ -188,6 +192,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             if cap.needs_check(key):
                 cap.verified(key)
                 cap.verified_steps += 1
+                cap.peak = max(cap.peak, tracker.peak)
             else:
                 cap.trusted_steps += 1
         if clip_grad_norm is not None:

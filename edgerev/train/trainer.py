@@ -384,6 +384,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         reporter(progress_of("stopped", last_epoch, lr_at(max(0, step - 1), total, cfg.optim)), True)
         return RunResult(status, out, step, total)
     early = {"epoch": plateau.last_epoch, "reason": plateau.reason()} if plateau.stop else None
+    if cap is not None and cap.peak:  # what the tracker saw in this session's verified steps, against the plan's
+        plan_summary = {**plan_summary, "measured_peak_bytes": cap.peak}
     summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step,
                       early)
     reporter(progress_of("plateau" if early else "done", last_epoch, lr_at(max(0, step - 1), total, cfg.optim)), True)
