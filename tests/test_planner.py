@@ -19,7 +19,7 @@ from edgerev.memory.autoplan import plan_model, verify
 from edgerev.memory.costs import PROFILE_VERSION, BudgetTooSmall, Curve, Linear, ModeCost, Plan, Profile
 from edgerev.memory.knapsack import Choice, choices_at, peak_of, plan, smallest_budget, solve
 from edgerev.memory.measure import fake_step_peak
-from edgerev.memory.profile import cache_dir, estimate_profile, load_or_measure
+from edgerev.memory.profile import cache_dir, estimate_profile, fixed_bytes, load_or_measure
 from edgerev.models import EngineModel, create_model
 from edgerev.models.base import stem
 from edgerev.sizes import parse_bytes
@@ -548,3 +548,24 @@ def test_an_account_is_made_once_per_model_step_plan_and_loss(monkeypatch):
     accounted(model, step, p, lambda *a: a[0].sum())
     accounted(model, step, p, lambda *a: a[0].sum())
     assert len(calls) == 7
+
+
+def test_a_grown_head_keeps_its_bodys_profile_with_its_own_fixed_bytes(cache, monkeypatch):
+    """A device that learns a class grows its head; a fleet model has more rows than a device's own: the
+    stages cost the same, so the profile (a minute and more to estimate on a small CPU) is not made again,
+    but the weights' bytes are the model's."""
+    prof = measured()
+    fake = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "measure_profile", fake)
+    arch, overrides = SMALL_REVNEXT
+    few, many = (create_model(arch, **dict(overrides), num_classes=n) for n in (2, 40))
+    first, second = load_or_measure(few, 16), load_or_measure(many, 16)
+    assert fake.calls == 1 and len(list(cache.glob("*.json"))) == 1
+    assert first.stages == second.stages
+    assert first.fixed_bytes == fixed_bytes(few) and second.fixed_bytes == fixed_bytes(many)
+    assert second.fixed_bytes - first.fixed_bytes == 2 * 4 * 38 * many.head.in_features  # weights and gradients
+    # another body is another profile
+    again = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "measure_profile", again)
+    load_or_measure(create_model(arch, **{**dict(overrides), "width": 4}, num_classes=2), 16)
+    assert again.calls == 1

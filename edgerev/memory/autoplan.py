@@ -271,8 +271,8 @@ def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[
     if loss is None:
         return account_step(model, step, p.batch, p.apply, loss_fn)
     key = (profiles.model_key(model, step.size, "cpu"),
-           tuple((n, t.dtype, t.requires_grad) for n, t in model.named_parameters()),
-           tuple((n, t.dtype) for n, t in model.named_buffers()),
+           tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in model.named_parameters()),
+           tuple((n, tuple(t.shape), t.dtype) for n, t in model.named_buffers()),
            tuple(str(m) for m in getattr(getattr(model, "body", None), "modes", None) or ()),  # a plan of None
            step, p.batch, p.modes, p.segments, loss)
     if key not in _ACCOUNTS:

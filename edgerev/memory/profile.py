@@ -19,6 +19,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,8 +38,15 @@ NOMINAL_SECONDS_PER_FLOP = 1 / 20e9
 
 
 def model_key(model: nn.Module, size: int, device: str) -> str:
-    """Identity of a profile: architecture (its printed structure), input size, device and torch."""
-    text = f"{getattr(model, 'arch', type(model).__name__)}|{model!r}|{size}|{device}|{torch.__version__}"
+    """Identity of a profile: architecture, the printed structure of everything but the classifier
+    (``head``), input size, device and torch.
+
+    The head is left out because no stage's cost depends on it: a model that grows its head for a new
+    class, or a fleet model with more classes than the device's own, keeps the profile of its body. What
+    the head does change, the weights' bytes, is the model's own (:func:`fixed_bytes`, set on every load).
+    """
+    body = "|".join(f"{name}={child!r}" for name, child in model.named_children() if name != "head")
+    text = f"{getattr(model, 'arch', type(model).__name__)}|{body}|{size}|{device}|{torch.__version__}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -252,7 +260,7 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
     key = model_key(model, size, device)
     kind = "estimated" if estimate else "measured"
     if estimate and key in _ESTIMATES:
-        return copy.deepcopy(_ESTIMATES[key])
+        return _own_bytes(copy.deepcopy(_ESTIMATES[key]), model)
     root = cache or cache_dir()
     name = f"{getattr(model, 'arch', 'model')}-{size}-{device}-{key}"
     path = root / (f"{name}-estimated.json" if estimate else f"{name}.json")
@@ -278,7 +286,13 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
             # an estimate is cheap to redo: a read-only or full cache only costs the next process the time
     if estimate:
         _ESTIMATES[key] = copy.deepcopy(prof)
-    return prof
+    return _own_bytes(prof, model)
+
+
+def _own_bytes(prof: Profile, model: nn.Module) -> Profile:
+    """``prof`` with ``model``'s fixed bytes: a profile is shared by models whose heads differ (:func:`model_key`)."""
+    own = fixed_bytes(model)
+    return prof if prof.fixed_bytes == own else replace(prof, fixed_bytes=own)
 
 
 _ESTIMATES: dict[str, Profile] = {}  # model key -> estimated profile, for this process
