@@ -155,6 +155,7 @@ class Device:
         self.cap: int | None = None
         self.rounds: list[dict] = []
         self.stop_now = False
+        self.seen_event = 0
 
     def open(self, sim: SimulationConfig) -> None:
         from edgerev_daemon.config import load_config
@@ -171,6 +172,20 @@ class Device:
                          seed=d.seed, start=100_000 * self.node_id, num_classes=d.num_classes, size=config.image_size)
         self.daemon = Daemon(config, config_path=path)
         self.cap = config.training.memory.budget
+
+    def decision(self, fleet_round: str, current: str | None) -> tuple[str, bool]:
+        """What this device's gate decided on the fleet model of ``fleet_round`` and whether it is the model
+        in service; a device that did not judge it says why (its last fleet refusal since the last round)."""
+        from edgerev_daemon.records import EventKind
+
+        store = self.daemon.store
+        decided = [v for v in store.versions() if v.metrics.get("fleet_round") == fleet_round]
+        refusals = store.events(EventKind.ERROR, after_id=self.seen_event, limit=1000)
+        self.seen_event = max([self.seen_event, *(e.id for e in refusals)])
+        if decided:
+            return decided[-1].reason, bool(decided[-1].promoted and decided[-1].id == current)
+        why = [e.message.get("error") for e in refusals if str(e.message.get("where", "")).startswith("fleet")]
+        return f"not judged: {why[-1] if why else 'no fleet model reached this device'}", False
 
     def close(self) -> None:
         if self.daemon is not None:
@@ -269,13 +284,11 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
                 acc = _accuracy(model, ModelInfo(f.arch, classes, f.image_size, model_args=dict(f.model_args)), test)
                 current = d.daemon.registry.current()
                 cur_acc = _dir_accuracy(d.daemon.registry.current_path(), test) if current else None
-                v = d.daemon.store.get_version(current) if current else None
-                latest = d.daemon.store.versions()[-1] if d.daemon.store.versions() else None
+                gate, promoted = d.decision(f"{run_id}/{server_round}", current)
                 traffic = grid.traffic[node].by_round
                 d.rounds.append({"round": server_round, "accuracy_federated": round(acc, 4),
                                  "in_service": current, "accuracy_in_service": cur_acc and round(cur_acc, 4),
-                                 "gate": latest.reason if latest else None,
-                                 "promoted": bool(latest and latest.promoted and v is not None and latest.id == v.id),
+                                 "gate": gate, "promoted": promoted,
                                  "bytes_sent": sum(t["sent"] for k, t in traffic.items() if k == str(server_round)),
                                  "bytes_received": sum(t["received"] for k, t in traffic.items()
                                                        if k == str(server_round))})
