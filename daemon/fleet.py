@@ -7,9 +7,11 @@ from the daemon to the fleet but weights and per-class sample counts:
   fleet's ``sharing`` setting) and the fleet's class list (the head's rows, in the fleet registry's
   order). The daemon composes a model directory from them and from what it keeps locally (the
   tensors not shared, batch-norm statistics: FedBN), and runs :func:`edgerev_daemon.jobs.run_job` on it
-  as the model to start from: the device's own training samples, distillation from the received model
-  on every fleet class (LwF: a device with three classes does not erase the other seven), under the
-  daemon's memory cap, checkpointed; the job is a row in the store like any other. Its output becomes
+  as the model to start from: the device's own training samples, the device's ``continual`` settings
+  (``continual.distill`` > 0: distillation from the received model on every fleet class, LwF), under the
+  daemon's memory cap, checkpointed; the job is a row in the store like any other. What keeps the other
+  devices' classes is the averaging; distillation from a fleet model that does not know them yet held
+  a non-IID fleet at chance for its first round (README, "A fleet"), so the presets turn it off. Its output becomes
   the device's local state and its shared tensors the reply.
 - **a candidate** (:func:`consider`): the aggregated fleet model, composed with the local state the
   same way, goes through the device's own gate (:func:`fleet_judge`): promoted (exported, versioned,
