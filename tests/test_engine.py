@@ -599,24 +599,12 @@ def test_planner_chooses_floor_when_the_cap_demands_it():
     import dataclasses
 
     from edgerev.errors import EdgerevError
-    from edgerev.memory.knapsack import plan
+    from edgerev.memory.knapsack import plan, smallest_budget
     from tests.profiles import recorded
 
     prof = recorded("revnext")
     without = dataclasses.replace(prof, stages=[{m: c for m, c in s.items() if m != "floor"} for s in prof.stages])
-
-    def least(profile) -> int:
-        low, high = 1 << 20, 1 << 32  # bytes: too small, and enough
-        while high - low > 1 << 16:
-            mid = (low + high) // 2
-            try:
-                plan(profile, mid, batches=[64])
-                high = mid
-            except EdgerevError:
-                low = mid
-        return high
-
-    with_floor, without_floor = least(prof), least(without)
+    with_floor, without_floor = smallest_budget(prof, batch=64), smallest_budget(without, batch=64)
     volume = 64 * 32 * 32 * 32 * 4  # one activation volume at stem width 32, batch 64
     assert without_floor - with_floor > volume // 4, (with_floor, without_floor)
     budget = (with_floor + without_floor) // 2

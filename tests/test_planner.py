@@ -249,6 +249,19 @@ def test_the_smallest_budget_is_enough(which):
     assert p.batch == 1
 
 
+@pytest.mark.parametrize("which", ["synthetic", "revnext", "resnet18"])
+@pytest.mark.parametrize("batch", [2, 7, 64])
+def test_the_smallest_budget_at_a_batch_is_enough_and_a_tenth_less_is_not(which, batch):
+    prof = synthetic_profile(0) if which == "synthetic" else recorded(which)
+    least = smallest_budget(prof, head_bytes_per_sample=100, batch=batch)
+    assert least > smallest_budget(prof, head_bytes_per_sample=100)
+    assert plan(prof, least, batches=[batch], head_bytes_per_sample=100).batch == batch
+    with pytest.raises(BudgetTooSmall):
+        plan(prof, int(least * 0.9), batches=[batch], head_bytes_per_sample=100)
+    with pytest.raises(EdgerevError, match="batch"):
+        smallest_budget(prof, batch=0)
+
+
 # ---- parse_bytes --------------------------------------------------------------------------------------------------
 
 

@@ -112,17 +112,18 @@ def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, gr
     return best
 
 
-def smallest_budget(profile: Profile, head_bytes_per_sample: float = 0.0) -> int:
-    """The smallest budget for which :func:`plan` finds a plan (batch 1, modes that minimize the peak).
+def smallest_budget(profile: Profile, head_bytes_per_sample: float = 0.0, *, batch: int = 1) -> int:
+    """The smallest budget for which :func:`plan` finds a plan at ``batch`` (modes that minimize the peak).
 
     The peak is minimized exactly; the budget is then raised until the granule-rounded solver
     accepts it, so the figure an error names always works.
     """
-    low = _smallest_peak(profile, head_bytes_per_sample)
-    budget = low
+    if batch < 1:
+        raise EdgerevError(f"the batch must be at least 1, got {batch}")
+    budget = _smallest_peak(profile, head_bytes_per_sample, batch)
     for _ in range(200):
         try:
-            plan(profile, budget, batches=[1], head_bytes_per_sample=head_bytes_per_sample, _raise=False)
+            plan(profile, budget, batches=[batch], head_bytes_per_sample=head_bytes_per_sample, _raise=False)
             return budget
         except _NoPlan:
             budget = int(math.ceil(budget * (1 + 2**-10))) + 1
@@ -133,9 +134,9 @@ class _NoPlan(Exception):
     pass
 
 
-def _smallest_peak(profile: Profile, head_bytes_per_sample: float = 0.0) -> int:
-    """Bytes needed by batch 1 in the modes that minimize the peak."""
-    groups = [choices_at(stage, 1) for stage in profile.stages]
+def _smallest_peak(profile: Profile, head_bytes_per_sample: float = 0.0, batch: int = 1) -> int:
+    """Bytes needed by ``batch`` in the modes that minimize the peak."""
+    groups = [choices_at(stage, batch) for stage in profile.stages]
     # minimize the peak: DP over kept bytes keeping the smallest running peak per state
     states: dict[float, float] = {0.0: 0.0}
     for group in groups:
@@ -146,7 +147,7 @@ def _smallest_peak(profile: Profile, head_bytes_per_sample: float = 0.0) -> int:
                 if k2 not in nxt or p2 < nxt[k2]:
                     nxt[k2] = p2
         states = nxt
-    return int(math.ceil(profile.fixed_bytes + head_bytes_per_sample + min(states.values())))
+    return int(math.ceil(profile.fixed_bytes + head_bytes_per_sample * batch + min(states.values())))
 
 
 def default_batches() -> list[int]:
