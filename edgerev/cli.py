@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="the .onnx file to write")
     e.add_argument("--batch", type=_positive("--batch"), default=4, help="verification batch size (default 4)")
     e.add_argument("--tolerance", type=float, default=1e-4,
-                   help="largest accepted absolute difference of logits (default 1e-4)")
+                   help="largest accepted difference of logits, relative to the largest logit above 1 (default 1e-4)")
     e.add_argument("--exporter", choices=("dynamo", "legacy"), default="dynamo",
                    help="torch.export-based (default) or the deprecated TorchScript exporter")
     e.add_argument("--json", action="store_true", help="print JSON")

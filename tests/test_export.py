@@ -124,8 +124,27 @@ def test_verification_catches_a_mismatch(exported):
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.head.weight += 1e-3  # revnext's head has no bias
-    with pytest.raises(ExportError, match=r"disagree .* exceeds the tolerance 0.0001"):
+    with pytest.raises(ExportError, match=r"disagree .* exceeds the tolerance 0.000[0-9]+;"):
         verify_onnx(r.path, other, meta, batches=(2,))
+
+
+def test_large_logits_verify_within_their_rounding_and_a_relative_mismatch_is_caught(exported, tmp_path):
+    """float32 rounding grows with the logits: logits in the ten thousands export; 1e-3 off relative does not."""
+    import copy
+
+    model, info, _ = exported
+    loud = copy.deepcopy(model)
+    with torch.no_grad():
+        loud.head.weight *= 1e4
+    r = export_onnx(loud, tmp_path / "loud.onnx", info=info, exporter="legacy")
+    got, ref = logits_both(r.path, loud, 7)
+    assert np.abs(ref).max() > 1e4 and r.max_abs_diff <= 1e-4 * np.abs(ref).max()
+    off = copy.deepcopy(loud)
+    with torch.no_grad():
+        off.head.weight *= 1 + 1e-3
+    meta = ModelMeta(classes=info.classes, input_size=info.input_size, mean=info.mean, std=info.std)
+    with pytest.raises(ExportError, match="disagree .* exceeds the tolerance"):
+        verify_onnx(r.path, off, meta, batches=(2,))
 
 
 def test_failed_verification_writes_nothing(tmp_path, monkeypatch):

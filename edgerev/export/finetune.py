@@ -30,7 +30,7 @@ from edgerev.errors import ExportError
 from edgerev.export import graph, head_numpy
 from edgerev.export.images import ImageError, load_folder, normalize
 from edgerev.export.metadata import ModelMeta, get_props, set_props
-from edgerev.export.runtime import first_line, inference_session, training_modules
+from edgerev.export.runtime import first_line, inference_session, logits_apart, training_modules
 
 BACKENDS = ("numpy", "onnxruntime")
 
@@ -202,9 +202,7 @@ def _check(model: bytes, pixels: np.ndarray, feats: np.ndarray, w: np.ndarray, b
     session = inference_session(model, what)
     got = session.run(None, {session.get_inputs()[0].name: normalize(pixels, meta.mean, meta.std)})[0]
     expected = _logits(feats, w, b)
-    diff = float(np.max(np.abs(got - expected)))
-    # float32 rounding grows with the logits: the tolerance holds for logits up to 1, and scales with them above
-    allowed = tolerance * max(1.0, float(np.max(np.abs(expected))))
+    diff, allowed = logits_apart(got, expected, tolerance)
     if not diff <= allowed:
         raise ExportError(f"the fine-tuned model's logits differ from the trained head by {diff:.3g} "
                           f"(tolerance {allowed:.3g}); nothing written")

@@ -17,6 +17,8 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from edgerev.errors import ExportError
 
 INSTALL_HINT = ("pip install 'edgerev[runtime]' for inference, or 'edgerev[ort-training]' for inference and "
@@ -30,6 +32,21 @@ def onnxruntime() -> types.ModuleType:
     except ImportError:
         raise ExportError(f"ONNX Runtime is not installed: {INSTALL_HINT}") from None
     return ort
+
+
+def logits_apart(got, expected, tolerance: float) -> tuple[float, float]:
+    """How far two computations of the same logits lie apart, and how far they may.
+
+    float32 rounding grows with the values summed: ``tolerance`` holds for logits up to 1 and scales with
+    the largest logit above that (one rule for export and fine-tuning).
+
+    Returns:
+        ``(difference, allowed)``: the largest absolute difference (NaN when either holds a NaN) and
+        ``tolerance * max(1, max |expected|)``.
+    """
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    diff = float(np.max(np.abs(got - expected)))
+    return diff, tolerance * max(1.0, float(np.max(np.abs(expected))))
 
 
 def first_line(e: BaseException) -> str:
