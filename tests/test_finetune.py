@@ -179,6 +179,27 @@ def test_inference_batch_norm_with_three_outputs_is_repaired(exported, data, tmp
         graph.drop_extra_bn_outputs(model)
 
 
+def test_a_head_exported_without_a_bias_is_fine_tuned_with_one(exported, data, tmp_path):
+    """Exports of a bias-free head written before export put the zero bias back: the head trains a bias from 0."""
+    model = onnx.load(str(exported))
+    head = graph.find_head(model)
+    gemm = model.graph.node[head.node]
+    del gemm.input[2]
+    kept = [t for t in model.graph.initializer if t.name != head.bias]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    onnx.save(model, str(tmp_path / "old.onnx"))
+    with pytest.raises(ExportError, match="Gemm with weight and bias"):
+        graph.find_head(onnx.load(str(tmp_path / "old.onnx")))
+    train, val = data
+    r = finetune_head(tmp_path / "old.onnx", train, tmp_path / "tuned.onnx", val=val, epochs=3)
+    tuned = onnx.load(str(r.path))
+    bias = initializers(r.path)[graph.find_head(tuned).bias]
+    assert bias.shape == (len(CLASSES),) and np.any(bias != 0)
+    assert r.val_accuracy_before == pytest.approx(finetune_head(exported, train, tmp_path / "x.onnx", val=val,
+                                                                epochs=1).val_accuracy_before)
+
+
 def test_image_folder(exported, data, tmp_path, capsys):
     (pixels, labels), (vp, vl) = data
     keep = labels != 2  # a class without a folder is fine

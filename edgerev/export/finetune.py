@@ -12,7 +12,8 @@ exported graph cut at the head's input); only the linear head trains, on those f
    ``fine_tuned`` record, after checking its logits against the head computed in numpy.
 
 Inference-mode batch norms that kept their three outputs are cut to one
-(:func:`graph.drop_extra_bn_outputs`) before anything runs. Nothing here imports torch.
+(:func:`graph.drop_extra_bn_outputs`), and a head exported without a bias gets a zero one
+(:func:`graph.give_head_a_bias`: the logits do not change), before anything runs. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def finetune_head(onnx_path: str | Path, data: Data, out_path: str | Path, *, va
     meta = ModelMeta.from_props(get_props(source), str(onnx_path))
     graph.lower_ir(source)
     graph.drop_extra_bn_outputs(source)
+    graph.give_head_a_bias(source)  # a bias-free head exported before export put a zero bias back
     head = graph.find_head(source)
     w0, b0 = graph.head_weights(source, head)
 
