@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from edgerev.atomic import fsync_dir, fsync_tree
 from edgerev.errors import EdgerevError
 from edgerev.train.checkpoint import ModelInfo, load_tensors, read_info, save_model
 from edgerev.train.config import ModelConfig
@@ -172,7 +173,9 @@ def local_state(root: Path) -> tuple[dict[str, torch.Tensor], tuple[str, ...]] |
     """The tensors and classes of the device's last round (``DATA_DIR/fleet/local/``), or None."""
     folder = fleet_dir(root) / "local"
     if not (folder / "model.json").is_file():
-        return None
+        folder = folder.with_name("local.old")  # a stop between the two renames of _replace_dir
+        if not (folder / "model.json").is_file():
+            return None
     info, raw = read_info(folder)
     return load_tensors(folder / "model.safetensors", raw.get("weights_sha256")), info.classes
 
@@ -205,11 +208,14 @@ def write_model(folder: Path, fm: FleetModel, state: dict[str, torch.Tensor]) ->
 
 
 def _replace_dir(new: Path, final: Path) -> None:
+    """Put the complete folder ``new`` in the place of ``final``; between the renames ``final.old`` holds
+    the previous one (:func:`local_state` reads it then)."""
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
     new.rename(final)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -319,6 +325,7 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
     staged = fleet / "local.new"
     shutil.rmtree(staged, ignore_errors=True)
     shutil.copytree(out, staged, ignore=shutil.ignore_patterns("checkpoints", "*.png", "replay.safetensors"))
+    fsync_tree(staged)  # copytree does not: the renamed folder must be whole after a power cut
     _replace_dir(staged, fleet / "local")
     plan = (outcome.summary or {}).get("plan") or {}
     daemon.store.set_job_state(job.id, JobState.DONE)

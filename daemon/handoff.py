@@ -3,7 +3,8 @@
 A SuperNode's ClientApp cannot open a data directory whose daemon is running (the lock). It writes the
 request instead, ``DATA_DIR/fleet/requests/<id>.request/`` (``meta.json``: what is asked and the fleet
 model's description; ``shared.safetensors``: the tensors), complete before its folder gets its final name
-(written as ``.<id>.tmp`` and renamed: the daemon never sees half a request). The daemon's loop takes
+(written as ``.<id>.tmp``, every file and the folder fsynced, then renamed and the parent fsynced: the
+daemon never sees half a request, even after a power cut). The daemon's loop takes
 each request at its next cycle (:func:`serve_requests`, from :meth:`edgerev_daemon.service.Daemon.cycle`)
 as a job of its own, writes ``<id>.result/`` the same way (``meta.json``, and ``shared.safetensors``
 for a round), and removes the request. The ClientApp waits for the result folder (:func:`wait_result`),
@@ -23,6 +24,8 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
+from edgerev.atomic import atomic_write, fsync_dir
+from edgerev.errors import EdgerevError
 from edgerev.train.checkpoint import load_tensors, save_tensors
 from edgerev_daemon.fleet import Consideration, FleetError, FleetModel, RoundResult
 
@@ -41,8 +44,9 @@ def _write_dir(final: Path, meta: dict, tensors: dict | None) -> None:
     tmp.mkdir(parents=True)
     if tensors is not None:
         meta = {**meta, "sha256": save_tensors(tmp / "shared.safetensors", tensors)}
-    (tmp / "meta.json").write_text(json.dumps(meta))
+    atomic_write(tmp / "meta.json", json.dumps(meta).encode())  # fsynced, as the tensors are, and the folder
     tmp.rename(final)
+    fsync_dir(final.parent)  # the name too: a power cut leaves no folder, or a complete one
 
 
 def _read_dir(folder: Path) -> tuple[dict, dict | None]:
@@ -86,6 +90,8 @@ def wait_result(root: Path, rid: str, timeout: float, poll: float = 0.5):
         time.sleep(poll)  # another process writes the answer: nothing here to wait on but the file system
     try:
         meta, tensors = _read_dir(result)
+    except (OSError, ValueError, KeyError, EdgerevError) as e:
+        raise FleetError(f"the daemon's answer to request {rid} could not be read: {e}") from None
     finally:
         shutil.rmtree(result, ignore_errors=True)
     if "error" in meta:

@@ -19,6 +19,22 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: str | Path) -> None:
+    """fsync every file and folder under ``path`` (a tree written without it, e.g. by ``shutil.copytree``),
+    deepest first, ``path`` last; links are not followed."""
+    for folder, _, files in os.walk(path, topdown=False):
+        for name in files:
+            file = os.path.join(folder, name)
+            if os.path.islink(file):
+                continue
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
+
+
 def atomic_write(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file, fsync, and rename (never a torn file)."""
     path = Path(path)

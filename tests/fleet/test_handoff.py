@@ -4,6 +4,8 @@ The daemon here is "running": this process holds its data directory (the lock), 
 cannot open it and writes its request instead; the daemon's next cycle carries it out and answers.
 """
 
+import os
+
 import pytest
 import torch
 import yaml
@@ -94,4 +96,58 @@ def test_a_link_in_the_requests_folder_is_not_followed(running, tmp_path):
     requests_dir(root).mkdir(parents=True, exist_ok=True)
     (requests_dir(root) / f"{rid}.request").symlink_to(requests_dir(elsewhere) / f"{rid}.request")
     assert daemon.cycle(0.0).fleet == 0
+    assert not (requests_dir(root) / f"{rid}.result").exists()
+
+
+def test_requests_results_and_the_local_copy_are_fsynced_before_and_after_their_renames(running, monkeypatch):
+    """A power cut leaves no folder or a whole one: every file and folder is synced before its rename, the
+    parent after it (recorded by path; a file is synced under its temporary folder's name)."""
+    _, daemon = running
+    root = daemon.config.layout.root
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+
+    def whole(tmp):  # both files synced (each under its own temporary name, renamed after), then the folders
+        files = [next((i for i, p in enumerate(synced) if p.startswith(f"{tmp}/.{name}.tmp-")), None)
+                 for name in ("meta.json", "shared.safetensors")]
+        folders = [i for i, p in enumerate(synced) if p == str(tmp)]
+        return None not in files and folders and max(folders) > max(files) and str(tmp.parent) in synced
+
+    rid = submit(root, "round", _fleet_model())
+    folder = requests_dir(root)
+    assert whole(folder / f".{rid}.request.tmp")
+    synced.clear()
+    assert daemon.cycle(0.0).fleet == 1
+    assert whole(folder / f".{rid}.result.tmp")
+    local = root / "fleet" / "local"
+    files = [p.relative_to(local) for p in local.rglob("*") if p.is_file()]
+    assert files and {str(local.with_name("local.new") / f) for f in files} <= set(synced)
+    assert str(local.parent) in synced[synced.index(str(local.with_name("local.new"))):]  # the rename, after
+    wait_result(root, rid, 0.0)
+
+
+def test_the_previous_local_copy_is_read_between_the_two_renames(running):
+    from edgerev_daemon.fleet import local_state
+
+    _, daemon = running
+    root = daemon.config.layout.root
+    submit(root, "round", _fleet_model())
+    daemon.cycle(0.0)
+    before = local_state(root)
+    local = root / "fleet" / "local"
+    local.rename(local.with_name("local.old"))  # stopped after the first rename, before the second
+    after = local_state(root)
+    assert after is not None and after[1] == before[1]
+    assert all(torch.equal(after[0][k], v) for k, v in before[0].items())
+
+
+def test_an_answer_that_cannot_be_read_is_one_fleet_error(running):
+    _, daemon = running
+    root = daemon.config.layout.root
+    rid = submit(root, "classes")
+    daemon.cycle(0.0)
+    (requests_dir(root) / f"{rid}.result" / "meta.json").write_text('{"kind": "cla')  # torn
+    with pytest.raises(FleetError, match=f"answer to request {rid} could not be read"):
+        wait_result(root, rid, 0.0)
     assert not (requests_dir(root) / f"{rid}.result").exists()
