@@ -32,14 +32,10 @@ SETTINGS = ("skew", "skew-distill", "iid", "central")
 
 
 def images(n: int, classes, start: int):
-    import torch
+    from edgerev.train.config import SourceConfig
+    from edgerev.train.labeled import load_source
 
-    from edgerev.train.data import SyntheticImages
-    from edgerev.train.labeled import LabeledImages
-
-    ds = SyntheticImages(n, len(CLASSES), SIZE, seed=0, classes=list(classes), start=start)
-    return LabeledImages(torch.stack([ds[i][0] for i in range(n)]), torch.tensor([ds.label(i) for i in range(n)]),
-                         CLASSES)
+    return load_source(SourceConfig(samples=n, num_classes=len(CLASSES), classes=tuple(classes), start=start), SIZE)
 
 
 def recipe(a, init: str | None, epochs: int, distill: float):
@@ -86,9 +82,9 @@ def federated(a, data, test, tmp: Path, distill: float) -> dict:
     from edgerev.train.trainer import train
 
     torch.manual_seed(a.seed)
-    fleet = create_model("revnext", **model_args(a), num_classes=len(CLASSES)).state_dict()
-    params = {n for n, _ in create_model("revnext", **model_args(a), num_classes=len(CLASSES)).named_parameters()}
-    shared = [k for k in fleet if k in params]  # batch-norm statistics stay on each device
+    initial = create_model("revnext", **model_args(a), num_classes=len(CLASSES))
+    fleet = initial.state_dict()
+    shared = [n for n, _ in initial.named_parameters()]  # batch-norm statistics stay on each device
     info = ModelInfo("revnext", CLASSES, SIZE, model_args=model_args(a))
     own: list[dict | None] = [None] * len(data)
 

@@ -10,8 +10,7 @@ import os
 from pathlib import Path
 
 
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename inside ``path`` durable."""
+def _fsync(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -19,20 +18,19 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    _fsync(path)
+
+
 def fsync_tree(path: str | Path) -> None:
     """fsync every file and folder under ``path`` (a tree written without it, e.g. by ``shutil.copytree``),
     deepest first, ``path`` last; links are not followed."""
     for folder, _, files in os.walk(path, topdown=False):
         for name in files:
-            file = os.path.join(folder, name)
-            if os.path.islink(file):
-                continue
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(folder)
+            if not os.path.islink(file := os.path.join(folder, name)):
+                _fsync(file)
+        _fsync(folder)
 
 
 def atomic_write(path: str | Path, data: bytes) -> None:
