@@ -105,3 +105,67 @@ def aggregate(contributions: Sequence[Contribution], previous: Mapping[str, np.n
         else:
             out[name] = np.asarray(prev).copy()
     return out
+
+
+def weighted_terms(delta: Mapping[str, np.ndarray], examples: int, counts: Sequence[int],
+                   scales: Sequence[float]) -> list[np.ndarray]:
+    """One device's part of :func:`aggregate` as terms whose plain *sum* over the devices is all the average
+    needs, for an aggregation that only ever learns sums (secure aggregation).
+
+    Every weighted average of :func:`aggregate` is ``sum_i w_i x_i / sum_i w_i``, so a device sends its
+    weights and its weighted update, in this order: ``[examples]``, the counts per fleet row, then for
+    each tensor in name order its update (trained minus received) times its weight (each head row times
+    that row's count, any other tensor times ``examples``). Each weight is divided by its scale,
+    ``scales[0]`` for ``examples`` and ``scales[1 + k]`` for row ``k`` (the round's largest such count:
+    every weight is then at most 1, and the terms stay within the update's own range); a scale cancels in
+    the average.
+    """
+    if len(scales) != 1 + len(counts) or not all(s > 0 for s in scales):
+        raise ValueError(f"{len(scales)} scales for {len(counts)} rows, or a scale that is not positive")
+    w = np.float64(examples) / scales[0]
+    per_row = np.asarray(counts, dtype=np.float64) / np.asarray(scales[1:], dtype=np.float64)
+    terms = [np.array([w]), per_row]
+    for name in sorted(delta):
+        d = np.asarray(delta[name], dtype=np.float64)
+        terms.append(d * per_row.reshape(-1, *([1] * (d.ndim - 1))) if is_head(name) else d * w)
+    return terms
+
+
+def term_scales(examples: Sequence[int], counts: Sequence[Sequence[int]]) -> list[float]:
+    """The scales of :func:`weighted_terms` for a round: the largest sample count and each row's largest
+    count over the devices (1 where all are 0)."""
+    per_row = np.asarray(counts, dtype=np.float64).max(axis=0)
+    return [float(max([1, *examples]))] + [float(max(1.0, c)) for c in per_row]
+
+
+def average_from_sums(sums: Sequence[np.ndarray], previous: Mapping[str, np.ndarray],
+                      least_weight: float = 1e-9) -> dict[str, np.ndarray]:
+    """The fleet's new tensors from the devices' :func:`weighted_terms` summed: the same averages as
+    :func:`aggregate` (a row no device counted, or every tensor when no device had a sample, keeps
+    ``previous``).
+
+    Args:
+        least_weight: summed weights at or below this count as none (a dequantized sum of zeros may be
+            off zero by a rounding).
+
+    Raises:
+        ValueError: ``sums`` does not have the layout of ``previous``.
+    """
+    names = sorted(previous)
+    rows = next((a.shape[0] for n, a in previous.items() if is_head(n)), 0)
+    if len(sums) != 2 + len(names) or np.shape(sums[0]) != (1,) or np.shape(sums[1]) != (rows,):
+        raise ValueError(f"{len(sums)} sums do not have the layout of the fleet's {len(names)} tensors")
+    total, per_row = float(sums[0][0]), np.asarray(sums[1], dtype=np.float64)
+    out: dict[str, np.ndarray] = {}
+    for name, s in zip(names, sums[2:], strict=True):
+        prev = previous[name]
+        if np.shape(s) != prev.shape:
+            raise ValueError(f"the sum of {name} has shape {np.shape(s)}, the fleet's is {prev.shape}")
+        avg = prev.astype(np.float64)  # a copy
+        if is_head(name):
+            seen = per_row > least_weight
+            avg[seen] += s[seen] / per_row[seen].reshape(-1, *([1] * (prev.ndim - 1)))
+        elif total > least_weight:
+            avg += s / total
+        out[name] = avg.astype(prev.dtype)
+    return {n: out[n] for n in previous}

@@ -13,7 +13,10 @@ one line in the device's log and an event in its store; the ClientApp raises, an
 error to the server, which leaves the device out of that round.
 
 Differential privacy (Flower's ``fixedclipping_mod``) applies to a train message when the server's
-strategy wrapper put a clipping norm in its config, so one ClientApp serves every setting.
+strategy wrapper put a clipping norm in its config, so one ClientApp serves every setting. With secure
+aggregation (``secagg`` in the config) the train reply carries the counts only: the (clipped) update is
+held in the ClientApp's context and leaves the device masked, in the steps of SecAgg+
+(:mod:`edgerev.fleet.secagg`), which Flower's ``secaggplus_mod`` answers.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 
+from edgerev.fleet import secagg
 from edgerev.fleet.settings import FleetSettings
 from edgerev.fleet.strategy import ARRAYS, CONFIG, METRICS
 from edgerev_daemon.fleet import Consideration, FleetError, FleetModel, RoundResult
@@ -35,7 +39,7 @@ from edgerev_daemon.fleet import Consideration, FleetError, FleetModel, RoundRes
 log = logging.getLogger("edgerev.fleet.client")
 
 CLIPPING_NORM = "clipping_norm"  # flwr.supercore.differential_privacy.KEY_CLIPPING_NORM
-KNOWN_CONFIG = {*FleetSettings().to_run_config(), "classes", "server-round", CLIPPING_NORM}
+KNOWN_CONFIG = {*FleetSettings().to_run_config(), "classes", "server-round", CLIPPING_NORM, secagg.SCALE_KEY}
 
 
 class DeviceLink(Protocol):
@@ -117,9 +121,35 @@ def _when_clipping(msg: Message, context: Context, call_next) -> Message:
     return call_next(msg, context)
 
 
+def _holding(link_for: Callable[[Context], DeviceLink]):
+    """A mod that, under secure aggregation, keeps the train reply's update (trained minus received, after
+    any clipping) in the context and sends the counts without it."""
+
+    def mod(msg: Message, context: Context, call_next) -> Message:
+        reply = call_next(msg, context)
+        config = msg.content.config_records.get(CONFIG)
+        if reply.has_error() or config is None or not config.get("secagg"):
+            return reply
+        received = msg.content.array_records[ARRAYS]
+        trained = reply.content.array_records.pop(ARRAYS)
+        delta = {k: trained[k].numpy().astype(np.float64) - received[k].numpy() for k in received.keys()}
+        bad = next((k for k, d in delta.items() if not np.isfinite(d).all()), None)
+        if bad is not None:
+            error = f"the round's update of {bad} is not finite; not sent"
+            link_for(context).refused("round", error)
+            raise FleetError(error)
+        metrics = reply.content.metric_records[METRICS]
+        secagg.hold(context, int(config.get("server-round", 0)), delta, int(metrics["num-examples"]),
+                    list(metrics["class-counts"]))
+        return reply
+
+    return mod
+
+
 def make_client_app(link_for: Callable[[Context], DeviceLink]) -> ClientApp:
     """A ClientApp whose device is ``link_for(context)``."""
     app = ClientApp()
+    protocol = secagg.device_mod(lambda context, error: link_for(context).refused("round", error))
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
@@ -130,7 +160,7 @@ def make_client_app(link_for: Callable[[Context], DeviceLink]) -> ClientApp:
                                                           "class-counts": [counts[n] for n in names]})}),
                        reply_to=msg)
 
-    @app.train(mods=[_when_clipping])
+    @app.train(mods=[protocol, _holding(link_for), _when_clipping])
     def train(msg: Message, context: Context) -> Message:
         link = link_for(context)
         fm = fleet_model(msg.content, context.run_id, link, "round")

@@ -1,4 +1,4 @@
-"""The fleet's ServerApp: the class registry, FedAvg over the devices' rounds, DP as a setting.
+"""The fleet's ServerApp: the class registry, FedAvg over the devices' rounds, DP and SecAgg+ as settings.
 
 ``app`` is what a SuperLink runs (``flwr run``; ``[tool.flwr.app.components] serverapp =
 "edgerev.fleet.server:app"``); :func:`make_server_app` builds one that reports each round to a callback
@@ -15,6 +15,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
 
 from edgerev.fleet.aggregate import ClassRegistry
+from edgerev.fleet.secagg import SecAggPlus
 from edgerev.fleet.settings import FleetSettings
 from edgerev.fleet.strategy import FleetAvg, to_record
 
@@ -36,7 +37,9 @@ def initial_arrays(settings: FleetSettings, classes: tuple[str, ...]) -> ArrayRe
 def run_fleet(grid: Grid, settings: FleetSettings, on_round: RoundHook | None = None):
     """Run ``settings.rounds`` rounds on ``grid``; returns Flower's strategy result."""
     registry = ClassRegistry()
-    fleet = FleetAvg(registry, settings.min_devices, settings.timeout)
+    secure = (SecAggPlus(settings.secagg_shares, settings.secagg_threshold, settings.secagg_range, settings.timeout)
+              if settings.secagg else None)
+    fleet = FleetAvg(registry, settings.min_devices, settings.timeout, secure)
     fleet.learn_classes(grid)
     if not len(registry):
         raise RuntimeError("no device listed a class: nothing to train")

@@ -23,7 +23,11 @@ class FleetSettings:
     of ``dp_noise_multiplier`` x the norm / the devices sampled (the Gaussian mechanism's scale for a uniform
     average; the fleet's average weights devices by their sample counts and head rows by per-class counts,
     so no (epsilon, delta) is claimed: Flower 1.41's accountant accepts only uniform FedAvg).
-    ``min_devices``: devices a round waits for;
+    ``secagg``: secure aggregation (SecAgg+, :mod:`edgerev.fleet.secagg`): the server learns only the sum of
+    the devices' updates; ``secagg_shares``: each device's neighbourhood (odd, >= 3; 0: every device of the
+    round), ``secagg_threshold``: the fraction of it whose shares rebuild a secret, ``secagg_range``: the
+    largest update a device may send (each weighted term is quantized over +- this; beyond it the device is
+    left out of the round, with the reason). ``min_devices``: devices a round waits for;
     ``timeout``: seconds a round waits for their replies (a device that has not answered by then is left out)."""
 
     rounds: int = 3
@@ -38,6 +42,10 @@ class FleetSettings:
     timeout: float = 3600.0
     dp_clipping_norm: float = 0.0
     dp_noise_multiplier: float = 0.0
+    secagg: bool = False
+    secagg_shares: int = 0
+    secagg_threshold: float = 2 / 3
+    secagg_range: float = 8.0
 
     def __post_init__(self) -> None:
         check(self.rounds >= 1, "rounds", f"must be at least 1, got {self.rounds}")
@@ -49,6 +57,12 @@ class FleetSettings:
         check(self.dp_noise_multiplier >= 0, "dp_noise_multiplier", f"must be >= 0, got {self.dp_noise_multiplier}")
         check(not (self.dp_noise_multiplier > 0 and self.dp_clipping_norm == 0), "dp_noise_multiplier",
               "needs dp_clipping_norm > 0 (noise is calibrated to the clipping norm)")
+        check(self.secagg_shares == 0 or (self.secagg_shares >= 3 and self.secagg_shares % 2 == 1),
+              "secagg_shares", f"must be 0 (every device) or odd and at least 3, got {self.secagg_shares}")
+        check(0 < self.secagg_threshold <= 1, "secagg_threshold", f"must be in (0, 1], got {self.secagg_threshold}")
+        check(self.secagg_range > 0, "secagg_range", f"must be positive, got {self.secagg_range}")
+        check(not self.secagg or self.min_devices >= 2, "min_devices",
+              f"must be at least 2 with secagg (a sum of one update is that update), got {self.min_devices}")
 
     @property
     def dp(self) -> bool:

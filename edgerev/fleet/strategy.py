@@ -6,6 +6,10 @@ the registry and the head's rows, and sends the fleet's class list with the weig
 averaged with each head row weighted by the devices' counts of that class. A reply whose tensors or
 counts do not match what was sent, or that is not finite, is left out of the average and logged; a
 round with no usable reply keeps the fleet's weights.
+
+With secure aggregation (``secure``) the train replies carry counts only, and the averages come from the
+sums that :class:`edgerev.fleet.secagg.SecAggPlus` unmasks (:func:`edgerev.fleet.aggregate.weighted_terms`);
+a round whose protocol cannot finish keeps the fleet's weights.
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from edgerev.fleet.aggregate import ClassRegistry, Contribution, aggregate, grow_rows, is_head
+from edgerev.fleet.aggregate import (
+    ClassRegistry,
+    Contribution,
+    aggregate,
+    average_from_sums,
+    grow_rows,
+    is_head,
+    term_scales,
+)
+from edgerev.fleet.secagg import SCALE_KEY, SecAggError, SecAggPlus
 
 log = logging.getLogger("edgerev.fleet.server")
 
@@ -40,14 +53,18 @@ class FleetAvg(FedAvg):
         registry: the fleet's classes (grown by the devices' answers).
         min_devices: devices a round waits for (Flower's ``min_available_nodes`` and sample sizes).
         timeout: seconds to wait for the class query's answers.
+        secure: sum the updates by secure aggregation (the replies carry counts only).
     """
 
-    def __init__(self, registry: ClassRegistry, min_devices: int = 2, timeout: float = 3600.0) -> None:
+    def __init__(self, registry: ClassRegistry, min_devices: int = 2, timeout: float = 3600.0,
+                 secure: SecAggPlus | None = None) -> None:
         super().__init__(min_train_nodes=min_devices, min_evaluate_nodes=min_devices,
                          min_available_nodes=min_devices, arrayrecord_key=ARRAYS, configrecord_key=CONFIG)
         self.registry = registry
         self.timeout = timeout
         self._sent: dict[str, np.ndarray] = {}
+        self._grid: Grid | None = None
+        self.secure = secure
         self.last_counts: dict[int, list[int]] = {}
 
     def learn_classes(self, grid: Grid, server_round: int = 0) -> list[str]:
@@ -82,7 +99,7 @@ class FleetAvg(FedAvg):
         if server_round > 1:  # the first round's classes were asked for just before it (the initial weights)
             self.learn_classes(grid, server_round)
         arrays, config = self._with_classes(arrays, config)
-        self._sent = to_numpy(arrays)
+        self._sent, self._grid = to_numpy(arrays), grid
         return super().configure_train(server_round, arrays, config, grid)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -92,7 +109,7 @@ class FleetAvg(FedAvg):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        contributions, total = [], 0
+        contributions = {}
         rows = next((a.shape[0] for n, a in self._sent.items() if is_head(n)), 0)
         self.last_counts = {}
         for msg in replies:
@@ -101,19 +118,36 @@ class FleetAvg(FedAvg):
                 log.warning("round %d: device %d failed: %s", server_round, node, msg.error.reason)
                 continue
             try:
-                c = _contribution(msg, self._sent, rows)
+                contributions[node] = _contribution(msg, self._sent, rows, clear=self.secure is None)
             except ValueError as e:
                 log.warning("round %d: device %d's reply left out: %s", server_round, node, e)
-                continue
-            contributions.append(c)
-            self.last_counts[node] = list(c.counts)
-            total += c.examples
-        if not contributions:
+        merged = None
+        if contributions and self.secure is None:
+            merged = aggregate(list(contributions.values()), self._sent)
+        elif contributions:
+            contributions, merged = self._sum_securely(server_round, contributions)
+        if merged is None:
             log.warning("round %d: no usable reply; the fleet's weights stay", server_round)
             return None, None
-        merged = aggregate(contributions, self._sent)
+        self.last_counts = {node: list(c.counts) for node, c in contributions.items()}
+        total = sum(c.examples for c in contributions.values())
         return to_record(merged), MetricRecord({"num-examples": total, "devices": len(contributions)})
 
+    def _sum_securely(self, server_round: int, counted: dict[int, Contribution]
+                      ) -> tuple[dict[int, Contribution], dict[str, np.ndarray] | None]:
+        """Run SecAgg+ over the devices that answered with their counts: those whose updates the sum holds,
+        and the fleet's new tensors (None when the protocol could not finish)."""
+        names = sorted(self._sent)
+        rows = next((a.shape[0] for n, a in self._sent.items() if is_head(n)), 0)
+        scales = term_scales([c.examples for c in counted.values()], [c.counts for c in counted.values()])
+        collect = RecordDict({CONFIG: ConfigRecord({"server-round": server_round, SCALE_KEY: scales})})
+        shapes = [(1,), (rows,), *(self._sent[n].shape for n in names)]
+        try:
+            sums, summed = self.secure.sum(self._grid, counted, server_round, collect, shapes)
+        except SecAggError as e:
+            log.warning("round %d: secure aggregation did not finish: %s", server_round, e)
+            return {}, None
+        return {node: c for node, c in counted.items() if node in summed}, average_from_sums(sums, self._sent)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """The devices' held-out accuracies weighted by their held-out counts; a device with no held-out
@@ -127,18 +161,25 @@ class FleetAvg(FedAvg):
         return super().aggregate_evaluate(server_round, judged)
 
 
-def _contribution(msg: Message, sent: dict[str, np.ndarray], rows: int) -> Contribution:
+def _contribution(msg: Message, sent: dict[str, np.ndarray], rows: int, clear: bool = True) -> Contribution:
+    """A reply's counts, and its tensors when they travel in ``clear`` (not under secure aggregation)."""
     content = msg.content
-    if ARRAYS not in content.array_records or METRICS not in content.metric_records:
-        raise ValueError("no weights or no counts")
-    arrays = to_numpy(content.array_records[ARRAYS])
-    if set(arrays) != set(sent):
-        raise ValueError(f"tensors {sorted(set(arrays) ^ set(sent))[:3]} differ from those sent")
-    for name, a in arrays.items():
-        if a.shape != sent[name].shape:
-            raise ValueError(f"{name} has shape {a.shape}, {sent[name].shape} was sent")
-        if not np.isfinite(a).all():
-            raise ValueError(f"{name} is not finite")
+    if METRICS not in content.metric_records:
+        raise ValueError("no counts")
+    arrays: dict[str, np.ndarray] = {}
+    if clear:
+        if ARRAYS not in content.array_records:
+            raise ValueError("no weights")
+        arrays = to_numpy(content.array_records[ARRAYS])
+        if set(arrays) != set(sent):
+            raise ValueError(f"tensors {sorted(set(arrays) ^ set(sent))[:3]} differ from those sent")
+        for name, a in arrays.items():
+            if a.shape != sent[name].shape:
+                raise ValueError(f"{name} has shape {a.shape}, {sent[name].shape} was sent")
+            if not np.isfinite(a).all():
+                raise ValueError(f"{name} is not finite")
+    elif content.array_records:
+        raise ValueError("it sent its update in clear under secure aggregation")
     metrics = content.metric_records[METRICS]
     counts = metrics.get("class-counts")
     examples = metrics.get("num-examples")

@@ -17,12 +17,13 @@ CLASSES = {2: ["class0", "class1"], 3: ["class1", "class2"]}
 
 
 class FakeDevice:
-    """A device whose round sends back every shared float it received plus ``step``, with 10 samples of
-    each of its classes, and no held-out sample (nothing to judge the fleet model on)."""
+    """A device whose round sends back every shared float it received plus ``step``, with ``per_class``
+    samples of each of its classes, and no held-out sample (nothing to judge the fleet model on)."""
 
-    def __init__(self, classes, step: float = 0.0):
-        self.counts = {c: 10 for c in classes}
+    def __init__(self, classes, step: float = 0.0, per_class: int = 10):
+        self.counts = {c: per_class for c in classes}
         self.step = step
+        self.refusals: list[str] = []
 
     def classes(self):
         return dict(self.counts)
@@ -35,14 +36,17 @@ class FakeDevice:
         return Consideration(False, "", None, 0.0, 0)
 
     def refused(self, what, error):
-        raise AssertionError(error)
+        self.refusals.append(error)
 
 
-def run_fleet(settings: FleetSettings, step: float = 0.0, on_round=None) -> InProcessGrid:
-    """Run ``settings.rounds`` rounds of the fleet's ServerApp over the :data:`CLASSES` devices through an
-    in-process Grid; returns the Grid (its ``traffic``). ``on_round`` is the ServerApp's round callback."""
-    links = {n: FakeDevice(c, step) for n, c in CLASSES.items()}
+def run_fleet(settings: FleetSettings, step: float = 0.0, on_round=None, devices=None,
+              deliver=lambda node, msg: True) -> InProcessGrid:
+    """Run ``settings.rounds`` rounds of the fleet's ServerApp over ``devices`` (node id -> FakeDevice;
+    default: the :data:`CLASSES` devices, each adding ``step``) through an in-process Grid; returns the
+    Grid (its ``traffic``; ``grid.links``: the devices). ``on_round`` is the ServerApp's round callback."""
+    links = devices if devices is not None else {n: FakeDevice(c, step) for n, c in CLASSES.items()}
     app = make_client_app(lambda ctx: links[ctx.node_id])
-    grid = InProcessGrid({n: (app, Context(1, n, {}, RecordDict(), {})) for n in links})
+    grid = InProcessGrid({n: (app, Context(1, n, {}, RecordDict(), {})) for n in links}, deliver=deliver)
+    grid.links = links
     make_server_app(on_round)(grid, Context(1, SUPERLINK_NODE_ID, {}, RecordDict(), settings.to_run_config()))
     return grid

@@ -2,8 +2,18 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from edgerev.fleet.aggregate import ClassRegistry, Contribution, aggregate, grow_rows
+from edgerev.fleet.aggregate import (
+    ClassRegistry,
+    Contribution,
+    aggregate,
+    average_from_sums,
+    grow_rows,
+    term_scales,
+    weighted_terms,
+)
 
 
 def test_registry_keeps_rows_and_appends_new_names_sorted():
@@ -41,3 +51,46 @@ def test_mismatched_contribution_is_refused():
     prev = {"head.weight": np.zeros((2, 2))}
     with pytest.raises(ValueError, match="counts 3 classes"):
         aggregate([Contribution({"head.weight": np.zeros((2, 2))}, 1, [1, 0, 0])], prev)
+
+
+@st.composite
+def _rounds(draw):
+    """A round: the tensors sent, and each device's answer (some counts 0, some devices with no sample)."""
+    rows, devices = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    sent = {"head.weight": rng.normal(size=(rows, 3)).astype(np.float32),
+            "head.bias": rng.normal(size=rows).astype(np.float32), "body.w": rng.normal(size=(2, 2)).astype(np.float32)}
+    contributions = []
+    for _ in range(devices):
+        counts = draw(st.lists(st.sampled_from([0, 0, 1, 7, 300]), min_size=rows, max_size=rows))
+        arrays = {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in sent.items()}
+        contributions.append(Contribution(arrays, sum(counts), counts))
+    return sent, contributions
+
+
+@settings(max_examples=60, deadline=None)
+@given(_rounds())
+def test_the_sums_of_the_weighted_terms_give_the_same_average(round_):
+    """Secure aggregation only learns sums: the sums of the devices' weighted terms must give exactly what
+    :func:`aggregate` gives from their tensors (rows nobody counted keep theirs, as does everything when
+    nobody had a sample)."""
+    sent, contributions = round_
+    scales = term_scales([c.examples for c in contributions], [c.counts for c in contributions])
+    terms = [weighted_terms({k: c.arrays[k].astype(np.float64) - sent[k] for k in sent}, c.examples, c.counts, scales)
+             for c in contributions]
+    sums = [np.sum(parts, axis=0) for parts in zip(*terms, strict=True)]
+    assert max(float(np.abs(t).max()) for part in terms for t in part[:2]) <= 1.0  # every weight scaled to <= 1
+    expected, got = aggregate(contributions, sent), average_from_sums(sums, sent)
+    assert list(got) == list(expected)
+    for k in sent:
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-5)
+
+
+def test_sums_of_another_layout_are_refused():
+    sent = {"head.weight": np.zeros((2, 2)), "body.w": np.zeros(3)}
+    good = [np.ones(1), np.ones(2), np.ones(3), np.ones((2, 2))]  # weights, rows, then tensors by name
+    assert set(average_from_sums(good, sent)) == set(sent)
+    with pytest.raises(ValueError, match="layout"):
+        average_from_sums(good[:-1], sent)
+    with pytest.raises(ValueError, match="shape"):
+        average_from_sums([*good[:2], np.ones(4), np.ones((2, 2))], sent)
