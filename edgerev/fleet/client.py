@@ -149,7 +149,7 @@ def _holding(link_for: Callable[[Context], DeviceLink]):
 def make_client_app(link_for: Callable[[Context], DeviceLink]) -> ClientApp:
     """A ClientApp whose device is ``link_for(context)``."""
     app = ClientApp()
-    protocol = secagg.device_mod(lambda context, error: link_for(context).refused("round", error))
+    protocol = secagg.device_mod(CONFIG, lambda context, error: link_for(context).refused("round", error))
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:

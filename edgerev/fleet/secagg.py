@@ -294,18 +294,17 @@ def held_terms(context: Context, server_round: int, scales: list[float], clippin
     return terms
 
 
-def device_mod(on_error: Callable[[Context, str], None]) -> Callable:
+def device_mod(config: str, on_error: Callable[[Context, str], None]) -> Callable:
     """The device's mod for a train message: Flower's ``secaggplus_mod`` for a step of the protocol, which
-    takes the held update as the device's vector (``on_error(context, reason)`` is told when it cannot be
-    sent); any other train message passes untouched."""
+    takes the held update as the device's vector (the round and :data:`SCALE_KEY` come in the ``config``
+    record of step 3; ``on_error(context, reason)`` is told when it cannot be sent); any other train
+    message passes untouched."""
     from flwr.client.mod import secaggplus_mod
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
     from flwr.compat.common import recorddict_compat as compat
 
     def vector(msg: Message, context: Context) -> Message:
-        from edgerev.fleet.strategy import CONFIG
-
-        cfg = msg.content.config_records.get(CONFIG, ConfigRecord())
+        cfg = msg.content.config_records.get(config, ConfigRecord())
         protocol = msg.content.config_records.get(RECORD_KEY_CONFIGS)
         try:
             scales = cfg.get(SCALE_KEY)
