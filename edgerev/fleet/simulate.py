@@ -116,17 +116,13 @@ def device_config(sim: SimulationConfig, spec: DeviceSpec, folder: Path) -> dict
 
 def test_set(sim: SimulationConfig):
     """Images of every class of the data set, disjoint from every device's (the same seed, another range)."""
-    import torch
-
-    from edgerev.train.data import SyntheticImages
-    from edgerev.train.labeled import LabeledImages
+    from edgerev.train.config import SourceConfig
+    from edgerev.train.labeled import load_source
 
     d = sim.data
-    n = d.test_per_class * d.num_classes
-    ds = SyntheticImages(n, d.num_classes, sim.fleet.image_size, seed=d.seed, noise=d.noise, start=9_000_000)
-    images = torch.stack([ds[i][0] for i in range(n)])
-    labels = torch.tensor([ds.label(i) for i in range(n)])
-    return LabeledImages(images, labels, ds.classes)
+    source = SourceConfig(samples=d.test_per_class * d.num_classes, num_classes=d.num_classes, seed=d.seed,
+                          noise=d.noise, start=9_000_000)
+    return load_source(source, sim.fleet.image_size)
 
 
 def _accuracy(model, info, data) -> float:

@@ -7,12 +7,11 @@ store and the blob files must stay consistent after every cycle.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from edgerev.train.checkpoint import load_model
-from edgerev.train.data import SyntheticImages
+from edgerev.train.config import SourceConfig
 from edgerev.train.evaluate import predict_logits
-from edgerev.train.labeled import LabeledImages
+from edgerev.train.labeled import LabeledImages, load_source
 from edgerev_daemon.check import check_consistency
 from edgerev_daemon.service import Daemon
 from tests.daemon.conftest import Clock
@@ -31,9 +30,7 @@ def _accuracy(version_dir, evaluation: LabeledImages) -> float:
 @pytest.mark.slow
 def test_soak(tmp_path):
     config, _ = make_config(tmp_path, schedule={"min_new_samples": 60, "max_interval_seconds": 3600.0})
-    ds = SyntheticImages(400, num_classes=4, size=16, start=5_000_000)
-    evaluation = LabeledImages(torch.stack([ds[i][0] for i in range(len(ds))]),
-                               torch.tensor([ds.label(i) for i in range(len(ds))]), ds.classes)
+    evaluation = load_source(SourceConfig(samples=400, num_classes=4, start=5_000_000), 16)
     history, dropped = [], 0
     clock = Clock()
     with Daemon(config, clock=clock) as d:
