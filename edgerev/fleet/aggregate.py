@@ -22,6 +22,11 @@ def is_head(name: str) -> bool:
     return name.startswith(HEAD)
 
 
+def head_rows(arrays: Mapping, default: int = 0) -> int:
+    """The rows of the head's tensors in ``arrays`` (numpy arrays or Flower's Arrays), ``default`` if none."""
+    return next((a.shape[0] for name, a in arrays.items() if is_head(name)), default)
+
+
 class ClassRegistry:
     """Class name -> head row, in the order the fleet learned them (new names of one round: sorted)."""
 
@@ -79,7 +84,7 @@ def aggregate(contributions: Sequence[Contribution], previous: Mapping[str, np.n
     """
     if not contributions:
         raise ValueError("nothing to aggregate")
-    rows = next((a.shape[0] for n, a in previous.items() if is_head(n)), 0)
+    rows = head_rows(previous)
     for c in contributions:
         if set(c.arrays) != set(previous):
             raise ValueError("a contribution's tensors differ from the fleet's")
@@ -152,7 +157,7 @@ def average_from_sums(sums: Sequence[np.ndarray], previous: Mapping[str, np.ndar
         ValueError: ``sums`` does not have the layout of ``previous``.
     """
     names = sorted(previous)
-    rows = next((a.shape[0] for n, a in previous.items() if is_head(n)), 0)
+    rows = head_rows(previous)
     if len(sums) != 2 + len(names) or np.shape(sums[0]) != (1,) or np.shape(sums[1]) != (rows,):
         raise ValueError(f"{len(sums)} sums do not have the layout of the fleet's {len(names)} tensors")
     total, per_row = float(sums[0][0]), np.asarray(sums[1], dtype=np.float64)

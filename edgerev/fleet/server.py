@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
 
-from edgerev.fleet.aggregate import ClassRegistry
+from edgerev.fleet.aggregate import ClassRegistry, head_rows
 from edgerev.fleet.secagg import SecAggPlus
 from edgerev.fleet.settings import FleetSettings
 from edgerev.fleet.strategy import FleetAvg, to_record
@@ -52,7 +52,7 @@ def run_fleet(grid: Grid, settings: FleetSettings, on_round: RoundHook | None = 
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if on_round is not None and server_round > 0:
-            rows = next((v.shape[0] for k, v in arrays.items() if k.startswith("head.")), len(registry))
+            rows = head_rows(arrays, len(registry))
             on_round(server_round, arrays, registry.classes[:rows])
         return None
 

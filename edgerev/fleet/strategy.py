@@ -28,7 +28,7 @@ from edgerev.fleet.aggregate import (
     aggregate,
     average_from_sums,
     grow_rows,
-    is_head,
+    head_rows,
     term_scales,
 )
 from edgerev.fleet.secagg import SCALE_KEY, SecAggError, SecAggPlus
@@ -90,7 +90,7 @@ class FleetAvg(FedAvg):
 
     def _with_classes(self, arrays: ArrayRecord, config: ConfigRecord) -> tuple[ArrayRecord, ConfigRecord]:
         grown = grow_rows(to_numpy(arrays), len(self.registry))
-        rows = next((a.shape[0] for n, a in grown.items() if is_head(n)), len(self.registry))
+        rows = head_rows(grown, len(self.registry))
         config = ConfigRecord({**config, "classes": list(self.registry.classes[:rows])})
         return to_record(grown), config
 
@@ -110,7 +110,7 @@ class FleetAvg(FedAvg):
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         contributions = {}
-        rows = next((a.shape[0] for n, a in self._sent.items() if is_head(n)), 0)
+        rows = head_rows(self._sent)
         self.last_counts = {}
         for msg in replies:
             node = msg.metadata.src_node_id
@@ -138,7 +138,7 @@ class FleetAvg(FedAvg):
         """Run SecAgg+ over the devices that answered with their counts: those whose updates the sum holds,
         and the fleet's new tensors (None when the protocol could not finish)."""
         names = sorted(self._sent)
-        rows = next((a.shape[0] for n, a in self._sent.items() if is_head(n)), 0)
+        rows = head_rows(self._sent)
         scales = term_scales([c.examples for c in counted.values()], [c.counts for c in counted.values()])
         collect = RecordDict({CONFIG: ConfigRecord({"server-round": server_round, SCALE_KEY: scales})})
         shapes = [(1,), (rows,), *(self._sent[n].shape for n in names)]
