@@ -136,6 +136,11 @@ def weighted_terms(delta: Mapping[str, np.ndarray], examples: int, counts: Seque
     return terms
 
 
+def term_shapes(previous: Mapping[str, np.ndarray]) -> list[tuple[int, ...]]:
+    """The shapes of :func:`weighted_terms` for the fleet's tensors ``previous``: the layout of their sums."""
+    return [(1,), (head_rows(previous),), *(tuple(previous[name].shape) for name in sorted(previous))]
+
+
 def term_scales(examples: Sequence[int], counts: Sequence[Sequence[int]]) -> list[float]:
     """The scales of :func:`weighted_terms` for a round: the largest sample count and each row's largest
     count over the devices (1 where all are 0)."""
@@ -156,16 +161,15 @@ def average_from_sums(sums: Sequence[np.ndarray], previous: Mapping[str, np.ndar
     Raises:
         ValueError: ``sums`` does not have the layout of ``previous``.
     """
-    names = sorted(previous)
-    rows = head_rows(previous)
-    if len(sums) != 2 + len(names) or np.shape(sums[0]) != (1,) or np.shape(sums[1]) != (rows,):
+    names, layout = sorted(previous), term_shapes(previous)
+    if len(sums) != len(layout) or any(np.shape(s) != want for s, want in zip(sums[:2], layout)):
         raise ValueError(f"{len(sums)} sums do not have the layout of the fleet's {len(names)} tensors")
     total, per_row = float(sums[0][0]), np.asarray(sums[1], dtype=np.float64)
     out: dict[str, np.ndarray] = {}
-    for name, s in zip(names, sums[2:], strict=True):
+    for name, s, want in zip(names, sums[2:], layout[2:], strict=True):
         prev = previous[name]
-        if np.shape(s) != prev.shape:
-            raise ValueError(f"the sum of {name} has shape {np.shape(s)}, the fleet's is {prev.shape}")
+        if np.shape(s) != want:
+            raise ValueError(f"the sum of {name} has shape {np.shape(s)}, the fleet's is {want}")
         avg = prev.astype(np.float64)  # a copy
         if is_head(name):
             seen = per_row > least_weight

@@ -57,6 +57,8 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
+from edgerev.fleet.settings import FleetSettings
+
 log = logging.getLogger("edgerev.fleet.secagg")
 
 QUANTIZATION_RANGE = 1 << 22  # Flower's defaults: 2^22 levels over [-clipping_range, clipping_range] ...
@@ -81,27 +83,17 @@ class _Round:
 
 
 class SecAggPlus:
-    """The server side of SecAgg+ (see the module docstring).
-
-    Args:
-        shares: the neighbourhood of each device (itself included), odd, at least 3; 0: every device of
-            the round (SecAgg proper).
-        threshold: the fraction of a neighbourhood whose shares rebuild a secret (at least 2 shares): the
-            server learns nothing of a device unless that many of its neighbours collude with it, and a
-            round survives as long as that many neighbours of every device answer.
-        clipping_range: each term of a device's vector is clipped to +- this before quantization.
-        timeout: seconds each step waits for the devices' answers.
+    """The server side of SecAgg+ (see the module docstring), as ``settings`` (checked there) set it:
+    ``secagg_shares``, each device's neighbourhood, itself included (0: every device of the round, SecAgg
+    proper); ``secagg_threshold``, the fraction of a neighbourhood whose shares rebuild a secret (at least 2
+    shares: the server learns nothing of a device unless that many of its neighbours collude with it, and
+    a round survives as long as that many neighbours of every device answer); ``secagg_range``, each term
+    of a device's vector clipped to +- it before quantization; ``timeout``, seconds each step waits.
     """
 
-    def __init__(self, shares: int = 0, threshold: float = 2 / 3, clipping_range: float = 8.0,
-                 timeout: float = 3600.0) -> None:
-        if shares != 0 and (shares < 3 or shares % 2 == 0):
-            raise ValueError(f"shares must be 0 (every device) or odd and at least 3, got {shares}")
-        if not 0 < threshold <= 1:
-            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-        if not clipping_range > 0:
-            raise ValueError(f"clipping_range must be positive, got {clipping_range}")
-        self.shares, self.threshold, self.clipping_range, self.timeout = shares, threshold, clipping_range, timeout
+    def __init__(self, settings: FleetSettings) -> None:
+        self.shares, self.threshold = settings.secagg_shares, settings.secagg_threshold
+        self.clipping_range, self.timeout = settings.secagg_range, settings.timeout
 
     def sum(self, grid: Grid, nodes: Iterable[int], server_round: int, collect: RecordDict,
             shapes: Sequence[tuple[int, ...]]) -> tuple[list[np.ndarray], set[int]]:

@@ -37,9 +37,8 @@ def initial_arrays(settings: FleetSettings, classes: tuple[str, ...]) -> ArrayRe
 def run_fleet(grid: Grid, settings: FleetSettings, on_round: RoundHook | None = None):
     """Run ``settings.rounds`` rounds on ``grid``; returns Flower's strategy result."""
     registry = ClassRegistry()
-    secure = (SecAggPlus(settings.secagg_shares, settings.secagg_threshold, settings.secagg_range, settings.timeout)
-              if settings.secagg else None)
-    fleet = FleetAvg(registry, settings.min_devices, settings.timeout, secure)
+    fleet = FleetAvg(registry, settings.min_devices, settings.timeout,
+                     SecAggPlus(settings) if settings.secagg else None)
     fleet.learn_classes(grid)
     if not len(registry):
         raise RuntimeError("no device listed a class: nothing to train")

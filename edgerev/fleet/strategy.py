@@ -30,6 +30,7 @@ from edgerev.fleet.aggregate import (
     grow_rows,
     head_rows,
     term_scales,
+    term_shapes,
 )
 from edgerev.fleet.secagg import SCALE_KEY, SecAggError, SecAggPlus
 
@@ -137,13 +138,10 @@ class FleetAvg(FedAvg):
                       ) -> tuple[dict[int, Contribution], dict[str, np.ndarray] | None]:
         """Run SecAgg+ over the devices that answered with their counts: those whose updates the sum holds,
         and the fleet's new tensors (None when the protocol could not finish)."""
-        names = sorted(self._sent)
-        rows = head_rows(self._sent)
         scales = term_scales([c.examples for c in counted.values()], [c.counts for c in counted.values()])
         collect = RecordDict({CONFIG: ConfigRecord({"server-round": server_round, SCALE_KEY: scales})})
-        shapes = [(1,), (rows,), *(self._sent[n].shape for n in names)]
         try:
-            sums, summed = self.secure.sum(self._grid, counted, server_round, collect, shapes)
+            sums, summed = self.secure.sum(self._grid, counted, server_round, collect, term_shapes(self._sent))
         except SecAggError as e:
             log.warning("round %d: secure aggregation did not finish: %s", server_round, e)
             return {}, None

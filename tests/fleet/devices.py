@@ -43,10 +43,9 @@ def run_fleet(settings: FleetSettings, step: float = 0.0, on_round=None, devices
               deliver=lambda node, msg: True) -> InProcessGrid:
     """Run ``settings.rounds`` rounds of the fleet's ServerApp over ``devices`` (node id -> FakeDevice;
     default: the :data:`CLASSES` devices, each adding ``step``) through an in-process Grid; returns the
-    Grid (its ``traffic``; ``grid.links``: the devices). ``on_round`` is the ServerApp's round callback."""
+    Grid (its ``traffic``). ``on_round`` is the ServerApp's round callback."""
     links = devices if devices is not None else {n: FakeDevice(c, step) for n, c in CLASSES.items()}
     app = make_client_app(lambda ctx: links[ctx.node_id])
     grid = InProcessGrid({n: (app, Context(1, n, {}, RecordDict(), {})) for n in links}, deliver=deliver)
-    grid.links = links
     make_server_app(on_round)(grid, Context(1, SUPERLINK_NODE_ID, {}, RecordDict(), settings.to_run_config()))
     return grid
