@@ -6,9 +6,12 @@ For ``revnext`` and ``layerwise`` at 1, 2, 4 and 8 blocks (or layer triples) per
 * ``diagnose_min_db``: ``edgerev diagnose``'s minimum (the engine's float32 reconstruction against the
   float32 plain forward; the two references agree to about 128 dB, so this is the engine's own error);
 * ``engine_vs_float64_min_db``: the same reconstruction against the float64 truth;
+* ``floor_diagnose_min_db``, ``floor_vs_float64_min_db``: the same two with every hybrid block in ``floor``
+  mode, which runs ``F`` and ``G`` forward on copies of the block's halves instead of rebuilding the
+  halves through the layer inverses;
 * ``block_inverse_min_db``: a float32 forward, then float32 stage inverses one after another, each
   block's halves restored by the block inverse alone (what the authors' ``RevBlock`` does with copies
-  of ``y1`` and ``x2``; edgerev's hybrid backward instead recovers them through ``G``'s and ``F``'s layer
+  of ``y1`` and ``x2``; edgerev's ``invert`` backward instead recovers them through ``G``'s and ``F``'s layer
   inverses, in place, to hold 2.5 activation volumes rather than 3);
 * ``storage_floor_min_db``: the float64 forward's top activation rounded once to float32, every inverse
   in float64: what storing the top in float32 alone costs, for any engine;
@@ -30,7 +33,8 @@ from _common import write_json
 from torch import Tensor, nn
 
 from edgerev.diagnostics import depth_overrides, diagnose
-from edgerev.engine import executing, plain
+from edgerev.engine import executing, plain, supported_modes
+from edgerev.memory.measure import set_modes
 from edgerev.models import create_model
 
 
@@ -86,28 +90,37 @@ def measure(arch: str, depth: int, batch: int = 8, size: int = 32, seed: int = 0
     x = torch.randn(batch, model.in_channels, size, size)
     target = torch.randint(0, model.num_classes, (batch,))
     truth = _module_inputs(m64, x.double())
-    got: dict[str, Tensor] = {}
-    engine = copy.deepcopy(model)
-    names = {m: n for n, m in engine.named_modules()}
-    with executing(engine, probe=lambda mod, t: got.setdefault(names[mod], t.detach().clone())):
-        F.cross_entropy(engine(x), target).backward()
-    engine_db = _min(_snr(truth[n], t) for n, t in got.items() if n in truth and truth[n].shape == t.shape)
+
+    def engine_db(modes: str | None) -> float | None:
+        got: dict[str, Tensor] = {}
+        engine = copy.deepcopy(model)
+        if modes is not None:
+            set_modes(engine, modes)
+        names = {m: n for n, m in engine.named_modules()}
+        with executing(engine, probe=lambda mod, t: got.setdefault(names[mod], t.detach().clone())):
+            F.cross_entropy(engine(x), target).backward()
+        return _min(_snr(truth[n], t) for n, t in got.items() if n in truth and truth[n].shape == t.shape)
 
     true_ins, top64 = _stage_inputs(m64, x.double())
-    floor = _invert(m64, top64.float().double())
+    stored = _invert(m64, top64.float().double())
     m32 = copy.deepcopy(model)
     _, top32 = _stage_inputs(m32, x)
     blockwise = _invert(m32, top32)
     rms = lambda t: round(t.pow(2).mean().sqrt().item(), 2)  # noqa: E731
     d = diagnose(arch, depth=depth, batch=batch, size=size, seed=seed)
+    floor = "floor" in {m.value for s in model.body.stages for m in supported_modes(s)}
+    df = diagnose(arch, depth=depth, batch=batch, size=size, seed=seed, modes="floor") if floor else None
     return {
         "depth": depth,
         "invertible_stages": d["invertible_stages"],
         "diagnose_min_db": round(d["min_snr_db"], 1) if d["min_snr_db"] is not None else None,
         "diagnose_min_param_cosine": d["min_param_cosine"],
-        "engine_vs_float64_min_db": engine_db,
+        "engine_vs_float64_min_db": engine_db(None),
+        "floor_diagnose_min_db": round(df["min_snr_db"], 1) if df and df["min_snr_db"] is not None else None,
+        "floor_diagnose_min_param_cosine": df["min_param_cosine"] if df else None,
+        "floor_vs_float64_min_db": engine_db("floor") if floor else None,
         "block_inverse_min_db": _min(_snr(t, r) for t, r in zip(true_ins, blockwise)),
-        "storage_floor_min_db": _min(_snr(t, r) for t, r in zip(true_ins, floor)),
+        "storage_floor_min_db": _min(_snr(t, r) for t, r in zip(true_ins, stored)),
         "rms_bottom": rms(true_ins[0]),
         "rms_top": rms(top64),
     }

@@ -28,6 +28,8 @@ PAPER_PEAK_BYTES = {
     "revnext": 648e6,
 }
 PAPER_PIXELS = 32 * 240 * 240
+MODE_HELP = ("engine mode for every stage that supports it (invert, floor, recompute, store, store8, store4), "
+             "or one per stage, comma-separated (default: each stage's default, invert where supported)")
 
 
 def _positive(kind: str):
@@ -106,7 +108,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from edgerev.diagnostics import diagnose
 
-    result = diagnose(_arch(args.arch), depth=args.depth, batch=args.batch, size=args.size, seed=args.seed)
+    result = diagnose(_arch(args.arch), depth=args.depth, batch=args.batch, size=args.size, seed=args.seed,
+                      modes=args.mode)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -284,9 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fake", action="store_true", help="predict with fake tensors: nothing is allocated")
     m.add_argument("--chunk-bytes", type=int, default=1 << 20,
                    help="batch-slice budget of the engine's temporaries in bytes (default 1 MiB; 0: never slice)")
-    m.add_argument("--mode", help="engine mode for every stage that supports it (invert, floor, recompute, store, "
-                   "store8, store4), or one per stage, comma-separated (default: each stage's default, invert "
-                   "where supported)")
+    m.add_argument("--mode", help=MODE_HELP)
     m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(fn=cmd_memory)
 
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch", type=_positive("--batch"), default=8, help="batch size (default 8)")
     d.add_argument("--size", type=_positive("--size"), default=32, help="input size (default 32)")
     d.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    d.add_argument("--mode", help=MODE_HELP)
     d.add_argument("--json", action="store_true", help="print JSON")
     d.set_defaults(fn=cmd_diagnose)
 

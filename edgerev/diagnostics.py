@@ -62,15 +62,20 @@ def _names(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def diagnose(arch: str, depth: int | None = None, batch: int = 8, size: int = 32, seed: int = 0,
-             **overrides) -> dict:
+             modes: str | None = None, **overrides) -> dict:
     """One float32 training step of ``arch`` through the engine and through plain autograd.
 
+    ``modes`` sets engine modes as ``edgerev memory --mode`` does (default: each stage's own).
     Returns per-stage and per-layer reconstruction SNR and per-stage gradient angles (JSON-ready).
     """
+    from edgerev.memory.measure import set_modes
+
     if depth is not None:
         overrides = {**depth_overrides(arch, depth), **overrides}
     torch.manual_seed(seed)
     model = create_model(arch, **overrides)
+    if modes is not None:
+        set_modes(model, modes)
     model.train()
     x = torch.randn(batch, model.in_channels, size, size)
     target = torch.randint(0, model.num_classes, (batch,))

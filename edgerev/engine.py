@@ -9,7 +9,7 @@ the stage was given:
 mode       forward keeps                           backward does
 ========== ======================================= =================================================
 invert     nothing                                 block inverse, then layer-wise inverses (hybrid)
-floor      nothing                                 the same, no copy of a gradient half (2 volumes)
+floor      nothing                                 block inverse and backward from F, G run on slices
 recompute  nothing                                 block inverse, then autograd on the recomputed stage
 store      the stage's autograd graph (its input)  ordinary backward of the stage
 store8     an 8-bit copy of each layer's saved input autograd's backward, each layer from its own copy
@@ -22,6 +22,10 @@ approximation never reaches another layer's copy. Only the parameter gradients (
 variance term) read the copies. When the stage before needs this stage's input to rebuild itself
 (``invert``, ``recompute``), an invertible stage rebuilds it from its exact output with its inverse;
 any other stage then also keeps its input in float32.
+
+``floor`` keeps 2 activation volumes live (no copy of a gradient half) and never rebuilds a block's
+halves through layer inverses: ``F`` and ``G`` run forward on copies of batch slices, once per batch
+norm and once more, and the halves are only subtracted from (:meth:`Coupling.floor_backward_`).
 
 A stored convolution's output, and that of the per-sample invertible layers right after it (RevNeXt's
 stem), is computed again from the convolution's kept input before their backward instead of being rebuilt

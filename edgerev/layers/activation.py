@@ -45,6 +45,11 @@ class InvLeakyReLU(Invertible):
         return F.leaky_relu_(y, 1.0 / self.slope)
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
+        gy = self.grad_(y, y, gy, tape, grads)
+        return F.leaky_relu_(y, 1.0 / self.slope), gy
+
+    def grad_(self, x: Tensor, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> Tensor:
+        """The gradient depends on the output's signs only; neither ``x`` nor ``y`` is written."""
         for sl in batch_slices(y):
             gy[sl] = torch.ops.aten.leaky_relu_backward(gy[sl], y[sl], self.slope, True)
-        return F.leaky_relu_(y, 1.0 / self.slope), gy
+        return gy

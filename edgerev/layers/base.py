@@ -126,6 +126,11 @@ class Invertible(nn.Module):
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
         raise NotImplementedError(f"{type(self).__name__} has no layer-wise backward")
 
+    def grad_(self, x: Tensor, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> Tensor:
+        """The input gradient over ``gy``, given the layer's input ``x`` and output ``y`` both: nothing is
+        rebuilt. ``x`` is only read; ``y`` may be overwritten (this default runs :meth:`backward_` on it)."""
+        return self.backward_(y, gy, tape, grads)[1]
+
     def _plain_tape(self) -> Tape:
         """A replay tape filled with the statistics each sub-layer saw in its last plain forward."""
         tape = Tape()

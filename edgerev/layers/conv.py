@@ -81,23 +81,37 @@ class InvConv2d(Invertible):
         )
         return gin, gw
 
+    def grad_(self, x: Tensor, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> Tensor:
+        """As :meth:`backward_` with the input known: ``g``'s convolution read ``y1`` (the output's first
+        half) and ``f``'s read ``x2`` (the input's second half), so no convolution is run again."""
+        _, x2 = halves(x)
+        y1, _ = halves(y)
+        return self._grad_through(y1, x2, gy, grads, rebuild=False)
+
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
+        y1, y2 = halves(y)
+        return y, self._grad_through(y1, y2, gy, grads, rebuild=True)
+
+    def _grad_through(self, y1: Tensor, x2: Tensor, gy: Tensor, grads: Grads | None, rebuild: bool) -> Tensor:
+        """``gy`` becomes the input gradient, slice by slice: the ``y2`` gradient through ``g`` (which read
+        ``y1``), then the total ``y1`` gradient through ``f`` (which read ``x2``). With ``rebuild`` the
+        second argument is the output's ``y2`` and the output becomes the input on the way:
+        ``x2 = y2 - g(y1)`` before ``f``'s part reads it, ``x1 = y1 - f(x2)`` after."""
         wf, wg = self.weight_f, self.weight_g
         want_gw = grads is not None
-        y1, y2 = halves(y)
         g1, g2 = halves(gy)
         dwf = dwg = None
-        for sl in batch_slices(y, 0.5):
-            # y2 = x2 + g(y1): recover x2, then push the y2 gradient through g (one contiguous copy
-            # of each input serves both the convolution and its backward)
+        for sl in batch_slices(gy, 0.5):
+            # one contiguous copy of each input serves both the convolution and its backward
             inp = y1[sl].contiguous()
-            y2[sl].sub_(self._conv(inp, wg.detach()))
+            if rebuild:
+                x2[sl].sub_(self._conv(inp, wg.detach()))
             gin, gw = self._conv_backward(g2[sl], inp, wg, want_gw)
             g1[sl].add_(gin)
             dwg = gw if dwg is None or gw is None else dwg.add_(gw)
-            # y1 = x1 + f(x2): recover x1, then push the (total) y1 gradient through f
-            inp = y2[sl].contiguous()
-            y1[sl].sub_(self._conv(inp, wf.detach()))
+            inp = x2[sl].contiguous()
+            if rebuild:
+                y1[sl].sub_(self._conv(inp, wf.detach()))
             gin, gw = self._conv_backward(g1[sl], inp, wf, want_gw)
             g2[sl].add_(gin)
             dwf = gw if dwf is None or gw is None else dwf.add_(gw)
@@ -106,4 +120,4 @@ class InvConv2d(Invertible):
             add_grad(grads, self.weight_f, dwf)
         if dwg is not None:
             add_grad(grads, self.weight_g, dwg)
-        return y, gy
+        return gy

@@ -30,8 +30,9 @@ class Coupling(Invertible):
     ``F`` and ``G`` map ``C/2`` channels to ``C/2`` channels at stride 1 and may be any modules.
     When both are chains of invertible layers (:class:`HybridBlock`), the engine can also run the
     block in ``invert`` mode: block inverse, then layer-wise inverses along the gradient; and when
-    every layer of the chains is per sample or an invertible batch norm, in ``floor`` mode: the same
-    without the half-volume copy of a gradient (:meth:`floor_backward_`).
+    every layer of the chains is per sample or an invertible batch norm, in ``floor`` mode: block
+    inverse and backward from the chains run forward on batch slices, without the half-volume copy of
+    a gradient and without rebuilding the halves through layer inverses (:meth:`floor_backward_`).
 
     Args:
         channels: number of channels of the block (even).
@@ -133,21 +134,19 @@ class Coupling(Invertible):
     def floor_backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
         """Hybrid backward with 2 activation volumes live: the activation and its gradient, nothing more.
 
-        As :meth:`backward_`, but no residual function's backward writes the gradient it receives:
-        ``G``'s backward reads ``gy2`` and adds ``dG^T gy2`` straight into ``gy1``, batch slice by batch
-        slice (:func:`backward_into_`), so ``gy2`` survives without a copy; then ``F``'s backward reads
-        the total ``gy1`` (which is ``gx1``) and adds ``dF^T gy1`` into ``gy2``, giving ``gx2``.
+        Unlike :meth:`backward_`, no residual function runs over a half of the block or writes the
+        gradient it receives: ``G`` runs forward on copies of ``y1``'s batch slices, ``y2 -= G(y1)``
+        gives ``x2``, and ``dG^T gy2`` is added straight into ``gy1`` (:func:`backward_into_`), so
+        ``gy2`` survives without a copy and ``y1`` is never rebuilt; then ``F`` does the same on
+        ``x2``: ``y1 -= F(x2)`` gives ``x1`` and ``gy2 += dF^T gy1`` gives ``gx2``. The block's input
+        therefore carries only the rounding of the two subtractions, not that of the layer inverses.
         """
         if "floor" not in self.modes:
             raise NotImplementedError("floor mode needs F and G to be chains of per-sample layers and batch norms")
         y1, y2 = halves(y)
         g1, g2 = halves(gy)
-        t = self.g.forward_(y1, tape)  # G(y1) over y1's storage
-        y2.sub_(t)  # x2
-        backward_into_(self.g, t, g2, g1, tape, grads)  # t back to y1; g1 += dG^T g2
-        t = self.f.forward_(y2, tape)  # F(x2) over x2's storage
-        y1.sub_(t)  # x1
-        backward_into_(self.f, t, g1, g2, tape, grads)  # t back to x2; g2 += dF^T g1
+        backward_into_(self.g, y1, g2, g1, y2, tape, grads)  # y2 -= G(y1): x2; g1 += dG^T g2
+        backward_into_(self.f, y2, g1, g2, y1, tape, grads)  # y1 -= F(x2): x1; g2 += dF^T g1
         return y, gy
 
 
@@ -157,9 +156,11 @@ def _sliceable(fn: nn.Module) -> bool:
         layer.per_sample or isinstance(layer, InvBatchNorm2d) for layer in fn.layers)
 
 
-def backward_into_(chain: InvSequential, y: Tensor, gy: Tensor, out: Tensor, tape: Tape, grads: Grads) -> Tensor:
-    r"""``out += J^T gy`` for the chain's Jacobian ``J``, turning its output ``y`` back into its input in
-    place, without ever writing ``gy``: live besides the three, one batch slice of temporaries.
+def backward_into_(chain: InvSequential, x: Tensor, gy: Tensor, out: Tensor, target: Tensor, tape: Tape,
+                   grads: Grads) -> None:
+    r"""``target -= chain(x)`` and ``out += J^T gy`` (``J`` the chain's Jacobian at ``x``), batch slice by
+    batch slice, never writing ``x`` or ``gy``: live besides the four, one slice of the chain's
+    activations.
 
     Every layer's backward treats each sample alone except a training-mode batch norm's, and that
     couples the samples only through two numbers per channel (the same two that make its backward
@@ -169,48 +170,67 @@ def backward_into_(chain: InvSequential, y: Tensor, gy: Tensor, out: Tensor, tap
         g_x = \frac{s}{\sigma}\Big(g - \frac{d\beta}{N} - \hat x\,\frac{ds}{N}\Big), \qquad
         d\beta = \sum g, \quad ds = \sum g\,\hat x
 
-    So they are measured first, top batch norm first: a pass over batch slices carries a copy of each
-    slice of ``y`` and ``gy`` down to the batch norm (through the layers above it, whose numbers are
-    known by then) and sums. With every batch norm's numbers known the backward is per sample: each
-    slice of ``gy`` is copied, carried down the whole chain while that slice of ``y`` becomes the
-    input, and added into ``out``. A chain of depth ``d`` pays ``d`` partial passes; for the
-    hybrid block's (conv, BN, leaky ReLU) the one pass runs through the leaky ReLU only.
+    So they are measured first, top batch norm first: a pass over batch slices runs the chain forward
+    on a copy of each slice of ``x`` (batch norms replay the forward's statistics), carries that slice
+    of ``gy`` down to the batch norm (through the layers above it, whose numbers are known by then)
+    and sums; the first pass also subtracts the chain's output from ``target``. With every batch
+    norm's numbers known the backward is per sample: each slice is run forward once more, its
+    gradient carried down the whole chain and added into ``out``. Each layer's backward starts from
+    the activation the slice's forward computed, so no layer inverse's rounding reaches the layer
+    below. A chain with ``d`` training-mode batch norms runs forward ``d + 1`` times.
     """
     layers = list(chain.layers)
-    n = y.numel() // y.shape[1]
-    known: dict[InvBatchNorm2d, tuple] = {}  # per batch norm: its input-gradient and inverse coefficients
+    n = x.numel() // x.shape[1]
+    # a slice of x and one of gy per slice of the budget: the slice's activations (one per layer) come on top,
+    # a few times the budget, in exchange for slices big enough that per-call overheads stay small
+    width = 2.0
+    known: dict[InvBatchNorm2d, tuple] = {}  # per batch norm: its input-gradient coefficients
+    subtracted = False
     for k in reversed(range(len(layers))):
         bn = layers[k]
         if not (isinstance(bn, InvBatchNorm2d) and bn.training):
             continue
         dbeta = ds = None
-        for sl in batch_slices(y, 3.0):
-            a, g = _carry(layers[k + 1:], y[sl].clone(), gy[sl].clone(), tape, known, None)
-            db, d = bn.grad_sums(a, g)
+        for sl in batch_slices(x, width):
+            acts = _activations(layers, x[sl], tape)
+            if not subtracted:
+                target[sl].sub_(acts[-1])
+            g = _carry(layers, acts, gy[sl].clone(), tape, known, None, k + 1)
+            db, d = bn.grad_sums(acts[k + 1], g)
             dbeta, ds = (db, d) if dbeta is None else (dbeta.add_(db), ds.add_(d))
-            del a, g
-        known[bn] = (bn.grad_coefficients(tape, (dbeta, ds), n), bn.inverse_coefficients(tape))
+            del acts, g
+        subtracted = True
+        known[bn] = bn.grad_coefficients(tape, (dbeta, ds), n)
         add_grad(grads, bn.weight, bn.weight_grad(ds))
         add_grad(grads, bn.bias, dbeta)
-    for sl in batch_slices(y, 2.0):
-        _, g = _carry(layers, y[sl], gy[sl].clone(), tape, known, grads)
-        out[sl].add_(g)
-        del g
-    return y
+    for sl in batch_slices(x, width):
+        acts = _activations(layers, x[sl], tape)
+        if not subtracted:
+            target[sl].sub_(acts[-1])
+        out[sl].add_(_carry(layers, acts, gy[sl].clone(), tape, known, grads, 0))
+        del acts
 
 
-def _carry(layers: list[Invertible], a: Tensor, g: Tensor, tape: Tape, known: dict,
-           grads: Grads | None) -> tuple[Tensor, Tensor]:
-    """Back-propagate a slice (output ``a``, gradient ``g``, both overwritten) through ``layers`` in
-    reverse; the training-mode batch norms among them apply the ``known`` whole-batch coefficients."""
-    for layer in reversed(layers):
+def _activations(layers: list[Invertible], x: Tensor, tape: Tape) -> list[Tensor]:
+    """``[x, layer 0's output, layer 1's output, ...]``: the chain run forward on copies of ``x``."""
+    acts = [x]
+    for layer in layers:
+        acts.append(layer.forward_(acts[-1].clone(), tape))
+    return acts
+
+
+def _carry(layers: list[Invertible], acts: list[Tensor], g: Tensor, tape: Tape, known: dict,
+           grads: Grads | None, stop: int) -> Tensor:
+    """Back-propagate a slice's gradient ``g`` (overwritten) from the chain's output to layer ``stop``'s
+    input; each layer reads its own output from ``acts`` (:func:`_activations`, overwritten), and the
+    training-mode batch norms apply the ``known`` whole-batch coefficients."""
+    for k in reversed(range(stop, len(layers))):
+        layer = layers[k]
         if isinstance(layer, InvBatchNorm2d) and layer.training:
-            grad_coefficients, (ia, ib) = known[layer]
-            g = layer.input_grad_(a, g, grad_coefficients)
-            a = a.mul_(ia).add_(ib)
+            g = layer.input_grad_(acts[k + 1], g, known[layer])
         else:
-            a, g = layer.backward_(a, g, tape, grads)
-    return a, g
+            g = layer.grad_(acts[k], acts[k + 1], g, tape, grads)
+    return g
 
 
 class HybridBlock(Coupling):

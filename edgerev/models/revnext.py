@@ -49,14 +49,15 @@ class RevNeXt(EngineModel):
       multiplies reconstruction noise by 100 per layer).
 
     Reconstruction SNR is not flat with depth at this initialization (``benchmarks/snr_depth.py``; batch
-    8, 32x32, min over stages against a float64 forward, depth 1/2/4/8 blocks per level): 95/82/67/52 dB
-    through the engine. Rounding the top activation to float32 alone, every inverse exact, gives
-    116/104/91/78 dB: each branch ends in a leaky ReLU of a ``gamma = 1`` batch norm whose mean (0.32) adds
-    up block after block, so the stream outgrows the stem's output (RMS 0.57 -> 26 at depth 8). The
-    further 13 to 18 dB are the engine's in-place hybrid backward (``Coupling.backward_`` recovers ``y1``
-    and ``x2`` through layer inverses, where the authors' ``RevBlock`` restores copies), the price of
-    holding 2.5 activation volumes instead of 3. The paper's flat curve is its metric's: the authors'
-    batch-norm inverse has a depth-independent floor of ``20 log10(2 N)`` dB (90.3 dB at batch 256, 8x8).
+    8, 32x32, min over stages against a float64 forward, depth 1/2/4/8 blocks per level): 116/103/90/77 dB in
+    ``floor`` mode, 104/90/75/59 in ``invert``. Rounding the top activation to float32 alone, every inverse
+    exact, gives 116/104/91/78 dB: each branch ends in a leaky ReLU of a ``gamma = 1`` batch norm whose
+    mean (0.32) adds up block after block, so the stream outgrows the stem's output (RMS 0.57 -> 26 at
+    depth 8). ``floor`` reaches that bound; ``invert``'s further 12 to 19 dB come from recovering ``y1`` and
+    ``x2`` through layer inverses (``Coupling.backward_``), where the authors' ``RevBlock`` restores copies,
+    the price of holding 2.5 activation volumes instead of 3. The paper's flat curve is its metric's: the
+    authors' batch-norm inverse has a depth-independent floor of ``20 log10(2 N)`` dB (90.3 dB at batch 256,
+    8x8).
 
     Args:
         width: stem width, a multiple of 4 (32 in the paper: 352 bytes per input pixel).
