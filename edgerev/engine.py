@@ -54,10 +54,8 @@ from torch.autograd.function import once_differentiable
 from edgerev import approximate
 from edgerev._torchapi import storage_key
 from edgerev.errors import ModeError, NonFiniteError
-from edgerev.layers.activation import InvLeakyReLU
 from edgerev.layers.base import Grads, Invertible, Tape, add_grads, batch_slices, is_fake, replaying
-from edgerev.layers.conv import InvConv2d
-from edgerev.layers.coupling import Coupling
+from edgerev.layers.coupling import Coupling, forward_per_sample
 from edgerev.layers.norm import InvBatchNorm2d
 from edgerev.layers.pooling import POOLS, global_pool, global_pool_grad
 
@@ -226,8 +224,6 @@ def _hands_back(seq: InvertibleSequence) -> list[bool]:
     return out
 
 
-#: invertible layers whose forward, once the batch's statistics are on the tape, treats every sample alone
-_PER_SAMPLE_FORWARD = (InvBatchNorm2d, InvLeakyReLU, InvConv2d)
 _REBUILDS = (Mode.INVERT, Mode.FLOOR, Mode.RECOMPUTE)
 
 
@@ -247,7 +243,7 @@ def _restorable(seq: InvertibleSequence) -> dict[int, int]:
         if mode is not Mode.STORE or not isinstance(stage, nn.Conv2d):
             continue
         k = j
-        while k + 1 < len(seq.stages) and isinstance(seq.stages[k + 1], _PER_SAMPLE_FORWARD) and \
+        while k + 1 < len(seq.stages) and forward_per_sample(seq.stages[k + 1]) and \
                 seq._modes[k + 1] in _REBUILDS:
             k += 1
         if k > j:

@@ -150,10 +150,16 @@ class Coupling(Invertible):
         return y, gy
 
 
+def forward_per_sample(layer: nn.Module) -> bool:
+    """Does ``layer``'s ``forward_``, with the batch's statistics on the tape (the backward replays them),
+    treat every sample alone, so that it may run on any batch slice? Per-sample layers and invertible
+    batch norms."""
+    return isinstance(layer, Invertible) and (layer.per_sample or isinstance(layer, InvBatchNorm2d))
+
+
 def _sliceable(fn: nn.Module) -> bool:
-    """Can :func:`backward_into_` run ``fn``: a chain of per-sample layers and invertible batch norms?"""
-    return isinstance(fn, InvSequential) and all(
-        layer.per_sample or isinstance(layer, InvBatchNorm2d) for layer in fn.layers)
+    """Can :func:`backward_into_` run ``fn``: a chain of layers whose forward is per sample?"""
+    return isinstance(fn, InvSequential) and all(forward_per_sample(layer) for layer in fn.layers)
 
 
 def backward_into_(chain: InvSequential, x: Tensor, gy: Tensor, out: Tensor, target: Tensor, tape: Tape,
