@@ -327,8 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train or fine-tune a model from a YAML recipe",
                        description="Train (or fine-tune from model.init, growing the head for new classes) as the "
-                                   "recipe says, under its memory budget, stopping on a held-out plateau when "
-                                   "train.patience is set. Writes the resolved config, metrics.jsonl, progress.json, "
+                                   "recipe says, under its memory budget, stopping on a held-out plateau (after "
+                                   "train.anneal_epochs of falling learning rate) when train.patience is set. Writes "
+                                   "the resolved config, metrics.jsonl, progress.json, "
                                    "checkpoints, curves.png, classes.png and a model directory (model.safetensors + "
                                    "model.json) to --out. Progress goes to stderr: a bar on a terminal, otherwise one "
                                    "line per epoch and every train.progress_seconds. SIGTERM or Ctrl-C stops at a "

@@ -99,10 +99,11 @@ def test_a_plateau_ends_the_run_early_and_the_summary_says_why(tmp_path):
     early = r.summary["stopped_early"]
     evals = [json.loads(x) for x in (r.out / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in evals if e["kind"] == "eval"]
-    plateau = Plateau(2, evals[:-2])
+    plateau = Plateau(2, evals)
     assert early is not None and r.step < r.total_steps
-    assert early["epoch"] == len(evals) == plateau.best_epoch + 2  # stopped exactly when patience ran out
-    assert "no held-out gain for 2 epochs" in early["reason"]
+    assert early["epoch"] == plateau.ran_out and Plateau(2, evals[:plateau.ran_out]).stop
+    assert early["annealed_epochs"] == 2 == len(evals) - plateau.ran_out  # then annealed (train.anneal_epochs)
+    assert "no held-out gain for 2 epochs" in early["reason"] and "then annealed over 2 epochs" in early["reason"]
     assert read_progress(r.out)["state"] == "plateau" and (r.out / "model.json").is_file()
 
 
@@ -129,13 +130,15 @@ epochs = st.lists(st.tuples(st.one_of(st.none(), st.sampled_from([0.1, 0.5, 0.9,
 def test_the_plateau_rule_over_any_history(history, patience):
     """Stop exactly when ``patience`` epochs passed since the best one (accuracy first, loss on ties)."""
     p = Plateau(patience)
-    best = None  # (acc, -loss, epoch)
+    best, ran_out = None, None  # (acc, -loss, epoch); the first epoch that stopped, kept once set
     for epoch, (acc, loss) in enumerate(history, start=1):
         p.update(epoch, acc, loss)
         if acc is not None and (best is None or (acc, -loss) > best[:2]):
             best = (acc, -loss, epoch)
         assert p.best_epoch == (best and best[2])
         assert p.stop == (best is not None and epoch - best[2] >= patience)
+        ran_out = ran_out or (epoch if p.stop else None)
+        assert p.ran_out == ran_out and (p.reason() is None) == (ran_out is None)
     assert Plateau(patience, [{"epoch": e, "acc": a, "loss": lo} for e, (a, lo) in
                               enumerate(history, start=1)]).stop == p.stop
 
@@ -157,6 +160,7 @@ def test_the_pacer_and_the_line_format():
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("patience", 0, "train.patience: must be at least 1 epoch"),
     ("patience", -3, "train.patience: must be at least 1 epoch"),
+    ("anneal_epochs", -1, "train.anneal_epochs: must be >= 0"),
     ("progress_seconds", 0, "train.progress_seconds: must be positive"),
 ])
 def test_bad_settings_are_one_line_naming_the_key(key, value, message):

@@ -140,10 +140,15 @@ class TrainConfig:
     micro-batches when the cap needs it); ``checkpoint_every``: steps between checkpoints (and at each
     epoch's end); ``progress_seconds``: within an epoch, seconds between progress lines (one is printed
     at every epoch's end). ``threads``: the CPU threads training uses (null: one fewer than the cores
-    this process may run on, at least one: a device usually also serves predictions)."""
+    this process may run on, at least one: a device usually also serves predictions).
+
+    ``anneal_epochs``: once patience runs out, the epochs over which the learning rate falls from where
+    the schedule is to 0 before the run stops (a half cosine, see :mod:`edgerev.train.schedule`; within
+    the ``epochs`` maximum; 0: stop at once, wherever the schedule is)."""
 
     epochs: int = 10
     patience: int | None = None
+    anneal_epochs: int = 2
     batch: int = 128
     seed: int = 0
     checkpoint_every: int = 50
@@ -158,6 +163,7 @@ class TrainConfig:
             check(value >= 1, name, f"must be at least 1, got {value}")
         check(self.patience is None or self.patience >= 1, "patience",
               f"must be at least 1 epoch (or null: no early stopping), got {self.patience}")
+        check(self.anneal_epochs >= 0, "anneal_epochs", f"must be >= 0 (0: stop at once), got {self.anneal_epochs}")
         check(self.progress_seconds > 0, "progress_seconds", f"must be positive, got {self.progress_seconds}")
         if self.threads is not None:
             cores = available_cores()

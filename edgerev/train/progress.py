@@ -8,8 +8,9 @@
 - :class:`Pacer`: reports at every epoch's end and, within long epochs, every ``train.progress_seconds``
   of an injected clock.
 - :class:`Plateau`: early stopping. An epoch improves when its held-out accuracy beats the best so far
-  (a tie counts when its held-out loss is lower); after ``train.patience`` epochs without one the run
-  stops. Its state is a function of the run's eval rows, so a resumed run decides as an uninterrupted one.
+  (a tie counts when its held-out loss is lower); after ``train.patience`` epochs without one, patience
+  has run out (:attr:`Plateau.ran_out`) and the run anneals, then stops (:mod:`edgerev.train.schedule`).
+  Its state is a function of the run's eval rows, so a resumed run decides as an uninterrupted one.
 
 No torch import: ``status`` and the HTTP page read progress files.
 """
@@ -41,9 +42,10 @@ class Progress:
     """One report of a running (or just ended) training run.
 
     ``state``: ``running``; at the end ``done``, ``stopped`` (a stop was asked, checkpointed) or
-    ``plateau`` (early stopping). ``eta_seconds`` runs to ``total_steps`` (the epoch maximum): with early
-    stopping it is an upper bound. ``val_acc``/``val_loss`` are the last epoch's held-out figures
-    (None before the first epoch ends); ``best_acc`` at ``best_epoch`` the best of them so far.
+    ``plateau`` (early stopping). ``eta_seconds`` runs to ``total_steps``: the epoch maximum (with early
+    stopping an upper bound), and once patience has run out the end of the anneal that follows.
+    ``val_acc``/``val_loss`` are the last epoch's held-out figures (None before the first epoch ends);
+    ``best_acc`` at ``best_epoch`` the best of them so far.
     """
 
     state: str
@@ -144,26 +146,32 @@ class Plateau:
         self.best_loss: float | None = None
         self.best_epoch: int | None = None
         self.last_epoch = 0
+        self.ran_out: int | None = None  # the first epoch at whose end patience had run out; it stays
+        self._why: str | None = None  # the reason, said when it ran out (the tail's epochs may still improve)
         for row in rows:
             self.update(row["epoch"], row.get("acc"), row.get("loss"))
 
     def update(self, epoch: int, acc: float | None, loss: float | None) -> bool:
         """Record epoch ``epoch``'s held-out figures; True when it is the best so far."""
         self.last_epoch = epoch
-        if acc is None:
-            return False
-        better = (self.best_acc is None or acc > self.best_acc
-                  or (acc == self.best_acc and loss is not None and (self.best_loss is None or loss < self.best_loss)))
+        better = acc is not None and (
+            self.best_acc is None or acc > self.best_acc
+            or (acc == self.best_acc and loss is not None and (self.best_loss is None or loss < self.best_loss)))
         if better:
             self.best_acc, self.best_loss, self.best_epoch = acc, loss, epoch
+        if self.ran_out is None and self.stop:
+            self.ran_out = epoch
+            self._why = (f"no held-out gain for {epoch - self.best_epoch} epochs (patience {self.patience}): "
+                         f"best accuracy {self.best_acc:.4f} at epoch {self.best_epoch}")
         return better
 
     @property
     def stop(self) -> bool:
+        """``patience`` epochs have passed since the best one (now: a later best clears it)."""
         if self.patience is None or self.best_epoch is None:
             return False
         return self.last_epoch - self.best_epoch >= self.patience
 
-    def reason(self) -> str:
-        return (f"no held-out gain for {self.last_epoch - self.best_epoch} epochs (patience {self.patience}): "
-                f"best accuracy {self.best_acc:.4f} at epoch {self.best_epoch}")
+    def reason(self) -> str | None:
+        """Why patience ran out, as it stood then (None before)."""
+        return self._why

@@ -43,6 +43,7 @@ from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev.train.memory import loss_of, plan_memory
 from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
+from edgerev.train.schedule import Tail, lr_at, tail_after
 from edgerev.train.state import has_checkpoint, load_checkpoint, save_checkpoint
 
 CONFIG = "config.yaml"
@@ -61,26 +62,6 @@ class RunResult:
     step: int
     total_steps: int  # the epoch maximum's steps (a run that stopped on a plateau took fewer)
     summary: dict = field(default_factory=dict)
-
-
-def lr_at(step: int, total: int, cfg) -> float:
-    """One-cycle: linear warm-up from ``lr/25`` to ``lr`` over ``warmup`` of the steps, then cosine
-    annealing to ``lr/25e4`` (the shape of ``torch.optim.lr_scheduler.OneCycleLR``); linear: the RevNeXt
-    authors' piecewise-linear cycle, from 0 up to ``lr`` over ``warmup`` of the steps and straight back
-    down towards 0; or constant."""
-    if cfg.schedule == "constant":
-        return cfg.lr
-    if cfg.schedule == "linear":
-        rise = max(1, int(round(cfg.warmup * total)))
-        if step < rise:
-            return cfg.lr * step / rise
-        return cfg.lr * max(0.0, total - step) / max(1, total - rise)
-    start, end = cfg.lr / 25, cfg.lr / 25e4
-    rise = max(1, int(round(cfg.warmup * total)))
-    if step < rise:
-        return start + (cfg.lr - start) * step / rise
-    t = (step - rise) / max(1, total - rise)
-    return end + (cfg.lr - end) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
 def _diverged(step: int, lr: float, what: str) -> RunError:
@@ -313,18 +294,28 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     since_report, first_step, t_start = [], step, clock()
     order, order_epoch = None, -1
 
+    def tail() -> Tail | None:
+        """Where the run anneals and ends once patience has run out (None before)."""
+        if plateau.ran_out is None:
+            return None
+        return tail_after(plateau.ran_out, per_epoch, cfg.train.anneal_epochs, total)
+
+    def end() -> int:
+        t = tail()
+        return total if t is None else t.end
+
     def progress_of(state: str, epoch: int, lr: float) -> Progress:
         taken = step - first_step
         rate = taken / (clock() - t_start) if taken and clock() > t_start else None
         last = next((r for r in reversed(metrics.rows) if r["kind"] == "eval"), None)
-        return Progress(state, step, total, epoch, cfg.train.epochs,
+        return Progress(state, step, end(), epoch, cfg.train.epochs,
                         sum(since_report) / len(since_report) if since_report else None, lr, rate,
-                        (total - step) / rate if rate else None,
+                        (end() - step) / rate if rate else None,
                         last and last.get("acc"), last and last.get("loss"), plateau.best_acc, plateau.best_epoch,
                         time.time())
     try:
         model.train()
-        while step < total and not plateau.stop:  # a resumed run may have reached its plateau already
+        while step < end():  # a resumed run may have reached its plateau, or its tail's end, already
             epoch, k = divmod(step, per_epoch)
             if epoch != order_epoch:
                 order = torch.randperm(len(s.train), generator=torch.Generator().manual_seed(
@@ -338,7 +329,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             if s.teacher is not None:
                 with torch.no_grad():
                     target = (y, s.teacher(x))
-            lr = lr_at(step, total, cfg.optim)
+            lr = lr_at(step, total, cfg.optim, tail())
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t0 = time.perf_counter()
@@ -356,7 +347,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}", epoch=epoch + 1)
-            if step % cfg.train.log_every == 0 or step == total:
+            if step % cfg.train.log_every == 0 or step == end():
                 metrics.write({"kind": "train", "step": step, "epoch": epoch + 1, "lr": lr,
                                "loss": sum(w[0] for w in window) / len(window),
                                "step_seconds": sum(w[1] for w in window) / len(window), "micro_batches": micro})
@@ -370,10 +361,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             stopping = stop is not None and stop()
             if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0:
                 save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro})
-            if pacer.due(end_of_epoch) and step < total and not plateau.stop:  # the last report follows the loop
+            if pacer.due(end_of_epoch) and step < end():  # the last report follows the loop
                 reporter(progress_of("running", epoch + 1, lr), end_of_epoch)
                 since_report = []
-            if stopping and step < total and not plateau.stop:
+            if stopping and step < end():
                 status = "stopped"
                 break
     finally:
@@ -381,14 +372,20 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         metrics.close()
     last_epoch = max(1, -(-step // per_epoch))
     if status == "stopped":
-        reporter(progress_of("stopped", last_epoch, lr_at(max(0, step - 1), total, cfg.optim)), True)
+        reporter(progress_of("stopped", last_epoch, lr_at(max(0, step - 1), total, cfg.optim, tail())), True)
         return RunResult(status, out, step, total)
-    early = {"epoch": plateau.last_epoch, "reason": plateau.reason()} if plateau.stop else None
+    early = None
+    if plateau.ran_out is not None and plateau.ran_out < cfg.train.epochs:
+        annealed = (step - tail().start) // per_epoch
+        early = {"epoch": plateau.ran_out, "annealed_epochs": annealed, "reason": plateau.reason()
+                 + (f"; then annealed over {annealed} epochs to lr {lr_at(step - 1, total, cfg.optim, tail()):.2g}"
+                    if annealed else "")}
     if cap is not None and cap.peak:  # what the tracker saw in this session's verified steps, against the plan's
         plan_summary = {**plan_summary, "measured_peak_bytes": cap.peak}
     summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step,
                       early)
-    reporter(progress_of("plateau" if early else "done", last_epoch, lr_at(max(0, step - 1), total, cfg.optim)), True)
+    reporter(progress_of("plateau" if early else "done", last_epoch,
+                         lr_at(max(0, step - 1), total, cfg.optim, tail())), True)
     return RunResult(status, out, step, total, summary)
 
 
@@ -396,7 +393,8 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
             plan_summary: dict, seconds: float, step: int, early: dict | None) -> dict:
     """Final evaluation, the model directory, the replay sample, the summary and the plot.
 
-    ``early``: ``{"epoch", "reason"}`` when the run stopped on a plateau before its epoch maximum."""
+    ``early``: ``{"epoch", "annealed_epochs", "reason"}`` when patience ran out (at the end of ``epoch``)
+    before the epoch maximum, and the run annealed for ``annealed_epochs`` before it stopped."""
     device = next(model.parameters()).device
     final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
     extra = {}
