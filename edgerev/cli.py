@@ -227,7 +227,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r.to_json(), indent=2))
         return 0
-    print(f"wrote {r.path}: {r.size_bytes:,} bytes, opset {r.opset}, IR {r.ir_version}, dynamic batch")
+    print(f"wrote {r.path}: {r.size_bytes:,} bytes, opset {r.opset}, IR {r.ir_version}, dynamic batch, "
+          f"{r.exporter} exporter")
     print(f"ONNX Runtime against PyTorch: max abs difference of logits {r.max_abs_diff:.2e} "
           f"(batches {', '.join(map(str, r.batches))}; tolerance {args.tolerance:g})")
     print(f"export {r.seconds:.1f} s, verification {r.verify_seconds:.1f} s")
@@ -359,8 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch", type=_positive("--batch"), default=4, help="verification batch size (default 4)")
     e.add_argument("--tolerance", type=float, default=1e-4,
                    help="largest accepted difference of logits, relative to the largest logit above 1 (default 1e-4)")
-    e.add_argument("--exporter", choices=("dynamo", "legacy"), default="dynamo",
-                   help="torch.export-based (default) or the deprecated TorchScript exporter")
+    e.add_argument("--exporter", choices=("auto", "dynamo", "legacy"), default="auto",
+                   help="torch.export-based (dynamo), the deprecated TorchScript exporter (legacy), or auto (default): "
+                        "dynamo, and legacy where dynamo fails (torch 2.6); either file is verified the same way")
     e.add_argument("--json", action="store_true", help="print JSON")
     e.set_defaults(fn=cmd_export)
 

@@ -9,6 +9,17 @@ atomically: a model that does not match PyTorch is never left where a predictor 
 
 ONNX Runtime 1.19 (the last release with on-device training) loads opset <= 21 and IR <= 10; onnx
 >= 1.18 writes a newer IR by default, so the IR is lowered to 10 (nothing in these graphs needs more).
+
+Which exporter (``exporter="auto"``, the default): the ``torch.export``-based one (``dynamo``) from torch 2.7
+on, falling back to the TorchScript one (``legacy``) where it fails; ``legacy`` straight away before 2.7. Both
+files pass the same verification against PyTorch before anything is written, so neither choice trades
+correctness for a file. Torch 2.6 (NVIDIA's on a Jetson, the oldest release edgerev supports) beside onnxscript
+0.7 fails to translate ``_native_batch_norm_legit_no_training`` (``'tuple' object has no attribute 'dtype'``)
+while the TorchScript exporter writes the same models; there the failed attempt cost 15-20 s against 1.5 s for
+the export itself (tiny RevNeXt, one thread), per export, so 2.6 does not try. 2.13 and 2.14 export with dynamo
+(CI checks that they do not fall back); the fallback covers the releases between, which CI does not run, and an
+onnxscript that breaks a pair that worked. A fallback is logged with its reason, and ``ExportResult.exporter``
+names the exporter that wrote the file. Asking for ``dynamo`` or ``legacy`` by name never falls back.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import copy
 import hashlib
 import io
 import logging
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -36,12 +48,21 @@ from edgerev.export.images import normalize
 from edgerev.export.metadata import ModelMeta, set_props
 from edgerev.export.runtime import first_line, inference_session, logits_apart
 from edgerev.models.head import ScaledLinear
+from edgerev.torch_range import release
 from edgerev.train.checkpoint import ModelInfo, load_model
 
 MAX_OPSET = 21
 MAX_IR = 10
 INPUT, OUTPUT = "pixels", "logits"
-EXPORTERS = ("dynamo", "legacy")
+EXPORTERS = ("auto", "dynamo", "legacy")
+#: (major, minor) of the first torch whose dynamo exporter ``auto`` tries (see the module's docs)
+DYNAMO_FROM = (2, 7)
+
+log = logging.getLogger(__name__)
+
+
+class _NoOnnxscript(ExportError):
+    """The dynamo exporter cannot import onnxscript: a broken install, which ``auto`` reports instead of hiding."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +79,7 @@ class ExportResult:
     verify_seconds: float
     size_bytes: int
     weights_sha256: str
-    exporter: str
+    exporter: str  # the exporter that wrote the file: dynamo or legacy (auto says which it fell back to)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -75,7 +96,7 @@ def weights_sha256(model: nn.Module) -> str:
 
 
 def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: ModelInfo | None = None,
-                batch: int = 4, tolerance: float = 1e-4, opset: int | None = None, exporter: str = "dynamo",
+                batch: int = 4, tolerance: float = 1e-4, opset: int | None = None, exporter: str = "auto",
                 seed: int = 0) -> ExportResult:
     """Export a model to ONNX with a dynamic batch, verify it with ONNX Runtime, write it atomically.
 
@@ -87,8 +108,9 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
         tolerance: largest accepted difference between ONNX Runtime's and PyTorch's logits, relative to the
             largest logit when that is above 1 (float32 rounding grows with the logits).
         opset: ONNX opset (<= 21); default: the exporter's.
-        exporter: ``"dynamo"`` (``torch.export``, needs onnxscript) or ``"legacy"`` (TorchScript tracing;
-            deprecated in torch, kept for installs without onnxscript).
+        exporter: ``"auto"`` (dynamo, and legacy where dynamo fails: see the module's docs), ``"dynamo"``
+            (``torch.export``, needs onnxscript) or ``"legacy"`` (TorchScript tracing; deprecated in torch, kept
+            for torch releases whose dynamo exporter fails and for installs without onnxscript).
         seed: seed of the random verification pixels.
 
     Raises:
@@ -123,7 +145,18 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
         model.check_input(example)  # one clear error for an input size the model cannot take
 
     start = time.perf_counter()
-    proto = _export(model, example, opset, exporter, arch)
+    if exporter == "auto" and (release(str(torch.__version__)) or (0, 0)) < DYNAMO_FROM:
+        exporter = "legacy"
+    if exporter == "auto":
+        try:
+            proto, exporter = _export(model, example, opset, "dynamo", arch), "dynamo"
+        except _NoOnnxscript:
+            raise
+        except ExportError as e:
+            log.warning("%s; exporting with the TorchScript exporter instead (verified the same way)", e)
+            proto, exporter = _export(model, example, opset, "legacy", arch), "legacy"
+    else:
+        proto = _export(model, example, opset, exporter, arch)
     give_head_a_bias(proto)  # a bias-free head (the paper's RevNeXt) exports without one; fine-tuning needs it
     if proto.ir_version > MAX_IR:
         proto.ir_version = MAX_IR
@@ -203,10 +236,23 @@ def _export(model: nn.Module, example: torch.Tensor, opset: int | None, exporter
                               dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}}, opset_version=opset or 17)
             return onnx.load_from_string(buf.getvalue())
     except ImportError as e:
-        raise ExportError(f"the dynamo exporter needs onnxscript ({first_line(e)}): pip install onnxscript, "
+        raise _NoOnnxscript(f"the dynamo exporter needs onnxscript ({first_line(e)}): pip install onnxscript, "
                           "or use the legacy exporter") from None
     except Exception as e:  # the exporters raise many types; the CLI needs one line
-        raise ExportError(f"torch.onnx.export failed for {arch}: {type(e).__name__}: {first_line(e)}") from None
+        raise ExportError(f"torch.onnx.export failed for {arch}: {_reason(e)}") from None
+
+
+def _reason(e: BaseException) -> str:
+    """One line for an exporter's error: its type, and the first error of its chain of causes.
+
+    The dynamo exporter wraps the error that stopped it in two ``ConversionError``s whose first lines say only
+    which step failed (with terminal colour codes); the root says what went wrong.
+    """
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = f"{type(e).__name__}: " + (f"{type(root).__name__}: " if root is not e else "") + first_line(root)
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 @contextlib.contextmanager
