@@ -153,18 +153,31 @@ def _merged(defaults: dict, given) -> dict:
 
 @dataclass(frozen=True)
 class PromotionConfig:
-    """``tolerance``: how much held-out accuracy on old classes a candidate may lose (0.02: two
-    points) and still be promoted. ``keep_last``: version directories kept on disk.
-    ``refuse_class_at_zero``: refuse a candidate that gets none of a known class's held-out samples
-    right, when the class has at least ``min_heldout_per_class`` of them."""
+    """The promotion gate (:mod:`edgerev_daemon.promote`): it decides on paired held-out outcomes.
 
-    tolerance: float = 0.02
+    ``alpha``: the p-value at or below which the gate believes a difference: the candidate is promoted
+    when it is better on the recent held-out samples with a one-sided exact McNemar p-value at most
+    ``alpha``, and refused when it is worse on the old classes beyond ``forgetting_margin`` with a p-value
+    at most ``alpha``. ``forgetting_margin``: the loss of accuracy on the old classes (a fraction) a
+    candidate may have, e.g. for learning new ones; a loss is refused only once the evidence says it
+    exceeds the margin. ``recent_window_days``: each class is judged on its held-out samples that
+    arrived within this many days before its newest one (null: all of them). ``refuse_class_at_zero``:
+    refuse a candidate that gets none of a known class's recent held-out samples right, when the class
+    has at least ``min_heldout_per_class`` of them. ``keep_last``: version directories kept on disk."""
+
+    alpha: float = 0.05
+    forgetting_margin: float = 0.02
+    recent_window_days: float | None = 30.0
     keep_last: int = 5
     refuse_class_at_zero: bool = True
     min_heldout_per_class: int = 5
 
     def __post_init__(self) -> None:
-        check(0.0 <= self.tolerance <= 1.0, "tolerance", f"is a fraction of accuracy in [0, 1], got {self.tolerance}")
+        check(0.0 < self.alpha <= 0.5, "alpha", f"is a p-value threshold in (0, 0.5], got {self.alpha}")
+        check(0.0 <= self.forgetting_margin <= 1.0, "forgetting_margin",
+              f"is a fraction of accuracy in [0, 1] (1: never refuse for a loss), got {self.forgetting_margin}")
+        check(self.recent_window_days is None or self.recent_window_days > 0, "recent_window_days",
+              f"must be positive (or null: all held-out samples), got {self.recent_window_days}")
         check(self.keep_last >= 1, "keep_last", f"must be at least 1, got {self.keep_last}")
         check(self.min_heldout_per_class >= 1, "min_heldout_per_class",
               f"must be at least 1, got {self.min_heldout_per_class}")
@@ -173,7 +186,16 @@ class PromotionConfig:
     def gate(self):
         from edgerev_daemon.promote import Gate  # promote imports torch; the config must not
 
-        return Gate(self.tolerance, self.min_heldout_per_class, self.refuse_class_at_zero)
+        return Gate(self.alpha, self.forgetting_margin, self.min_heldout_per_class, self.refuse_class_at_zero,
+                    self.recent_window_days)
+
+
+# promotion keys of an earlier edgerev, and why each went
+REMOVED_PROMOTION_KEYS = {
+    "tolerance": "the gate decides on paired evidence now, not on a fixed margin of point estimates; see "
+                 "promotion.alpha and promotion.forgetting_margin (a loss on the old classes is refused only "
+                 "once the evidence says it exceeds the margin); remove the key",
+}
 
 
 @dataclass(frozen=True)
@@ -276,6 +298,10 @@ def config_from_dict(data: dict, base: str | Path | None = None) -> DaemonConfig
             raise ConfigError("; ".join(f"training.{k} is now training.{MOVED_TRAINING_KEYS[k]}" for k in moved)
                               + " (the training section takes the trainer's recipe sections; see configs/daemon/)")
         data = {**data, "training": _merged(TRAINING_DEFAULTS, data.get("training") or {})}
+    if isinstance(data, dict) and isinstance(data.get("promotion"), dict):
+        gone = [k for k in data["promotion"] if k in REMOVED_PROMOTION_KEYS]
+        if gone:  # a config written for an earlier edgerev: say why the key went and what replaces it
+            raise ConfigError("; ".join(f"promotion.{k}: removed: {REMOVED_PROMOTION_KEYS[k]}" for k in gone))
     cfg = from_dict(DaemonConfig, data)
     base = Path(base) if base is not None else Path.cwd()
 

@@ -18,7 +18,7 @@ DEMO_CONFIG = {
     "training": {"model": {"arch": "revnext", "args": {"width": 16, "blocks": [1, 1, 1, 1, 1]}},
                  "train": {"epochs": 4, "batch": 64}, "optim": {"lr": 0.03},
                  "continual": {"replay": 1000, "distill": 1.0}},
-    "promotion": {"tolerance": 0.05, "keep_last": 3},
+    "promotion": {"forgetting_margin": 0.05, "keep_last": 3},
 }
 
 

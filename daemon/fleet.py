@@ -344,24 +344,29 @@ def peak_of(plan: Mapping) -> int | None:
 
 # a candidate ------------------------------------------------------------------------------------------
 
-def fleet_judge(cand, cur, gate) -> tuple[bool, str]:
-    """The gate for a fleet model: not worse than the model in service on this device's held-out samples
-    beyond ``gate.tolerance`` (a fleet model knows more classes; it need not beat a local model on the
-    local ones), and no known class at 0 % (``promotion.refuse_class_at_zero``)."""
-    from edgerev_daemon.promote import dead_reason
+def fleet_judge(held, cand, cur, gate) -> tuple[bool, str]:
+    """The gate for a fleet model: not worse than the model in service on this device's recent held-out
+    samples beyond ``gate.forgetting_margin`` with a p-value at most ``gate.alpha`` (a fleet model knows
+    more classes; it need not beat a local model on the local ones: :mod:`edgerev_daemon.evidence`), and
+    no known class at 0 % (``promotion.refuse_class_at_zero``)."""
+    from edgerev_daemon.evidence import p_text
+    from edgerev_daemon.promote import comparisons, dead_reason
 
-    c = cand.accuracy.get("all")
-    if c is None:
+    if not any(held.recent):
         return False, "no held-out sample on this device to judge the fleet model on"
-    if dead := dead_reason(cand, gate):
+    if dead := dead_reason(held, cand, gate):
         return False, f"fleet model refused: {dead}"
+    c = sum(r for r, fresh in zip(cand.right, held.recent) if fresh) / sum(held.recent)
     if cur is None:
-        return True, f"fleet model, first in service: held-out accuracy {c:.4f}"
-    r = cur.accuracy.get("all")
-    if r is not None and c < r - gate.tolerance:
-        return False, (f"fleet model worse on this device's held-out samples: {c:.4f} vs {r:.4f} "
-                       f"(tolerance {gate.tolerance:g}); the model in service stays")
-    return True, f"fleet model on this device's held-out samples: {c:.4f} vs {r if r is None else round(r, 4)}"
+        return True, f"fleet model, first in service: recent held-out accuracy {c:.4f}"
+    now, _ = comparisons(held, cand, cur)
+    p = now.p_worse(gate.forgetting_margin)
+    counts = f"{now.gained} gained, {now.lost} lost of {now.n}"
+    if p <= gate.alpha:
+        return False, (f"fleet model worse on this device's recent held-out samples by {100 * -now.change:.1f} points "
+                       f"({counts}; p = {p_text(p)} <= {gate.alpha:g}); the model in service stays")
+    return True, (f"fleet model on this device's recent held-out samples: {100 * now.change:+.1f} points ({counts}; "
+                  f"p = {p_text(p)}, no evidence of a loss over {100 * gate.forgetting_margin:.1f} points)")
 
 
 def consider(daemon, fm: FleetModel) -> Consideration:
@@ -369,7 +374,7 @@ def consider(daemon, fm: FleetModel) -> Consideration:
     export, version directory, ``current`` switched) when it passes. The decision and its reason are
     recorded on a version row either way."""
     from edgerev_daemon.jobs import job_dir
-    from edgerev_daemon.promote import held_out_groups, score
+    from edgerev_daemon.promote import figures, held_out, score
 
     try:
         fresh = check_shared(fm)
@@ -396,20 +401,21 @@ def consider(daemon, fm: FleetModel) -> Consideration:
         return Consideration(bool(result.get("promoted")), done.reason, done.id,
                              done.metrics.get("evaluation", {}).get("candidate", {}).get("all"), 0, done.metrics)
     write_model(out, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
-    groups = {"all": held_out_groups(store, daemon.blobs, job, 0)["all"]}
     gate = daemon.config.promotion.gate
-    cand = score(out, groups)
-    cur = score(current, groups) if current is not None else None
-    promote, why = fleet_judge(cand, cur, gate)
+    held = held_out(store, daemon.blobs, job, gate.recent_window_days)
+    cand = score(out, held)
+    cur = score(current, held) if current is not None else None
+    promote, why = fleet_judge(held, cand, cur, gate)
+    old = None if cur is None else set(cur.known)
+    samples = {"all": len(held.labels), "recent": sum(held.recent)}
     metrics = {"data_batch_id": job.data_batch_id, "base_batch": 0, "promote": promote, "fleet_round": fm.round,
-               "evaluation": {"candidate": cand.to_json(), **({"current": cur.to_json()} if cur else {}),
-                              "heldout_samples": cand.samples},
+               "evaluation": {"candidate": figures(held, cand, old),
+                              **({"current": figures(held, cur, old)} if cur else {}), "heldout_samples": samples},
                "classes": list(fm.classes)}
     result = daemon.record_decision(job, out, metrics, why)
     version = result.get("version")
+    accuracy = metrics["evaluation"]["candidate"]["all"]
     if result.get("status") == "failed":
-        return Consideration(False, result.get("error", why), version, cand.accuracy.get("all"),
-                             cand.samples.get("all", 0), metrics)
-    return Consideration(bool(result.get("promoted")), why, version, cand.accuracy.get("all"),
-                         cand.samples.get("all", 0), metrics)
+        return Consideration(False, result.get("error", why), version, accuracy, samples["all"], metrics)
+    return Consideration(bool(result.get("promoted")), why, version, accuracy, samples["all"], metrics)
 

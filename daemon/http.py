@@ -165,13 +165,14 @@ def format_metrics(s: dict) -> str:
 
     Counters are what only grows (samples are never deleted; failed jobs stay failed); everything
     that may go down is a gauge (a version's ``promoted`` flag flips from false to true, events are
-    pruned). ``edgerev_current_heldout_accuracy`` is left out while it is unknown.
+    pruned). ``edgerev_current_heldout_accuracy`` (all held-out samples) and
+    ``edgerev_current_recent_heldout_accuracy`` (the recent window) are left out while unknown.
     """
     current = s.get("current") or {}
     number = 0
     if isinstance(current.get("version"), str) and VERSION_RE.fullmatch(current["version"]):
         number = int(current["version"][1:])
-    accuracy = current.get("heldout_accuracy")
+    accuracy, recent = current.get("heldout_accuracy"), current.get("recent_heldout_accuracy")
     promoted = sum(1 for v in s["versions"] if v["promoted"])
     job = s.get("job")
     lines: list[str] = []
@@ -192,6 +193,10 @@ def format_metrics(s: dict) -> str:
     lines += _family("edgerev_current_heldout_accuracy", "gauge",
                      "Held-out accuracy of the model version in service (0..1).",
                      [({}, float(accuracy))] if isinstance(accuracy, int | float) else [])
+    lines += _family("edgerev_current_recent_heldout_accuracy", "gauge",
+                     "Held-out accuracy of the model version in service on the recent window its promotion judged "
+                     "(promotion.recent_window_days before each class's newest sample; 0..1).",
+                     [({}, float(recent))] if isinstance(recent, int | float) else [])
     lines += _family("edgerev_job_active", "gauge", "1 while a fine-tuning job is queued or running, else 0.",
                      [({}, 1 if job and job["state"] in ("queued", "running") else 0)])
     progress = (job or {}).get("progress") or {}

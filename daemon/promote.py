@@ -1,16 +1,32 @@
-"""Evaluate a candidate against the model in service, then promote it or keep the current one.
+"""Evaluate a candidate against the model in service on paired evidence, then promote it or keep the current one.
 
-Both models are scored on the same held-out samples (the split fixed by each sample's hash), in two
-groups: *new* samples, which arrived after the current version's data, and *old* ones. A model scores
-a sample right when its top class is the sample's label (a label it does not know is always wrong).
+Both models are scored on the same held-out samples (the split fixed by each sample's hash): each sample
+is right or wrong under each model (a label a model does not know is always wrong for it). The gate
+judges the *recent* samples: for each class, those that arrived within ``promotion.recent_window_days``
+before that class's newest held-out sample (:func:`recent_flags`), so a device whose world drifts is
+judged on how each class looks now, and a class that stopped arriving on how it last looked.
 
-The gate: the candidate must be better on new data (strictly higher accuracy on the new held-out
-samples; when none of the new samples was held out, on all held-out samples) and no worse on old
-data than ``promotion.tolerance``. A first model, with nothing in service, is promoted when it beats
-chance on the held-out samples. Either way, a candidate that leaves a class it knows at 0 % on at
-least ``promotion.min_heldout_per_class`` held-out samples of that class is refused, and the reason
-names the class (``promotion.refuse_class_at_zero: false`` turns this off). The metrics keep each
-model's per-class accuracy and the candidate's confusion matrix on all held-out samples.
+The gate (:func:`judge`; the tests are :mod:`edgerev_daemon.evidence`):
+
+1. *Better now.* On the recent samples of every class, the candidate must be better with confidence:
+   one-sided exact McNemar p-value of its gains against its losses at most ``promotion.alpha``. A class
+   the current model does not know counts as wrong for it, so a candidate that learns new classes
+   gains every one of their samples it gets right.
+2. *No forgetting beyond the evidence.* On the recent samples of the classes the current model knows
+   (the old classes), the candidate is refused when the evidence says it lost more than
+   ``promotion.forgetting_margin`` of accuracy (p-value at most ``promotion.alpha``); the reason says by
+   how much, how many samples were lost and gained, and with what p-value. Losing 2 of 80 old samples
+   is within the noise; losing 20 of 80 is not.
+3. *No dead class.* A candidate that leaves a class it knows at 0 % on at least
+   ``promotion.min_heldout_per_class`` of its recent held-out samples is refused, and the reason names
+   the class (``promotion.refuse_class_at_zero: false`` turns this off): a head row that is never right
+   is a defect, whatever the totals say.
+
+A first model, with nothing in service, is promoted when it beats chance on the recent held-out samples
+(anything above chance serves better than no model, so no evidence is asked for), and rule 3 holds for
+it too. The metrics keep every figure compared: accuracy on all held-out samples and on the recent ones,
+on the old and new classes, per class, the paired counts and p-values, and the candidate's confusion
+matrix on all held-out samples.
 
 Promotion writes the version directory completely (weights, ONNX, resolved config, metrics) before
 ``current`` switches (:class:`edgerev_daemon.registry.Registry`); any failure on the way (a full
@@ -21,7 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,11 +46,14 @@ from edgerev.train.evaluate import confusion as confusion_of
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages
 from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.evidence import Paired, p_text, paired
 from edgerev_daemon.jobs import load_samples
 from edgerev_daemon.records import Job, Sample, Split
 from edgerev_daemon.store import Store
 
 log = logging.getLogger(__name__)
+
+DAY = 86400.0
 
 
 @dataclass
@@ -46,28 +65,54 @@ class Decision:
 
 @dataclass(frozen=True)
 class Gate:
-    """The promotion policy (``promotion:`` in the daemon config)."""
+    """The promotion policy (``promotion:`` in the daemon config; see the module docstring)."""
 
-    tolerance: float = 0.02
+    alpha: float = 0.05
+    forgetting_margin: float = 0.02
     min_heldout_per_class: int = 5
     refuse_class_at_zero: bool = True
+    recent_window_days: float | None = 30.0
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out samples both models are scored on: each one's label, whether it lies in its class's
+    recent window, and the images (None where only outcomes are judged)."""
+
+    labels: tuple[str, ...]
+    recent: tuple[bool, ...]
+    data: LabeledImages | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.labels) != len(self.recent):
+            raise ValueError(f"{len(self.labels)} labels but {len(self.recent)} recent flags")
 
 
 @dataclass(frozen=True)
 class Scores:
-    """One model on the held-out groups: accuracy per group (None: no sample), per class on ``all``
-    (``{label: [right, samples]}``), the labels it knows, and its confusion matrix on ``all``
-    (rows: true label in ``labels`` order, columns: predicted label)."""
+    """One model on the held-out samples: whether it got each right, the labels it knows, and its
+    confusion matrix (rows: true label, columns: predicted label)."""
 
-    accuracy: dict[str, float | None]
-    per_class: dict[str, list[int]]
+    right: tuple[bool, ...]
     known: tuple[str, ...]
-    confusion: dict = field(default_factory=dict)
-    samples: dict[str, int] = field(default_factory=dict)
+    confusion: dict = field(default_factory=dict, compare=False)
 
-    def to_json(self) -> dict:
-        return {**self.accuracy, "per_class": {c: (r / n if n else None) for c, (r, n) in self.per_class.items()},
-                "per_class_samples": {c: n for c, (_, n) in self.per_class.items()}}
+
+def recent_flags(samples: Sequence[Sample], window_days: float | None) -> list[bool]:
+    """Whether each sample (in arrival order) arrived within ``window_days`` before the newest sample of
+    its class (None: every sample is recent).
+
+    The window ends at each class's newest sample, not at the clock: a device that saw nothing for a
+    month still judges on its last month of data, and a class that stopped arriving on how it last
+    looked. Times are the daemon's clock at ingest; the newest sample is the last in arrival order (the
+    ingest batch), so a clock that jumped back makes a window hold more samples, never lose the newest.
+    """
+    if window_days is None:
+        return [True] * len(samples)
+    newest: dict[str, float] = {}
+    for s in samples:
+        newest[s.label] = s.added_at
+    return [s.added_at >= newest[s.label] - window_days * DAY for s in samples]
 
 
 def _predicted(model_dir: Path, data: LabeledImages) -> tuple[list[str], tuple[str, ...]]:
@@ -79,104 +124,162 @@ def _predicted(model_dir: Path, data: LabeledImages) -> tuple[list[str], tuple[s
     return [info.classes[k] for k in logits.argmax(1).tolist()], tuple(info.classes)
 
 
-def score(model_dir: Path, groups: dict[str, LabeledImages]) -> Scores:
-    """Accuracy on each group, per-class accuracy and the confusion matrix on ``all``. A model scores
-    a sample right when its top class is the sample's label (a label it does not know is always wrong)."""
-    acc: dict[str, float | None] = {}
-    per_class: dict[str, list[int]] = {}
-    known: tuple[str, ...] = ()
-    confusion: dict = {}
-    samples: dict[str, int] = {}
-    for name, data in groups.items():
-        predicted, known = _predicted(model_dir, data)
-        truth = [data.classes[k] for k in data.labels.tolist()]
-        acc[name] = sum(p == t for p, t in zip(predicted, truth)) / len(truth) if truth else None
-        samples[name] = len(truth)
-        if name == "all":
-            labels = list(data.classes)
-            for t, p in zip(truth, predicted):
-                counts = per_class.setdefault(t, [0, 0])
-                counts[0] += p == t
-                counts[1] += 1
-            confusion = confusion_of(truth, predicted, labels, list(dict.fromkeys([*known, *labels])))
-    return Scores(acc, per_class, known, confusion, samples)
+def score(model_dir: Path, held: HeldOut) -> Scores:
+    """Whether the model gets each held-out sample right (its top class is the sample's label; a label it
+    does not know is always wrong), and its confusion matrix."""
+    data = held.data
+    predicted, known = _predicted(model_dir, data)
+    truth = list(held.labels)
+    columns = list(dict.fromkeys([*known, *data.classes]))
+    return Scores(tuple(p == t for p, t in zip(predicted, truth, strict=True)), known,
+                  confusion_of(truth, predicted, list(data.classes), columns))
 
 
-def accuracy(model_dir: Path, data: LabeledImages) -> float | None:
-    """Share of ``data`` whose label is the model's top class (None for no samples)."""
-    return score(model_dir, {"all": data}).accuracy["all"]
+def held_out(store: Store, blobs: BlobStore, job: Job, window_days: float | None,
+             held_back: Collection[str] = ()) -> HeldOut:
+    """The held-out samples up to the job's data, none of a ``held_back`` label (neither model was trained
+    on it), with their recent windows (:func:`recent_flags`)."""
+    samples = [s for s in store.samples(Split.HELDOUT, upto_batch=job.data_batch_id) if s.label not in held_back]
+    return HeldOut(tuple(s.label for s in samples), tuple(recent_flags(samples, window_days)),
+                   load_samples(samples, blobs, store.labels()))
 
 
-def held_out_groups(store: Store, blobs: BlobStore, job: Job, base_batch: int,
-                    held_back: Collection[str] = ()) -> dict[str, LabeledImages]:
-    """The held-out samples up to the job's data: ``old`` (up to ``base_batch``), ``new``, ``all``; none
-    of a ``held_back`` label (neither model was trained on it)."""
-    classes = store.labels()
-    held: list[Sample] = [s for s in store.samples(Split.HELDOUT, upto_batch=job.data_batch_id)
-                          if s.label not in held_back]
-    old = [s for s in held if s.batch_id <= base_batch]
-    new = [s for s in held if s.batch_id > base_batch]
-    return {"old": load_samples(old, blobs, classes), "new": load_samples(new, blobs, classes),
-            "all": load_samples(held, blobs, classes)}
+def decide(candidate: Path, current: Path | None, held: HeldOut, gate: Gate) -> Decision:
+    """Score both models on the same held-out samples and apply :func:`judge`."""
+    return judge(held, score(candidate, held), score(current, held) if current is not None else None, gate)
 
 
-def decide(candidate: Path, current: Path | None, groups: dict[str, LabeledImages], gate: Gate) -> Decision:
-    """Score both models on the same groups and apply :func:`judge`."""
-    return judge(score(candidate, groups), score(current, groups) if current is not None else None, gate)
+# figures ---------------------------------------------------------------------------------------------
+
+def _accuracy(right: Sequence[bool]) -> float | None:
+    return sum(right) / len(right) if right else None
 
 
-def dead_classes(cand: Scores, gate: Gate) -> list[tuple[str, int]]:
-    """Classes the candidate knows, with at least ``gate.min_heldout_per_class`` held-out samples, of
+def _pick(values: Sequence, keep: Sequence[bool]) -> list:
+    return [v for v, k in zip(values, keep) if k]
+
+
+def per_class(held: HeldOut, s: Scores, recent: bool = True) -> dict[str, list[int]]:
+    """``{label: [right, samples]}`` on the recent samples (or all), labels in order of first appearance."""
+    out: dict[str, list[int]] = {}
+    for label, r, fresh in zip(held.labels, s.right, held.recent):
+        if fresh or not recent:
+            counts = out.setdefault(label, [0, 0])
+            counts[0] += r
+            counts[1] += 1
+    return out
+
+
+def figures(held: HeldOut, s: Scores, old: Collection[str] | None) -> dict:
+    """One model's accuracy on all held-out samples, the recent ones, the recent ones of the ``old`` classes
+    and of the others (None: no sample), and per class on the recent ones."""
+    recent = _pick(s.right, held.recent)
+    labels = _pick(held.labels, held.recent)
+    out = {"all": _accuracy(s.right), "recent": _accuracy(recent)}
+    if old is not None:
+        out["old_classes"] = _accuracy([r for r, c in zip(recent, labels) if c in old])
+        out["new_classes"] = _accuracy([r for r, c in zip(recent, labels) if c not in old])
+    pc = per_class(held, s)
+    return out | {"per_class": {c: (r / n if n else None) for c, (r, n) in pc.items()},
+                  "per_class_samples": {c: n for c, (_, n) in pc.items()}}
+
+
+def comparisons(held: HeldOut, cand: Scores, cur: Scores) -> tuple[Paired, Paired]:
+    """The paired counts on the recent samples of every class (``now``) and of the classes the current
+    model knows (``old``)."""
+    keep_old = [fresh and c in cur.known for c, fresh in zip(held.labels, held.recent)]
+    return (paired(_pick(cand.right, held.recent), _pick(cur.right, held.recent)),
+            paired(_pick(cand.right, keep_old), _pick(cur.right, keep_old)))
+
+
+# the rules ---------------------------------------------------------------------------------------------
+
+def dead_classes(held: HeldOut, cand: Scores, gate: Gate) -> list[tuple[str, int]]:
+    """Classes the candidate knows, with at least ``gate.min_heldout_per_class`` recent held-out samples, of
     which it gets none right: ``(label, samples)``."""
-    return [(c, n) for c, (right, n) in cand.per_class.items()
+    return [(c, n) for c, (right, n) in per_class(held, cand).items()
             if c in cand.known and n >= gate.min_heldout_per_class and right == 0]
 
 
-def dead_reason(cand: Scores, gate: Gate) -> str | None:
+def dead_reason(held: HeldOut, cand: Scores, gate: Gate) -> str | None:
     """Why the candidate is refused for a class at 0 % (:func:`dead_classes`), or None: none, or the gate
     does not refuse for it (``promotion.refuse_class_at_zero``)."""
-    dead = dead_classes(cand, gate) if gate.refuse_class_at_zero else []
+    dead = dead_classes(held, cand, gate) if gate.refuse_class_at_zero else []
     if not dead:
         return None
     more = f" (and {len(dead) - 1} more: {', '.join(c for c, _ in dead[1:])})" if len(dead) > 1 else ""
-    return f"class {dead[0][0]} at 0 % on its {dead[0][1]} held-out samples{more} (promotion.refuse_class_at_zero)"
+    return (f"class {dead[0][0]} at 0 % on its {dead[0][1]} recent held-out samples{more} "
+            "(promotion.refuse_class_at_zero)")
 
 
-# the groups in the schedule's words (edgerev_daemon.schedule): new samples arrived after the data of the model
-# in service, old ones before; "new classes" are labels it does not know
-WORDS = {"new": "held-out new samples", "old": "held-out old samples", "all": "held-out samples"}
+def _points(x: float) -> str:
+    return f"{100 * abs(x):.1f} points"
 
 
-def judge(cand: Scores, cur: Scores | None, gate: Gate) -> Decision:
-    """The gate of the module docstring on two models' scores; the metrics hold every figure compared."""
-    m: dict = {"heldout_samples": cand.samples, "candidate": cand.to_json(), "candidate_confusion": cand.confusion}
-    if cur is not None:
-        m["current"] = cur.to_json()
-    refuse_dead = dead_reason(cand, gate)
-    c = cand.accuracy
+def _counts(p: Paired) -> str:
+    return f"{p.gained} gained, {p.lost} lost of {p.n}"
+
+
+def forgetting_reason(old: Paired, gate: Gate) -> str | None:
+    """Why the candidate is refused for its loss on the old classes (rule 2), or None."""
+    p = old.p_worse(gate.forgetting_margin)
+    if p > gate.alpha:
+        return None
+    beyond = f" more than the allowed {_points(gate.forgetting_margin)}" if gate.forgetting_margin > 0 else ""
+    return (f"worse on the old classes by {_points(old.change)} ({old.lost} of {old.n} lost, {old.gained} gained; "
+            f"p = {p_text(p)} <= {gate.alpha:g} that it lost{beyond})")
+
+
+def judge(held: HeldOut, cand: Scores, cur: Scores | None, gate: Gate) -> Decision:
+    """The gate of the module docstring on two models' outcomes; the metrics hold every figure compared."""
+    if len(cand.right) != len(held.labels) or (cur is not None and len(cur.right) != len(held.labels)):
+        raise ValueError("both models must be scored on the held-out samples given")
+    old = None if cur is None else set(cur.known)
+    m: dict = {"heldout_samples": {"all": len(held.labels), "recent": sum(held.recent)},
+               "recent_window_days": gate.recent_window_days,
+               "candidate": figures(held, cand, old), "candidate_confusion": cand.confusion}
+    dead = dead_reason(held, cand, gate)
     if cur is None:
-        n_classes = len([n for _, n in cand.per_class.values() if n]) or 1
-        chance = 1.0 / n_classes
-        if c.get("all") is None:
+        recent = _pick(cand.right, held.recent)
+        if not recent:
             return Decision(True, "first model (no held-out sample yet to score it)", m)
-        if not c["all"] > chance:
-            return Decision(False, f"first model at chance: held-out accuracy {c['all']:.4f}", m)
-        if refuse_dead:
-            return Decision(False, f"first model refused: {refuse_dead}", m)
-        return Decision(True, f"first model: held-out accuracy {c['all']:.4f} (chance {chance:.4f})", m)
-    r = cur.accuracy
-    key = "new" if c.get("new") is not None else "all"
-    if c.get(key) is None:
-        return Decision(False, "no held-out sample to compare the models on", m)
-    if not c[key] > r[key]:
-        return Decision(False, f"not better on the {WORDS[key]}: {c[key]:.4f} vs {r[key]:.4f}", m)
-    if c.get("old") is not None and c["old"] < r["old"] - gate.tolerance:
-        return Decision(False, f"worse on the {WORDS['old']}: {c['old']:.4f} vs {r['old']:.4f} "
-                               f"(tolerance {gate.tolerance:g})", m)
-    if refuse_dead:
-        return Decision(False, f"refused: {refuse_dead}", m)
-    old = f", old {c['old']:.4f} vs {r['old']:.4f}" if c.get("old") is not None else ""
-    return Decision(True, f"better on the {WORDS[key]}: {c[key]:.4f} vs {r[key]:.4f}{old}", m)
+        chance = 1.0 / (len(set(_pick(held.labels, held.recent))) or 1)
+        acc = _accuracy(recent)
+        if not acc > chance:
+            return Decision(False, f"first model at chance: recent held-out accuracy {acc:.4f} (chance {chance:.4f})",
+                            m)
+        if dead:
+            return Decision(False, f"first model refused: {dead}", m)
+        return Decision(True, f"first model: recent held-out accuracy {acc:.4f} (chance {chance:.4f})", m)
+    m["current"] = figures(held, cur, old)
+    now, lost_old = comparisons(held, cand, cur)
+    p_now, p_old = now.p_better(), lost_old.p_worse(gate.forgetting_margin)
+    m["test"] = {"alpha": gate.alpha, "forgetting_margin": gate.forgetting_margin,
+                 "recent": {"n": now.n, "gained": now.gained, "lost": now.lost, "p_better": p_now},
+                 "old_classes": {"n": lost_old.n, "gained": lost_old.gained, "lost": lost_old.lost, "p_worse": p_old}}
+    if now.n == 0:
+        return Decision(False, "no recent held-out sample to compare the models on", m)
+    unknown = " (classes the model in service does not know count as wrong for it)" if set(held.labels) - old else ""
+    if p_now > gate.alpha:
+        sign = "+" if now.change >= 0 else "-"
+        return Decision(False, "not better with confidence on the recent held-out samples: "
+                               f"{sign}{_points(now.change)} ({_counts(now)}; p = {p_text(p_now)} > {gate.alpha:g})"
+                               f"{unknown}", m)
+    if forgot := forgetting_reason(lost_old, gate):
+        return Decision(False, forgot, m)
+    if dead:
+        return Decision(False, f"refused: {dead}", m)
+    if lost_old.n == 0:
+        old_text = ""
+    else:
+        word = "lower" if lost_old.change < 0 else "higher" if lost_old.change > 0 else "unchanged"
+        old_text = (f"; old classes {_points(lost_old.change)} {word} ({_counts(lost_old)}; p = {p_text(p_old)}, "
+                    "no evidence of a loss" + (f" over {_points(gate.forgetting_margin)}" if gate.forgetting_margin
+                                               else "") + ")")
+        if word == "unchanged":
+            old_text = f"; old classes unchanged ({_counts(lost_old)})"
+    return Decision(True, f"better on the recent held-out samples by {_points(now.change)} ({_counts(now)}; "
+                          f"p = {p_text(p_now)} <= {gate.alpha:g}){unknown}{old_text}", m)
 
 
 VERSION_FILES = ("model.safetensors", "model.json", "replay.safetensors", "config.yaml", "summary.json",

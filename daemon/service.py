@@ -47,7 +47,7 @@ from edgerev_daemon.jobs import JobOutcome, check_training, job_dir, run_job
 from edgerev_daemon.layout import prepare
 from edgerev_daemon.lock import DataDirLock
 from edgerev_daemon.notify import Notifier
-from edgerev_daemon.promote import decide, export, held_out_groups, version_files
+from edgerev_daemon.promote import decide, export, held_out, version_files
 from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
@@ -328,8 +328,9 @@ class Daemon:
             self.store.add_event(EventKind.INFO, {"message": f"job {job.id} skipped: {outcome.reason}"})
             shutil.rmtree(out, ignore_errors=True)
             return {"job": job.id, "status": "skipped", "reason": outcome.reason}
-        groups = held_out_groups(self.store, self.blobs, job, base_batch, outcome.held_back)
-        decision = decide(outcome.run_dir, current, groups, self.config.promotion.gate)
+        gate = self.config.promotion.gate
+        held = held_out(self.store, self.blobs, job, gate.recent_window_days, outcome.held_back)
+        decision = decide(outcome.run_dir, current, held, gate)
         summary = outcome.summary or {}
         metrics = {"data_batch_id": job.data_batch_id, "base_batch": base_batch, "promote": decision.promote,
                    "evaluation": decision.metrics, "classes": summary.get("classes"),

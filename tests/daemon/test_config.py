@@ -38,7 +38,11 @@ from edgerev_daemon import config_from_dict, load_config, validate_paths
     ({"data_dir": "d", "heldout_fraction": 1.0}, "heldout_fraction: must lie strictly between 0 and 1"),
     ({"data_dir": "d", "image_size": 2}, "image_size: must lie in 4..1024"),
     ({"data_dir": "d", "schedule": {"min_new_samples": 0}}, "schedule.min_new_samples: must be at least 1"),
-    ({"data_dir": "d", "promotion": {"tolerance": 5}}, "promotion.tolerance: is a fraction of accuracy"),
+    ({"data_dir": "d", "promotion": {"tolerance": 0.02}}, "promotion.tolerance: removed: the gate decides on paired "
+                                                          "evidence now"),
+    ({"data_dir": "d", "promotion": {"alpha": 0.0}}, "promotion.alpha: is a p-value threshold in (0, 0.5]"),
+    ({"data_dir": "d", "promotion": {"forgetting_margin": 1.5}}, "promotion.forgetting_margin: is a fraction"),
+    ({"data_dir": "d", "promotion": {"recent_window_days": 0}}, "promotion.recent_window_days: must be positive"),
     ({"data_dir": "d", "promotion": {"keep_last": 0}}, "promotion.keep_last: must be at least 1"),
     ({"data_dir": "d", "log_level": "LOUD"}, "log_level: expected one of 'DEBUG'"),
     ({"data_dir": 5}, "data_dir: expected str, got int 5"),

@@ -53,7 +53,9 @@ def populate(config: DaemonConfig) -> None:
         job = store.create_job("test")
         store.set_job_state(job.id, JobState.FAILED, error="out of memory")
         store.add_version(reason="first", promoted=False)
-        v2 = store.add_version(metrics={"evaluation": {"candidate": {"all": 0.875}}}, reason="better")
+        v2 = store.add_version(metrics={"evaluation": {"candidate": {"all": 0.875, "recent": 0.75},
+                                                      "heldout_samples": {"all": 8, "recent": 4},
+                                                      "recent_window_days": 30.0}}, reason="better")
         store.update_version(v2.id, promoted=True)
     (config.layout.root / "versions" / "v0002").mkdir(parents=True)
     (config.layout.root / "current").symlink_to("versions/v0002")
@@ -119,6 +121,7 @@ def test_metrics(server):
     assert m["edgerev_versions"]["samples"] == {'{promoted="true"}': 1, '{promoted="false"}': 1}
     assert m["edgerev_current_version"]["samples"][""] == 2
     assert m["edgerev_current_heldout_accuracy"]["samples"][""] == 0.875
+    assert m["edgerev_current_recent_heldout_accuracy"]["samples"][""] == 0.75
     assert m["edgerev_jobs_failed_total"]["samples"][""] == 1
     assert m["edgerev_daemon_up"]["samples"][""] == 0
     assert m["edgerev_store_rows"]["samples"]['{table="versions"}'] == 2
@@ -134,6 +137,7 @@ def test_metrics_of_a_running_daemon_and_of_an_empty_store(tmp_path):
     assert m["edgerev_daemon_up"]["samples"][""] == 1
     assert m["edgerev_current_version"]["samples"][""] == 0
     assert "edgerev_current_heldout_accuracy" not in m  # unknown: left out, not 0
+    assert "edgerev_current_recent_heldout_accuracy" not in m
 
 
 def test_label_values_are_escaped():
@@ -150,6 +154,9 @@ def test_html_page_escapes_the_status(server):
     text = body.decode()
     assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
     assert "v0002" in text and "out of memory" in text
+    # the recent window's figure beside the all-time one
+    assert ("model in service: v0002, held-out accuracy 0.8750 on all 8, 0.7500 on the recent 4 (30 days before "
+            "each class&#x27;s newest)") in text
     assert "&lt;script&gt;x&lt;/script&gt;" in text and "<script>" not in text
 
 
@@ -158,6 +165,8 @@ def test_status_json(server, config):
     assert status == 200 and headers["Content-Type"] == "application/json"
     s = json.loads(body)
     assert s["data_dir"] == config.data_dir and s["current"]["version"] == "v0002"
+    assert (s["current"]["heldout_accuracy"], s["current"]["recent_heldout_accuracy"]) == (0.875, 0.75)
+    assert s["current"]["heldout_samples"] == {"all": 8, "recent": 4} and s["current"]["recent_window_days"] == 30
     assert s["samples"]["total"] == 10 and len(s["events"]) > 0
 
 

@@ -35,7 +35,7 @@ SMALL = {
     "training": {"model": {"arch": "revnext", "args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}},
                  "train": {"epochs": 2, "batch": 32}, "optim": {"lr": 0.05},
                  "continual": {"replay": 200, "distill": 1.0}},
-    "promotion": {"tolerance": 0.1, "keep_last": 2},
+    "promotion": {"forgetting_margin": 0.1, "keep_last": 2},
 }
 
 
@@ -91,11 +91,12 @@ def test_cycles_train_promote_and_keep_out(tmp_path, caplog):
         r = d.cycle()
         v2 = d.store.get_version(r.job["version"])
         ev = v2.metrics["evaluation"]
-        assert ev["current"]["new"] == 0.0  # the old model cannot know the new classes
-        cand = ev["candidate"]
+        assert ev["current"]["new_classes"] == 0.0  # the old model cannot know the new classes
+        cand, test = ev["candidate"], ev["test"]
         dead = [c for c, acc in cand["per_class"].items() if acc == 0.0 and cand["per_class_samples"][c] >= 5]
-        assert r.job["promoted"] == (cand["new"] > 0 and cand["old"] >= ev["current"]["old"] - 0.1
+        assert r.job["promoted"] == (test["recent"]["p_better"] <= 0.05 and test["old_classes"]["p_worse"] > 0.05
                                      and not dead), v2.reason
+        assert test["recent"]["n"] == ev["heldout_samples"]["recent"] == ev["heldout_samples"]["all"]  # all this month
         if dead:
             assert f"class {dead[0]} at 0 %" in v2.reason
         confusion = ev["candidate_confusion"]
@@ -128,11 +129,11 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
         assert d.cycle().job["promoted"]
         real, scored = promote.score, []
 
-        def candidate_at_zero(folder, groups):  # the candidate (still under jobs/) scores 0 on every group
-            s = real(folder, groups)
+        def candidate_at_zero(folder, held):  # the candidate (still under jobs/) gets every sample wrong
+            s = real(folder, held)
             if "jobs" in str(folder):
                 scored.append(folder)
-                s = dataclasses.replace(s, accuracy={k: None if v is None else 0.0 for k, v in s.accuracy.items()})
+                s = dataclasses.replace(s, right=(False,) * len(s.right))
             return s
 
         monkeypatch.setattr(promote, "score", candidate_at_zero)
@@ -148,7 +149,7 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
 def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatch):
     from edgerev_daemon import registry
 
-    config, _ = make_config(tmp_path, promotion={"tolerance": 1.0, "keep_last": 3})
+    config, _ = make_config(tmp_path, promotion={"alpha": 0.5, "forgetting_margin": 1.0, "keep_last": 3})
     drop(config, 160, range(2))
     clock = Clock()
     with Daemon(config, clock=clock) as d:
@@ -164,7 +165,7 @@ def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatc
         drop(config, 160, range(2, 4), start=7000)
         r = d.cycle()
         monkeypatch.delattr(registry, "open")
-        assert r.job["status"] == "failed" and "No space left on device" in r.job["error"], r.job
+        assert r.job.get("status") == "failed" and "No space left on device" in r.job["error"], r.job
         assert "v0001 stays in service" in d.store.get_version("v0002").reason
         assert assert_current_complete(config) == "v0001"
         # the daemon goes on: the job is retried after schedule.retry_seconds, not in a loop
@@ -177,7 +178,7 @@ def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatc
 
 
 def test_rollback(tmp_path):
-    config, _ = make_config(tmp_path, promotion={"tolerance": 1.0, "keep_last": 1})
+    config, _ = make_config(tmp_path, promotion={"alpha": 0.5, "forgetting_margin": 1.0, "keep_last": 1})
     with Daemon(config, clock=Clock()) as d:
         with pytest.raises(RegistryError, match="no earlier promoted version"):
             d.rollback()
