@@ -6,6 +6,10 @@ from edgerev.layers.conv import InvConv2d
 from edgerev.layers.coupling import Coupling, HybridBlock
 from edgerev.layers.norm import InvBatchNorm2d
 from edgerev.layers.pooling import POOLS, BatchPool, ChannelPool, global_pool, global_pool_grad, unpool_batch
+from edgerev.torch_range import warn_if_unsupported
+
+# every model, the engine and the trainer build on these layers: the one place where edgerev's torch code loads
+warn_if_unsupported()
 
 __all__ = [
     "BatchPool",
