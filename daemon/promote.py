@@ -6,7 +6,8 @@ judges the *recent* samples: for each class, those that arrived within ``promoti
 before that class's newest held-out sample (:func:`recent_flags`), so a device whose world drifts is
 judged on how each class looks now, and a class that stopped arriving on how it last looked.
 
-The gate (:func:`judge`; the tests are :mod:`edgerev_daemon.evidence`):
+The gate (:func:`judge`; the tests are :mod:`edgerev_daemon.evidence`), whose reason names the first
+rule a candidate fails, forgetting first (the most specific):
 
 1. *Better now.* On the recent samples of every class, the candidate must be better with confidence:
    one-sided exact McNemar p-value of its gains against its losses at most ``promotion.alpha``. A class
@@ -260,13 +261,13 @@ def judge(held: HeldOut, cand: Scores, cur: Scores | None, gate: Gate) -> Decisi
     if now.n == 0:
         return Decision(False, "no recent held-out sample to compare the models on", m)
     unknown = " (classes the model in service does not know count as wrong for it)" if set(held.labels) - old else ""
+    if forgot := forgetting_reason(lost_old, gate):  # first: the most specific thing wrong with a candidate
+        return Decision(False, forgot, m)
     if p_now > gate.alpha:
         sign = "+" if now.change >= 0 else "-"
         return Decision(False, "not better with confidence on the recent held-out samples: "
                                f"{sign}{_points(now.change)} ({_counts(now)}; p = {p_text(p_now)} > {gate.alpha:g})"
                                f"{unknown}", m)
-    if forgot := forgetting_reason(lost_old, gate):
-        return Decision(False, forgot, m)
     if dead:
         return Decision(False, f"refused: {dead}", m)
     if lost_old.n == 0:

@@ -192,8 +192,9 @@ def format_status(s: dict, versions: bool = True) -> str:
             lines.append(f"  ONNX: {cur['onnx']}")
         per_class = cur.get("per_class") or {}
         if per_class:
-            lines.append(f"  per class{' (recent)' if cur.get('recent_heldout_accuracy') is not None else ''}: " + ", ".join(f"{c} {'-' if a is None else f'{100 * a:.0f} %'}"
-                                                     for c, a in per_class.items()))
+            which = " (recent)" if cur.get("recent_heldout_accuracy") is not None else ""
+            lines.append(f"  per class{which}: " + ", ".join(f"{c} {'-' if a is None else f'{100 * a:.0f} %'}"
+                                                            for c, a in per_class.items()))
     for v in s["versions"][-5:] if versions else ():
         mark = "promoted" if v["promoted"] else "kept out"
         lines.append(f"  {v['version']} {mark}{'' if v['on_disk'] else ' (pruned)'}: {v['reason']}")

@@ -3,7 +3,6 @@ kill -9 during training and promotion, a full disk during promotion, a second da
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import logging
@@ -129,18 +128,18 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
         assert d.cycle().job["promoted"]
         real, scored = promote.score, []
 
-        def candidate_at_zero(folder, held):  # the candidate (still under jobs/) gets every sample wrong
-            s = real(folder, held)
+        def candidate_as_current(folder, held):  # the candidate (still under jobs/) scores as v0001 does
             if "jobs" in str(folder):
                 scored.append(folder)
-                s = dataclasses.replace(s, right=(False,) * len(s.right))
-            return s
+                folder = d.registry.path("v0001")
+            return real(folder, held)
 
-        monkeypatch.setattr(promote, "score", candidate_at_zero)
+        monkeypatch.setattr(promote, "score", candidate_as_current)
         drop(config, 160, range(2), start=5000)
         r = d.cycle()
         assert scored, "the gate no longer scores through promote.score: this test would test nothing"
-        assert not r.job["promoted"] and r.job["reason"].startswith("not better")
+        assert not r.job["promoted"] and r.job["reason"].startswith(
+            "not better with confidence on the recent held-out samples: +0.0 points (0 gained, 0 lost of ")
         assert d.registry.current() == "v0001"
         assert not d.store.get_version(r.job["version"]).promoted
         assert not (Path(config.data_dir) / "versions" / r.job["version"]).exists()
