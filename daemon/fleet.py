@@ -16,8 +16,8 @@ from the daemon to the fleet but weights and per-class sample counts:
 - **a candidate** (:func:`consider`): the aggregated fleet model, composed with the local state the
   same way, goes through the device's own gate (:func:`fleet_judge`): promoted (exported, versioned,
   ``current`` switched by the daemon's own promotion) only if it is no worse than the model in service
-  on this device's held-out samples beyond ``promotion.tolerance``; the reason is recorded on the
-  version either way.
+  on this device's recent held-out samples beyond ``promotion.forgetting_margin``, with the evidence of a
+  paired exact test at ``promotion.alpha``; the reason is recorded on the version either way.
 
 A round interrupted (the daemon stopped, the device dropped out) leaves its job with a checkpoint: the
 same round asked again resumes it; a later round supersedes it (the job is marked failed, its folder
