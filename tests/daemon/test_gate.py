@@ -189,3 +189,20 @@ def test_every_decision_follows_the_evidence_and_says_why(scenario, alpha, margi
                                    f"{lost.n} lost, {lost.gained} gained; p = ")
     first = judge(held, cand, None, gate)
     assert first.reason and (not first.promote or not dead_classes(held, cand, gate))
+
+
+def test_the_fleet_judge_adopts_within_the_evidence_and_refuses_beyond_it():
+    from edgerev_daemon.fleet import fleet_judge
+
+    # the fleet model knows two more classes; on this device's own classes it loses 2 of 60: within the noise
+    spec = {"a": (28, 0, 2, 0), "b": (30, 0, 0, 0), "c": (0, 10, 0, 0), "d": (0, 10, 0, 0)}
+    held, cand, cur = build(outcomes(spec), cur_known=("a", "b"))
+    adopt, why = fleet_judge(held, cand, cur, Gate())
+    assert adopt and why.startswith("fleet model on this device's recent held-out samples: +22.5 points (20 gained, "
+                                    "2 lost of 80; p = 1"), why
+    held, cand, cur = build(outcomes({"a": (10, 0, 20, 0), "b": (30, 0, 0, 0)}))  # forgets most of a
+    adopt, why = fleet_judge(held, cand, cur, Gate())
+    assert not adopt and why.startswith("fleet model worse on this device's recent held-out samples by 33.3 points "
+                                        "(0 gained, 20 lost of 60; p = "), why
+    first, why = fleet_judge(held, cand, None, Gate())
+    assert first and why == "fleet model, first in service: recent held-out accuracy 0.6667"

@@ -338,3 +338,13 @@ def test_the_start_up_line_is_logged_once(config, caplog):
             assert lines == [f"status page on {server.url}"]
         finally:
             server.stop()
+
+
+def test_a_version_judged_before_recent_windows_shows_its_all_time_figure_alone():
+    from edgerev_daemon.status import accuracy_text
+
+    assert accuracy_text({"heldout_accuracy": 0.9, "recent_heldout_accuracy": None}) == ", held-out accuracy 0.9000"
+    assert accuracy_text({"heldout_accuracy": None}) == ""
+    assert accuracy_text({"heldout_accuracy": 0.9, "recent_heldout_accuracy": 0.95, "recent_window_days": None,
+                          "heldout_samples": {"all": 40, "recent": 40}}) == (
+        ", held-out accuracy 0.9000 on all 40, 0.9500 on the recent 40 (all samples)")
