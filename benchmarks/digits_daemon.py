@@ -54,9 +54,16 @@ OLD, NEW = tuple(f"digit{d}" for d in range(5)), tuple(f"digit{d}" for d in rang
 TARGET = 0.93
 
 
-def preset_config(preset: Path, data_dir: Path, device: str | None):
-    """The preset as shipped but for ``data_dir``, the status page (off) and, if given, the training device."""
+def preset_config(preset: Path, data_dir: Path, device: str | None, overrides: dict | None = None):
+    """The preset as shipped but for ``data_dir``, the status page (off), if given the training device, and
+    ``overrides`` (dotted key -> value: a variant measured against the preset, never the preset itself)."""
     raw = yaml.safe_load(preset.read_text())
+    for key, value in (overrides or {}).items():
+        *path, last = key.split(".")
+        node = raw
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
     raw["data_dir"] = str(data_dir)
     raw.setdefault("http", {})["enabled"] = False
     if device is not None:
@@ -115,10 +122,11 @@ def phase(name: str, config, files: list[Path], test: LabeledImages) -> dict:
     return out
 
 
-def scenario(preset: Path, folder: Path, root: Path, device: str | None, out: Path | None = None) -> dict:
+def scenario(preset: Path, folder: Path, root: Path, device: str | None, out: Path | None = None,
+             overrides: dict | None = None) -> dict:
     """The two phases; ``out``, when given, also gets the first phase's figures as soon as it ends (a CUDA
     preset on a CPU takes hours)."""
-    config = preset_config(preset, root / "data", device)
+    config = preset_config(preset, root / "data", device, overrides)
     size = config.image_size
     images = ImageFolder(folder)  # the order load_source stacks them in: split's "every fifth by index"
     data = load_source(SourceConfig(kind="folder", path=str(folder)), size)
@@ -137,7 +145,7 @@ def scenario(preset: Path, folder: Path, root: Path, device: str | None, out: Pa
     t = config.training
     return {
         "preset": str(preset.relative_to(ROOT)) if preset.is_relative_to(ROOT) else preset.name,
-        "device": t.device, "image_size": size, "threads": torch.get_num_threads(),
+        "overrides": overrides or {}, "device": t.device, "image_size": size, "threads": torch.get_num_threads(),
         "model": {"arch": t.model.arch, "args": t.model.args},
         "train": {"epochs": t.train.epochs, "patience": t.train.patience, "anneal_epochs": t.train.anneal_epochs,
                   "batch": t.train.batch},
@@ -160,6 +168,8 @@ def main() -> None:
                     "preset's cap is then enforced by the tracker); 'preset' keeps the preset's own")
     ap.add_argument("--folder", type=Path, help="the digits already written by real_images.make_digits "
                     "(default: written to a temporary folder)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a variant of the preset, e.g. training.train.anneal_epochs=0 (the value read as YAML)")
     ap.add_argument("--verbose", action="store_true", help="the daemon's log (each epoch's progress) on stderr")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -169,10 +179,16 @@ def main() -> None:
         import sklearn  # noqa: F401
     except ImportError:
         ap.error("the digits come from scikit-learn: pip install scikit-learn")
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set takes KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value)
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.folder or make_digits(Path(tmp) / "digits")
         result = scenario(args.preset.resolve(), folder, Path(tmp), None if args.device == "preset" else args.device,
-                          args.out)
+                          args.out, overrides)
     write_json(result, args.out)
 
 
