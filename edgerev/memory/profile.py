@@ -248,6 +248,30 @@ class FlopCounter(TorchDispatchMode):
         return out
 
 
+def _cached(model: nn.Module, size: int, device: str, root: Path, estimate: bool) -> tuple[Path, Profile | None]:
+    """Where the profile of (model, size, device) is cached under ``root``, and the profile if one is there."""
+    key = model_key(model, size, device)
+    kind = "estimated" if estimate else "measured"
+    name = f"{getattr(model, 'arch', 'model')}-{size}-{device}-{key}"
+    path = root / (f"{name}-estimated.json" if estimate else f"{name}.json")
+    if path.exists():
+        try:
+            d = json.loads(path.read_text())
+            if isinstance(d, dict) and d.get("version") == PROFILE_VERSION and d.get("key") == key \
+                    and d.get("source", kind) == kind:
+                return path, Profile.from_json(d)
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            pass  # a damaged cache entry is measured again
+    return path, None
+
+
+def cached_profile(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
+                   estimate: bool = False) -> Profile | None:
+    """The profile :func:`load_or_measure` would reuse, or None; nothing is measured (``edgerev doctor``)."""
+    prof = _cached(model, size, device, cache or cache_dir(), estimate)[1]
+    return None if prof is None else _own_bytes(prof, model)
+
+
 def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
                     estimate: bool = False) -> Profile:
     """The cached profile for (model, size, device), measuring it (or estimating it) the first time.
@@ -258,21 +282,10 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
     would pay it every job.
     """
     key = model_key(model, size, device)
-    kind = "estimated" if estimate else "measured"
     if estimate and key in _ESTIMATES:
         return _own_bytes(copy.deepcopy(_ESTIMATES[key]), model)
     root = cache or cache_dir()
-    name = f"{getattr(model, 'arch', 'model')}-{size}-{device}-{key}"
-    path = root / (f"{name}-estimated.json" if estimate else f"{name}.json")
-    prof = None
-    if path.exists():
-        try:
-            d = json.loads(path.read_text())
-            if isinstance(d, dict) and d.get("version") == PROFILE_VERSION and d.get("key") == key \
-                    and d.get("source", kind) == kind:
-                prof = Profile.from_json(d)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            pass  # a damaged cache entry is measured again
+    path, prof = _cached(model, size, device, root, estimate)
     if prof is None:
         prof = estimate_profile(model, size, device) if estimate else measure_profile(model, size, device)
         try:
