@@ -342,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     t.set_defaults(fn=cmd_train)
 
+    from edgerev.doctor.cli import add_parser as add_doctor_parser
+
+    add_doctor_parser(sub)
+
     from edgerev_daemon.cli import add_parser as add_daemon_parser
 
     add_daemon_parser(sub)

@@ -3,7 +3,8 @@
 OK = 0
 PARTIAL = 1  # it ran, but not everything succeeded: a job failed, an image was unreadable, a check found a problem
 USAGE = 2  # bad input: one line on stderr, nothing done
+WARNINGS = 3  # it ran and found only warnings (edgerev doctor: every line ok or warning)
 PIPE = 141  # stdout closed early (`... | head`): quiet, as a tool killed by SIGPIPE
 
 EPILOG = ("exit status: 0 success; 1 it ran but something failed (named on stderr); 2 bad input (one line on "
-          "stderr, nothing done); 141 the output pipe closed early")
+          "stderr, nothing done); 3 warnings only (doctor); 141 the output pipe closed early")

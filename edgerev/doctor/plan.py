@@ -1,0 +1,196 @@
+"""The doctor's verified plan: the configured model planned under the configured cap, then a few real steps.
+
+The recipe is the daemon's job recipe with distillation on (every job after the first has a teacher): the
+costliest step the daemon will run. Planning:
+
+- with the stage profile the daemon's planner uses (cached after its first job, or measured now with
+  ``profile="measure"``): :func:`edgerev.memory.autoplan.plan_training`, the daemon's own plan;
+- without one (measuring it takes minutes on a small CPU, too long for a first look): the least-memory modes
+  (the planner's floor) at the largest micro-batch whose whole step, accounted exactly on fake tensors, fits
+  the cap. That plan trains under the cap, and the daemon's will be at least as fast.
+
+Then ``steps`` real training steps of the plan, through the trainer's own :func:`edgerev.memory.cap.train_step`
+on random images: on CPU under the run's :class:`~edgerev.memory.cap.CpuCap` (its first step tracked and
+enforced, as in the trainer), on CUDA under the allocator's cap; the measured peak is set against the cap.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+
+from edgerev.train.config import RunConfig
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    arch: str
+    size: int
+    device: str
+    batch: int  # samples per optimizer step (train.batch)
+    budget_bytes: int | None
+    planner: str = ""  # how the plan was made
+    micro_batch: int | None = None
+    micro_batches: int | None = None
+    modes: tuple[str, ...] | None = None
+    predicted_peak_bytes: int | None = None
+    smallest_bytes: int | None = None  # the least budget that trains this step (batch 1, least-memory modes)
+    measured_peak_bytes: int | None = None
+    steps: int = 0
+    step_seconds: float | None = None
+    retries: int = 0  # the batch split again after running out of memory
+    plan_seconds: float | None = None
+    error: str | None = None
+    advice: str = ""
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def _largest_fitting(model, shape, floor, floor_account, budget: int, loss_fn):
+    """The least-memory modes at the largest micro-batch whose exact account fits ``budget``."""
+    from edgerev.memory.autoplan import Proposal, accounted
+
+    batch = shape.batch
+
+    def at(b: int):
+        p = Proposal(b, floor.modes, floor.segments, 0, 0.0)
+        return p, accounted(model, shape, p, loss_fn)
+
+    best = (floor, floor_account)
+    if batch == 1:
+        return best
+    full = at(batch)
+    if full[1].total <= budget:
+        return full
+    # bytes grow linearly with the micro-batch: aim at the line through 1 and the whole batch, then step down
+    slope = (full[1].total - floor_account.total) / (batch - 1)
+    b = max(1, min(batch - 1, 1 + int((budget - floor_account.total) / slope))) if slope > 0 else 1
+    while b > 1:
+        p = at(b)
+        if p[1].total <= budget:
+            return p
+        b = max(1, b - max(1, math.ceil((p[1].total - budget) / slope)))
+    return best
+
+
+def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2, profile: str = "cached",
+                  seed: int = 0) -> PlanFacts:
+    """Plan ``cfg``'s model under ``cfg.memory.budget`` and run ``steps`` real steps of the plan.
+
+    Args:
+        cfg: the job's recipe (model, size, batch, optimizer, distillation, memory).
+        device: ``cpu`` or ``cuda`` (the config's device, resolved).
+        classes: classes of the model's head.
+        profile: ``cached``: the daemon's plan if its stage profile is cached, else the least-memory modes;
+            ``measure``: measure the profile if missing (minutes on a small CPU; cached for the daemon).
+
+    Never raises for what it finds: a budget below the floor, a step that does not fit, a CUDA error are
+    the fact's ``error``.
+    """
+    import torch
+
+    from edgerev.errors import EdgerevError
+    from edgerev.memory import profile as profiles
+    from edgerev.memory.autoplan import floor_plan, plan_training
+    from edgerev.memory.cap import CpuCap, apply_cuda_cap, train_step
+    from edgerev.models import create_model
+    from edgerev.train.memory import loss_of, step_shape
+
+    t = cfg.train
+    budget = None if cfg.memory.budget is None else int(cfg.memory.budget)
+    facts = PlanFacts(cfg.model.arch, cfg.data.size, device, t.batch, budget)
+    t0 = time.perf_counter()
+    try:
+        torch.manual_seed(seed)
+        model = create_model(cfg.model.arch, **cfg.model.args, num_classes=classes)
+        model.check_input(torch.zeros(1, model.in_channels, cfg.data.size, cfg.data.size))
+        teacher = None
+        if cfg.continual.distill > 0:  # jobs after the first distill from the model in service
+            teacher = copy.deepcopy(model).eval().requires_grad_(False)
+        shape = step_shape(cfg, model, teacher, t.batch)
+        loss_fn = loss_of(cfg)
+        floor, floor_account = floor_plan(model, shape, loss_fn)  # exact, nothing profiled
+        facts = replace(facts, smallest_bytes=floor_account.total)
+        if budget is not None and budget < floor_account.total:
+            return replace(facts, error=f"the cap {budget:,} bytes is below the least this step needs, "
+                           f"{floor_account.total:,} bytes (batch 1 in the least-memory modes)",
+                           advice=f"raise training.memory.budget to at least {floor_account.total:,} bytes, or "
+                                  "lower training.train.batch or the model's width")
+        estimate = cfg.memory.profile == "estimate"
+        prof = None
+        if budget is not None:
+            prof = profiles.cached_profile(model, cfg.data.size, device, estimate=estimate)
+            if prof is None and profile == "measure":
+                prof = profiles.load_or_measure(model, cfg.data.size, device, estimate=estimate)
+        if budget is None:
+            planner, micro, modes, predicted = "the model's default modes (no cap)", t.batch, None, None
+        elif prof is not None and not (device == "cuda" and estimate):
+            tp = plan_training(model, cfg.data.size, budget, device, estimate=estimate, max_batch=t.batch,
+                               step=shape, loss_fn=loss_fn, profile=prof)
+            tp.apply(model)
+            planner, micro, modes, predicted = f"the daemon's plan, {tp.summary['planner']}", tp.batch, tp.modes, \
+                tp.predicted_peak_bytes
+            baseline = tp.account.baseline if tp.account is not None else floor_account.baseline
+        else:
+            p, account = _largest_fitting(model, shape, floor, floor_account, budget, loss_fn)
+            p.apply(model)
+            planner = ("least-memory modes; the daemon plans faster ones from its stage profile, measured at its "
+                       "first job (or now: --profile measure)")
+            micro, modes, predicted, baseline = p.batch, p.modes, account.total, account.baseline
+        facts = replace(facts, planner=planner, micro_batch=micro, micro_batches=math.ceil(t.batch / micro),
+                        modes=modes, predicted_peak_bytes=predicted, plan_seconds=time.perf_counter() - t0)
+
+        dev = torch.device(device)
+        model.to(dev).train()
+        if teacher is not None:
+            teacher.to(dev)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=cfg.optim.lr, momentum=cfg.optim.momentum,
+                                    nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(t.batch, model.in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev)
+        y = torch.randint(0, classes, (t.batch,), generator=g).to(dev)
+        target = (y,)
+        if teacher is not None:
+            with torch.no_grad():
+                target = (y, teacher(x))
+        cap = None
+        if dev.type == "cuda":
+            if budget is not None:
+                apply_cuda_cap(budget, dev)
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        elif budget is not None:
+            cap = CpuCap(budget, baseline)
+        else:
+            from edgerev._torchapi import storage_bytes
+            from edgerev.memory.tracker import MemoryTracker
+
+            base = storage_bytes([*model.parameters(), *model.buffers(), x, *target])
+        n, retries, times, peak = math.ceil(t.batch / micro), 0, [], 0
+        for _ in range(steps):
+            s0 = time.perf_counter()
+            if cap is None and dev.type == "cpu":
+                with MemoryTracker(baseline=base) as tracker:  # no cap: measured, not enforced
+                    res = train_step(model, optimizer, x, target, n, None, loss_fn, cfg.optim.clip_grad_norm)
+                peak = max(peak, tracker.peak)
+            else:
+                res = train_step(model, optimizer, x, target, n, None, loss_fn, cfg.optim.clip_grad_norm, cap=cap)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - s0)
+            retries += res.retries
+            n = res.micro_batches
+        if dev.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(dev))
+        elif cap is not None:
+            peak = cap.peak
+        return replace(facts, measured_peak_bytes=peak, steps=steps, micro_batches=n,
+                       step_seconds=min(times) if times else None, retries=retries)
+    except (EdgerevError, ValueError, RuntimeError) as e:  # a failed step, a model that refuses the size, CUDA
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return replace(facts, error=text, advice=facts.advice or "see the error; edgerev plan shows the planning "
+                       "step by step")
