@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor, nn
 
 
@@ -38,18 +39,27 @@ def fake_mode():
 
 
 def fake_copy(module: nn.Module, mode) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are fake tensors of ``mode``."""
+    """A deep copy of ``module`` whose parameters and buffers are fake tensors of ``mode``, on the CPU.
+
+    On the CPU whatever device ``module`` is on: the callers make their fake inputs there, and the bytes
+    of a step do not depend on the device (a copy on CUDA made every fake step of a CUDA model fail on
+    mixed devices, the planner's profile among them).
+    """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def fake(t: Tensor) -> Tensor:
+        # an uninitialised CPU twin (values never matter to a fake tensor); no copy of the device's data
+        return mode.from_tensor(t if t.device.type == "cpu" else torch.empty_like(t, device="cpu"))
 
     with unset_fake_temporarily():
         clone = copy.deepcopy(module)
         for mod in clone.modules():
             for name, p in list(mod._parameters.items()):
                 if p is not None:
-                    mod._parameters[name] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+                    mod._parameters[name] = nn.Parameter(fake(p.detach()), requires_grad=p.requires_grad)
             for name, b in list(mod._buffers.items()):
                 if b is not None:
-                    mod._buffers[name] = mode.from_tensor(b)
+                    mod._buffers[name] = fake(b)
     return clone
 
 

@@ -45,6 +45,8 @@ class StepFailed(EdgerevError):
 def apply_cuda_cap(budget: int, device: torch.device | str = "cuda") -> float:
     """Limit this process's CUDA allocations to ``budget`` bytes; returns the fraction set."""
     device = torch.device(device)
+    if device.index is None:  # set_per_process_memory_fraction refuses a device without an index ("cuda")
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     if budget > total:
         raise EdgerevError(f"a cap of {budget:,} bytes is more than the device's {total:,} bytes")
