@@ -29,6 +29,7 @@ class StepMemory:
     peak_bytes: int
     baseline_bytes: int
     peak_op: str
+    reserved_bytes: int | None = None  # CUDA: the allocator's peak reservation; None where it has none
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -41,21 +42,30 @@ def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> to
     return loss.detach()
 
 
-def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_channels: int = 3) -> StepMemory:
+def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_channels: int = 3,
+              tracker: bool | None = None) -> StepMemory:
     """Peak bytes of one training step of ``model`` on a random batch.
 
     On CPU (and under ``FakeTensorMode``) the :class:`MemoryTracker` counts live tensors; on CUDA the
-    allocator's own peak is read. Gradients are cleared first so the step allocates them.
+    allocator's own peak is read, and its peak reservation. Gradients are cleared first so the step
+    allocates them.
+
+    Args:
+        tracker: count with the tracker (True) or read the CUDA allocator (False); default: the
+            allocator on CUDA. The tracker on CUDA tensors is the CPU figure of the same step, at a
+            speed the CPU cannot reach.
     """
     model.train()
     model.zero_grad(set_to_none=True)
     num_classes = getattr(model, "num_classes", 10)
     x = torch.randn(batch, in_channels, size, size, device=device)
     target = torch.randint(0, num_classes, (batch,), device=device)
-    if torch.device(device).type == "cuda":
+    if tracker is None:
+        tracker = torch.device(device).type != "cuda"
+    if not tracker:
         with CudaPeak(device) as cp:
             training_step(model, x, target)
-        return StepMemory(cp.peak, cp.baseline, "")
+        return StepMemory(cp.peak, cp.baseline, "", cp.reserved)
     baseline = storage_bytes([*model.parameters(), *model.buffers(), x, target])
     with MemoryTracker(baseline=baseline) as tr:
         training_step(model, x, target)

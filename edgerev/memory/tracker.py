@@ -86,11 +86,17 @@ class MemoryTracker(TorchDispatchMode):
 
 
 class CudaPeak:
-    """``torch.cuda.max_memory_allocated`` over the block, with the bytes live before as baseline."""
+    """``torch.cuda.max_memory_allocated`` over the block, with the bytes live before as baseline.
+
+    Attributes:
+        peak: the most bytes allocated (live tensors, in the allocator's rounded blocks, workspaces included).
+        reserved: the most bytes the caching allocator held from the driver (``max_memory_reserved``): what
+            the cap of ``set_per_process_memory_fraction`` bounds and what other processes cannot use.
+    """
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         self.device = torch.device(device)
-        self.baseline = self.peak = 0
+        self.baseline = self.peak = self.reserved = 0
 
     def __enter__(self) -> CudaPeak:
         torch.cuda.synchronize(self.device)
@@ -101,6 +107,7 @@ class CudaPeak:
     def __exit__(self, *exc) -> None:
         torch.cuda.synchronize(self.device)
         self.peak = torch.cuda.max_memory_allocated(self.device)
+        self.reserved = torch.cuda.max_memory_reserved(self.device)
 
 
 __all__ = ["CudaPeak", "MemoryBudgetExceeded", "MemoryTracker", "storage_bytes"]
