@@ -269,6 +269,23 @@ def test_a_cap_below_the_floor_and_a_full_disk_fail_with_what_to_do(tmp_path, ca
     assert lines[-1] == "worst: failing (exit status 1)"
 
 
+def test_a_config_for_cuda_without_a_usable_gpu_still_checks_the_cap_against_the_floor(tmp_path, cache, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a usable GPU")
+    status = main(["doctor", "--config", str(write_config(tmp_path, budget=100_000, device="cuda"))])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == PARTIAL
+    assert next(line for line in lines if line.split()[1:2] == ["gpu"]).startswith("FAILING")
+    plan = next(line for line in lines if line.split()[1:2] == ["plan"])
+    assert plan.startswith("FAILING") and "on cuda" in plan and "below the least this step needs" in plan
+    main(["doctor", "--config", str(write_config(tmp_path, device="cuda")), "--json"])
+    plan = next(c for c in json.loads(capsys.readouterr().out)["checks"] if c["check"] == "plan")
+    assert plan["status"] == "failing" and "not run: the GPU is not usable" in plan["found"]
+    assert plan["facts"]["steps"] == 0 and plan["facts"]["smallest_bytes"] > 0
+
+
 def test_no_cap_is_a_warning_with_the_measured_peak(tmp_path, cache, capsys):
     path = write_config(tmp_path)
     data = yaml.safe_load(path.read_text())
@@ -333,3 +350,15 @@ def test_without_config_the_cpu_preset_runs_in_the_current_directory(tmp_path, c
     assert checks["data directory"]["facts"]["path"] == str(tmp_path)
     plan = checks["plan"]["facts"]
     assert checks["plan"]["status"] == "ok" and plan["budget_bytes"] == 256 * MiB and plan["batch"] == 64
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_plan_runs_under_the_allocators_cap(tmp_path, cache, capsys):
+    status = main(["doctor", "--config", str(write_config(tmp_path, budget="400MiB", device="cuda")), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert checks["gpu"]["status"] == "ok" and checks["gpu memory"]["status"] == "ok"
+    plan = checks["plan"]
+    assert plan["status"] == "ok", plan
+    assert plan["facts"]["device"] == "cuda" and 0 < plan["facts"]["measured_peak_bytes"] <= 400 * MiB
+    assert status == report["exit_status"]

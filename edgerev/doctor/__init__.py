@@ -13,7 +13,7 @@ package needs nothing of ``edgerev_daemon``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edgerev.doctor import facts as gather
 from edgerev.doctor import judge
@@ -56,9 +56,20 @@ def run_doctor(target: Target, steps: int = 2, classes: int = 10, profile: str =
         checks.append(memory)
     checks += [judge.judge_onnxruntime(gather.onnxruntime_facts()), judge.judge_flwr(gather.flwr_facts()),
                judge.judge_disk(gather.disk_facts(target.data_dir), target.min_free_bytes)]
-    if torch_f.version is None or (device == "cuda" and gpu.status is Status.FAILING):
-        checks.append(Check("plan", Status.FAILING, f"not run: {'torch' if torch_f.version is None else 'the GPU'} "
-                            "is not usable (see above)", "fix the line above, then run edgerev doctor again"))
+    if torch_f.version is None:
+        checks.append(Check("plan", Status.FAILING, "not run: torch is not usable (see above)",
+                            "fix the torch line, then run edgerev doctor again"))
+    elif device == "cuda" and gpu.status is Status.FAILING:
+        # no step can run, but the cap can still be set against the step's floor (exact on fake tensors), so a
+        # GTX 750 owner learns both problems at once
+        f = replace(verified_plan(cfg, "cpu", classes, steps=0, profile="cached"), device="cuda")
+        if f.error is not None:
+            checks.append(judge.judge_plan(f))
+        else:
+            checks.append(Check("plan", Status.FAILING, f"not run: the GPU is not usable (see above); the cap "
+                                f"{judge.mib(budget) if budget else '(none)'} is at least the least this step needs, "
+                                f"{judge.mib(f.smallest_bytes)}", "fix the gpu line, then run edgerev doctor again",
+                                f.to_json()))
     else:
         checks.append(judge.judge_plan(verified_plan(cfg, device, classes, steps, profile)))
     return checks

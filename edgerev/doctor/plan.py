@@ -127,7 +127,7 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
                 prof = profiles.load_or_measure(model, cfg.data.size, device, estimate=estimate)
         if budget is None:
             planner, micro, modes, predicted = "the model's default modes (no cap)", t.batch, None, None
-        elif prof is not None and not (device == "cuda" and estimate):
+        elif prof is not None:
             tp = plan_training(model, cfg.data.size, budget, device, estimate=estimate, max_batch=t.batch,
                                step=shape, loss_fn=loss_fn, profile=prof)
             tp.apply(model)
