@@ -10,7 +10,8 @@ The run, step by step:
 3. the ServerApp runs ``fleet.rounds`` rounds; each device's ClientApp asks its daemon for the round
    (a job) and puts the aggregated model through its own promotion gate;
 4. after each round, every device's copy of the fleet model (the aggregate with its own batch-norm
-   statistics) and its model in service are scored on a test set of *all* the fleet's classes.
+   statistics) and its model in service are scored on a test set of *all* the fleet's classes, and on
+   the part of it of the device's own classes (``*_own``: what its gate weighs the fleet model on).
 
 Faults (``faults:``): ``offline: {device: [rounds]}`` (unreachable: the server goes on without it),
 ``drop: {device: [rounds]}`` (trains, then its reply is lost mid-round: its job is left with a
@@ -134,6 +135,11 @@ def _accuracy(model, info, data) -> float:
     return sum(p == t for p, t in zip(names, truth)) / len(truth)
 
 
+def own_test(test, spec: DeviceSpec):
+    """The part of the all-classes test set of the device's own classes."""
+    return test.restrict([test.classes[c] for c in spec.classes])
+
+
 def _dir_accuracy(folder: Path, data) -> float:
     from edgerev.train.checkpoint import load_model
 
@@ -209,11 +215,13 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
         for d in devices.values():
             d.open(sim)
         local: dict[str, float | None] = {}
+        local_own: dict[str, float | None] = {}
         for d in devices.values():
             report = d.daemon.cycle()
             job = report.job or {}
             version = d.daemon.registry.current_path()
             local[d.spec.name] = _dir_accuracy(version, test) if version is not None else None
+            local_own[d.spec.name] = _dir_accuracy(version, own_test(test, d.spec)) if version is not None else None
             v = d.daemon.store.get_version(job["version"]) if job.get("version") else None
             peak = peak_of((v.metrics.get("training") or {}).get("plan") or {}) if v else None
             if peak:
@@ -277,13 +285,18 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
 
                 model = create_model(f.arch, **f.model_args, num_classes=len(classes))
                 model.load_state_dict(state)
-                acc = _accuracy(model, ModelInfo(f.arch, classes, f.image_size, model_args=dict(f.model_args)), test)
+                info = ModelInfo(f.arch, classes, f.image_size, model_args=dict(f.model_args))
+                own = own_test(test, d.spec)
+                acc, acc_own = _accuracy(model, info, test), _accuracy(model, info, own)
                 current = d.daemon.registry.current()
                 cur_acc = _dir_accuracy(d.daemon.registry.current_path(), test) if current else None
+                cur_own = _dir_accuracy(d.daemon.registry.current_path(), own) if current else None
                 gate, promoted = d.decision(f"{run_id}/{server_round}", current)
                 traffic = grid.traffic[node].by_round
                 d.rounds.append({"round": server_round, "accuracy_federated": round(acc, 4),
-                                 "in_service": current, "accuracy_in_service": cur_acc and round(cur_acc, 4),
+                                 "accuracy_federated_own": round(acc_own, 4), "in_service": current,
+                                 "accuracy_in_service": cur_acc and round(cur_acc, 4),
+                                 "accuracy_in_service_own": cur_own and round(cur_own, 4),
                                  "gate": gate, "promoted": promoted,
                                  "bytes_sent": sum(t["sent"] for k, t in traffic.items() if k == str(server_round)),
                                  "bytes_received": sum(t["received"] for k, t in traffic.items()
@@ -305,6 +318,10 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
             result["devices"].append({
                 "name": d.spec.name, "classes": [f"class{c}" for c in d.spec.classes],
                 "accuracy_federated": last.get("accuracy_federated"), "accuracy_local": local[d.spec.name],
+                "accuracy_federated_own": last.get("accuracy_federated_own"),
+                "accuracy_local_own": local_own[d.spec.name],
+                "accuracy_in_service": last.get("accuracy_in_service"),
+                "accuracy_in_service_own": last.get("accuracy_in_service_own"), "gate": last.get("gate"),
                 "bytes_sent": t.sent, "bytes_received": t.received,
                 "peak_bytes": max(d.peaks) if d.peaks else None, "cap_bytes": d.cap,
                 "in_service": d.daemon.registry.current(), "per_round": d.rounds})

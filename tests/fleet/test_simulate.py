@@ -33,7 +33,8 @@ daemon:
   storage: {min_free_space: 0}
 """
 
-REPORT = {"name", "accuracy_federated", "accuracy_local", "bytes_sent", "bytes_received", "peak_bytes", "cap_bytes"}
+REPORT = {"name", "accuracy_federated", "accuracy_local", "bytes_sent", "bytes_received", "peak_bytes", "cap_bytes",
+          "accuracy_federated_own", "accuracy_local_own", "accuracy_in_service", "accuracy_in_service_own", "gate"}
 
 
 @pytest.mark.slow
@@ -49,6 +50,11 @@ def test_simulate_reports_every_device_and_leaves_each_store_whole(tmp_path, cap
     for d in report["devices"]:
         assert REPORT <= set(d), d
         assert 0.0 <= d["accuracy_federated"] <= 1.0 and 0.0 <= d["accuracy_local"] <= 1.0
+        # the own-classes part of the test set: a local-only model of two of three classes scores there, not on
+        # the third class, so its accuracy on them is at least its accuracy on all (the test set is balanced)
+        assert d["accuracy_local_own"] >= d["accuracy_local"]
+        assert d["accuracy_in_service"] == d["per_round"][-1]["accuracy_in_service"]
+        assert d["gate"] == d["per_round"][-1]["gate"]
         assert 0 < d["peak_bytes"] <= d["cap_bytes"] == 24 * 2**20, "the cap held on the device"
         assert d["bytes_sent"] > 0 and d["bytes_received"] > d["bytes_sent"]  # the weights come twice a round
         assert [r["round"] for r in d["per_round"]] == [1, 2]
