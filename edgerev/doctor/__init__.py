@@ -66,9 +66,10 @@ def run_doctor(target: Target, steps: int = 2, classes: int = 10, profile: str =
         if f.error is not None:
             checks.append(judge.judge_plan(f))
         else:
-            checks.append(Check("plan", Status.FAILING, f"not run: the GPU is not usable (see above); the cap "
-                                f"{judge.mib(budget) if budget else '(none)'} is at least the least this step needs, "
-                                f"{judge.mib(f.smallest_bytes)}", "fix the gpu line, then run edgerev doctor again",
+            cap = f"the cap {judge.mib(budget)} is above" if budget is not None else "no cap is set; the least is"
+            checks.append(Check("plan", Status.FAILING, f"not run: the GPU is not usable (see above); {cap} this "
+                                f"step's floor, {judge.mib(f.smallest_bytes)} (batch 1 in the least-memory modes)",
+                                "fix the gpu line, then run edgerev doctor again",
                                 f.to_json()))
     else:
         checks.append(judge.judge_plan(verified_plan(cfg, device, classes, steps, profile)))

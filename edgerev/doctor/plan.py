@@ -84,6 +84,7 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         cfg: the job's recipe (model, size, batch, optimizer, distillation, memory).
         device: ``cpu`` or ``cuda`` (the config's device, resolved).
         classes: classes of the model's head.
+        steps: real training steps of the plan; 0: only set the cap against the step's floor (seconds).
         profile: ``cached``: the daemon's plan if its stage profile is cached, else the least-memory modes;
             ``measure``: measure the profile if missing (minutes on a small CPU; cached for the daemon).
 
@@ -119,6 +120,8 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
                            f"{floor_account.total:,} bytes (batch 1 in the least-memory modes)",
                            advice=f"raise training.memory.budget to at least {floor_account.total:,} bytes, or "
                                   "lower training.train.batch or the model's width")
+        if steps == 0:  # the cap against the floor only: nothing runs, so no micro-batch is searched
+            return replace(facts, planner="the floor only (no steps)", plan_seconds=time.perf_counter() - t0)
         estimate = cfg.memory.profile == "estimate"
         prof = None
         if budget is not None:
