@@ -1,0 +1,389 @@
+"""The measurements of the CUDA campaign (``benchmarks/cuda.py``), one function per part.
+
+Each part runs in a process of its own and returns a JSON-ready dict; ``save`` writes what a part has
+measured so far, so a part killed at its time limit still leaves its finished rows. Everything here calls
+the library's own measurements (``edgerev.memory``), the trainer's own planning and cap
+(``edgerev.train.memory.plan_memory``, ``edgerev.memory.cap.train_step``), ``step_time.time_steps`` and
+``train._run``: the campaign measures what they do on CUDA, it does not do it again.
+
+On ``--device cpu`` (the dry run) the allocator's readings are the tracker's, and the cap is the tracker's
+as the trainer enforces it on CPU; reserved bytes are None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+RECIPE = CONFIGS / "gtx750.yaml"  # the GTX 750 recipe: revnext width 32, 32x32, steps of 512, 400 MiB cap
+DATA_RECIPE = CONFIGS / "cpu-demo.yaml"  # its generated data set: no download on a machine without network
+
+Save = Callable[[dict], None]
+
+
+def _cuda(device: str) -> bool:
+    return device == "cuda"
+
+
+def environment(args, save: Save) -> dict:
+    """Python, torch, CUDA, cuDNN, the GPU and its driver, and the allocator setting seen."""
+    import torch
+
+    env = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+           "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+           "cpu_count": os.cpu_count(), "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", total_memory_bytes=p.total_memory,
+                   cudnn=torch.backends.cudnn.version(), arch_list=torch.cuda.get_arch_list(),
+                   cudnn_benchmark=torch.backends.cudnn.benchmark)
+        free, total = torch.cuda.mem_get_info()
+        env["free_memory_bytes"] = free
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        env["driver"] = smi.stdout.strip() if smi.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        env["driver"] = None
+    return env
+
+
+def model_modes(arch: str, overrides: dict) -> list[str]:
+    """The engine modes at least one stage of ``arch`` supports, in the engine's order."""
+    from edgerev.engine import Mode, supported_modes
+    from edgerev.models import create_model
+
+    body = create_model(arch, **overrides).body
+    have = {m for s in body.stages for m in supported_modes(s)}
+    return [m.value for m in Mode if m in have]
+
+
+def configurations(args) -> list[tuple[str, str]]:
+    return [(arch, mode) for arch in args.models for mode in model_modes(arch, args.overrides)]
+
+
+def memory(args, save: Save) -> dict:
+    """Peak allocated and reserved bytes (allocator) and the tracker's peak on the same device, per model and mode.
+
+    Each configuration runs a warm-up step first (one-time allocations such as cuBLAS's workspace land in
+    the baseline, as in a training run's later steps), then one step read by the allocator, then one counted
+    by the tracker on the same device's tensors. The cache is emptied between configurations so a reserved
+    peak belongs to its own configuration.
+    """
+    import torch
+
+    from edgerev.memory.measure import set_modes, step_peak
+    from edgerev.models import create_model
+
+    rows: list[dict] = []
+    result = {"batch": args.batch, "size": args.size, "overrides": args.overrides, "rows": rows,
+              "tracker_on": args.device,
+              "allocator": "torch.cuda max_memory_allocated / max_memory_reserved" if _cuda(args.device)
+              else "none (CPU): the tracker's figure stands in for the allocator's"}
+    # the engine slices per-sample temporaries to the chunk budget: at 240x240 a RevNeXt step in invert mode
+    # runs some 380,000 ops and in floor mode 2.3 million (counted on fake tensors), seconds of kernel
+    # launches on any GPU; the cheap modes go first so that a time limit cuts the dearest rows
+    order = {m: i for i, m in enumerate(("store", "recompute", "invert", "store8", "store4", "floor"))}
+    for arch, mode in sorted(configurations(args), key=lambda c: order.get(c[1], 0)):
+        row: dict = {"arch": arch, "mode": mode}
+        t0 = time.perf_counter()
+        try:
+            torch.manual_seed(0)
+            model = create_model(arch, **args.overrides).to(args.device)
+            set_modes(model, mode)
+            step_peak(model, min(2, args.batch), args.size, args.device)  # warm-up: one-time allocations
+            if _cuda(args.device):
+                torch.cuda.empty_cache()
+            t1 = time.perf_counter()
+            alloc = step_peak(model, args.batch, args.size, args.device)
+            row["step_seconds"] = round(time.perf_counter() - t1, 3)
+            row.update(allocated_peak_bytes=alloc.peak_bytes, reserved_peak_bytes=alloc.reserved_bytes,
+                       allocated_baseline_bytes=alloc.baseline_bytes)
+            if not _cuda(args.device):
+                row.update(tracker_peak_bytes=alloc.peak_bytes, tracker_baseline_bytes=alloc.baseline_bytes,
+                           tracker_peak_op=alloc.peak_op, allocated_minus_tracker_bytes=0)
+            elif row["step_seconds"] <= args.tracker_seconds:
+                tracked = step_peak(model, args.batch, args.size, args.device, tracker=True)
+                row.update(tracker_peak_bytes=tracked.peak_bytes, tracker_baseline_bytes=tracked.baseline_bytes,
+                           tracker_peak_op=tracked.peak_op,
+                           allocated_minus_tracker_bytes=alloc.peak_bytes - tracked.peak_bytes)
+            else:  # the tracker's dispatch costs several times the step: the prediction counts the same tensors
+                row["tracker_skipped"] = f"the step took {row['step_seconds']} s (over --tracker-seconds)"
+        except Exception as e:  # noqa: BLE001 (an OOM or a CUDA error of one configuration: recorded, next one)
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        finally:
+            model = None
+            if _cuda(args.device):
+                torch.cuda.empty_cache()
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        rows.append(row)
+        save(result)
+    return result
+
+
+def _predict_one(arch: str, mode: str, batch: int, size: int, overrides: dict) -> dict:
+    """The fake-tensor prediction of one configuration's step (a worker process: one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from edgerev.memory.measure import fake_step_peak, set_modes
+    from edgerev.models import create_model
+
+    t0 = time.perf_counter()
+    model = create_model(arch, **overrides)
+    set_modes(model, mode)
+    peak = fake_step_peak(model, None, batch, size)
+    return {"arch": arch, "mode": mode, "predicted_peak_bytes": peak, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def predict(args, save: Save) -> dict:
+    """``fake_step_peak`` of every configuration of the memory part, on the CPU, in parallel processes.
+
+    A fake-tensor step of RevNeXt at 32 x 240 x 240 runs every batch slice of every layer through
+    FakeTensorMode: tens of seconds of CPU each, so the configurations run on ``--workers`` processes
+    beside the GPU parts, the largest first.
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    rows: list[dict] = []
+    result = {"batch": args.batch, "size": args.size, "workers": args.workers, "rows": rows}
+    configs = configurations(args)
+    # RevNeXt's engine modes slice per sample and take longest: start them first
+    configs.sort(key=lambda c: (c[0] != "revnext", c[1] not in ("floor", "store4", "store8")))
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
+        futures = {pool.submit(_predict_one, a, m, args.batch, args.size, args.overrides): (a, m) for a, m in configs}
+        for f in concurrent.futures.as_completed(futures):
+            arch, mode = futures[f]
+            try:
+                rows.append(f.result())
+            except Exception as e:  # noqa: BLE001
+                rows.append({"arch": arch, "mode": mode, "error": f"{type(e).__name__}: {e}"[:500]})
+            save(result)
+    return result
+
+
+def recipe(args):
+    """The GTX 750 recipe as the cap and training parts run it: its model, optimizer and cap (``--cap``),
+    on the generated data set of the CPU demo, at ``--recipe-size`` with ``--recipe-args`` merged into
+    the model's arguments."""
+    from edgerev.train.config import load_config
+
+    cfg = load_config(RECIPE)
+    demo = load_config(DATA_RECIPE)
+    size = args.recipe_size or cfg.data.size
+    train_src = dataclasses.replace(demo.data.train, samples=args.train_samples)
+    data = dataclasses.replace(demo.data, train=train_src, size=size)
+    model = dataclasses.replace(cfg.model, args={**cfg.model.args, **args.recipe_args})
+    train = dataclasses.replace(cfg.train, epochs=args.epochs, batch=args.recipe_batch,
+                                checkpoint_every=10**9)
+    memory = dataclasses.replace(cfg.memory, budget=args.cap, profile=args.profile)
+    return dataclasses.replace(cfg, model=model, data=data, augment=demo.augment, train=train, memory=memory,
+                               device=args.device)
+
+
+def _recipe_model(cfg):
+    from edgerev.models import create_model
+
+    return create_model(cfg.model.arch, **cfg.model.args)
+
+
+def profile(args, save: Save) -> dict:
+    """The planner's per-stage profile of the recipe's model on this device, into the campaign's cache
+    (``EDGEREV_CACHE``), so that the cap and training parts plan from it as a daemon's second job would."""
+    import torch
+
+    from edgerev.memory import profile as profiles
+
+    cfg = recipe(args)
+    torch.manual_seed(0)
+    model = _recipe_model(cfg).to(args.device)
+    t0 = time.perf_counter()
+    p = profiles.load_or_measure(model, cfg.data.size, args.device, estimate=cfg.memory.profile == "estimate")
+    return {"arch": cfg.model.arch, "args": cfg.model.args, "size": cfg.data.size, "source": p.source,
+            "stages": len(p.stages), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _peaks(device: str) -> dict:
+    import torch
+
+    if not _cuda(device):
+        return {}
+    return {"allocated_peak_bytes": torch.cuda.max_memory_allocated(), "reserved_peak_bytes":
+            torch.cuda.max_memory_reserved()}
+
+
+def cap(args, save: Save) -> dict:
+    """The recipe under its cap, planned and enforced as the trainer does (``plan_memory``: on CUDA it sets
+    ``set_per_process_memory_fraction``; on CPU it returns the tracker's cap).
+
+    1. ``--steps`` optimizer steps of the recipe's batch in the planned micro-batches: out-of-memory
+       retries are counted (the plan promises none);
+    2. forced steps of one micro-batch, twice the planned one and doubling until a step runs out of
+       memory: that step must recover by halving its micro-batch, and step once;
+    3. the allocator's peak allocated and reserved bytes against the cap, over the whole part.
+    """
+    import torch
+
+    from edgerev.memory.cap import train_step
+    from edgerev.train.memory import plan_memory
+
+    cfg = recipe(args)
+    device = torch.device(args.device)
+    budget = int(cfg.memory.budget)
+    batch = cfg.train.batch
+    torch.manual_seed(0)
+    model = _recipe_model(cfg).to(device)
+    t0 = time.perf_counter()
+    micro_batches, cpu_cap, summary = plan_memory(cfg, model, None, batch, device)
+    result: dict = {"arch": cfg.model.arch, "args": cfg.model.args, "size": cfg.data.size, "batch": batch,
+                    "cap_bytes": budget, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                    "plan_seconds": round(time.perf_counter() - t0, 2), "micro_batch": summary["micro_batch"],
+                    "micro_batches": micro_batches, "predicted_peak_bytes": summary["predicted_peak_bytes"],
+                    "stages": [s["mode"] for s in summary["stages"]]}
+    save(result)
+    o = cfg.optim
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=o.momentum, nesterov=o.nesterov,
+                                weight_decay=o.weight_decay)
+    if _cuda(args.device):
+        torch.cuda.reset_peak_memory_stats()
+    x = torch.randn(batch, model.in_channels, cfg.data.size, cfg.data.size, device=device)
+    y = torch.randint(0, model.num_classes, (batch,), device=device)
+    retries, splits, losses = 0, [], []
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        if time.perf_counter() - t0 > 0.5 * args.part_seconds:  # leave time for the forced steps
+            break
+        r = train_step(model, optimizer, x, y, micro_batches=micro_batches, cap=cpu_cap,
+                       clip_grad_norm=o.clip_grad_norm)
+        retries += r.retries
+        micro_batches = r.micro_batches  # as the trainer carries it
+        splits.append(r.micro_batches)
+        losses.append(r.loss)
+    result["planned"] = {"steps": len(splits), "steps_asked": args.steps, "oom_retries": retries,
+                         "micro_batches": sorted(set(splits)),
+                         "seconds_per_step": (time.perf_counter() - t0) / max(1, len(splits)),
+                         "loss_first_last": [losses[0], losses[-1]] if losses else None,
+                         "tracker_peak_bytes": cpu_cap.peak if cpu_cap is not None else None,
+                         **_peaks(args.device)}
+    del x, y
+    save(result)
+
+    # a step of one micro-batch larger than the plan's, doubling until it runs out of memory; on CPU the
+    # tracker guards it with the live bytes before it as baseline (train_step's ``budget``)
+    forced, attempts = 2 * summary["micro_batch"], []
+    result["forced"] = attempts
+    while len(attempts) < args.forced_tries:
+        attempt: dict = {"batch": forced}
+        attempts.append(attempt)
+        try:
+            fx = torch.randn(forced, model.in_channels, cfg.data.size, cfg.data.size, device=device)
+            fy = torch.randint(0, model.num_classes, (forced,), device=device)
+            before = [p.detach().clone() for p in model.parameters()]
+            r = train_step(model, optimizer, fx, fy, micro_batches=1, clip_grad_norm=o.clip_grad_norm,
+                           budget=None if _cuda(args.device) else budget)
+            stepped = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+            attempt.update(retries=r.retries, micro_batches=r.micro_batches, loss=r.loss, stepped=stepped,
+                           finite=math.isfinite(r.loss))
+        except Exception as e:  # noqa: BLE001 (StepFailed, or the batch itself beyond the cap)
+            attempt["error"] = f"{type(e).__name__}: {e}"[:500]
+        finally:
+            fx = fy = before = None
+        save(result)
+        if attempt.get("retries", 0) > 0 or "error" in attempt:
+            break
+        forced *= 2
+    result["recovered"] = any(a.get("retries", 0) > 0 and a.get("stepped") and a.get("finite") for a in attempts)
+    result.update(_peaks(args.device))
+    if _cuda(args.device):
+        result["reserved_under_cap"] = result["reserved_peak_bytes"] <= budget
+    return result
+
+
+def step_time(args, save: Save) -> dict:
+    """Step time of each mode against plain autograd, same weights, interleaved (``step_time.time_steps``)."""
+    import statistics
+
+    from step_time import time_steps
+
+    rows: list[dict] = []
+    result = {"batch": args.time_batch, "size": args.time_size, "repeats": args.repeats, "rows": rows}
+    started = time.monotonic()
+    for arch in sorted(args.models, key=lambda a: a != "revnext"):
+        if time.monotonic() - started > 0.6 * args.part_seconds:
+            rows.append({"arch": arch, "error": "not timed: the part's time was running out"})
+            continue
+        modes = model_modes(arch, args.overrides)
+        try:
+            times = time_steps(arch, args.time_batch, args.time_size, args.device, args.repeats, 1, modes)
+            base = statistics.median(times["plain"])
+            rows.append({"arch": arch, "median_seconds": {v: statistics.median(t) for v, t in times.items()},
+                         "relative_to_plain": {v: statistics.median(t) / base for v, t in times.items()}})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"arch": arch, "error": f"{type(e).__name__}: {e}"[:500]})
+        save(result)
+    return result
+
+
+def train(args, save: Save) -> dict:
+    """A short real run of the recipe under its cap on the generated data set (``train._run``)."""
+    import tempfile
+
+    from train import _run
+
+    from edgerev.train.trainer import SUMMARY
+
+    cfg = recipe(args)
+    asked = cfg.train.epochs
+    if args.train_step_seconds:  # the cap part timed this recipe's step: as many epochs as half the limit allows
+        steps = math.ceil(cfg.data.train.samples * (1 - cfg.data.val_fraction * (cfg.data.val is None))
+                          / cfg.train.batch)
+        fits = int(0.5 * args.part_seconds / (steps * args.train_step_seconds))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=max(1, min(asked, fits))))
+    with tempfile.TemporaryDirectory() as tmp:
+        r = _run(cfg, Path(tmp) / "run")
+        plan = json.loads((Path(tmp) / "run" / SUMMARY).read_text())["plan"]
+    for key in ("forgetting", "start_old_acc"):  # no continual learning here
+        r.pop(key, None)
+    r["final"] = {k: v for k, v in r["final"].items() if v is not None}
+    return {"arch": cfg.model.arch, "args": cfg.model.args, "size": cfg.data.size, "epochs": cfg.train.epochs,
+            "epochs_asked": asked,
+            "batch": cfg.train.batch, "train_samples": cfg.data.train.samples,
+            "val_samples": cfg.data.val.samples if cfg.data.val else None, "cap_bytes": int(cfg.memory.budget),
+            "plan": {k: plan.get(k) for k in ("micro_batch", "micro_batches", "predicted_peak_bytes",
+                                              "measured_peak_bytes")}, **r}
+
+
+PARTS: dict[str, Callable] = {"environment": environment, "memory": memory, "predict": predict,
+                              "profile": profile, "step_time": step_time, "cap": cap, "train": train}
+
+
+def run_part(name: str, args, out: Path) -> None:
+    """Run part ``name`` and write its result to ``out`` (also as it goes, through ``save``)."""
+
+    def save(partial: dict) -> None:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"partial": True, **partial}))
+        tmp.replace(out)
+
+    from edgerev.layers import chunk_budget
+
+    t0 = time.perf_counter()
+    with chunk_budget(args.chunk_bytes):
+        result = PARTS[name](args, save)
+    result["part_seconds"] = round(time.perf_counter() - t0, 2)  # a background part is waited for later
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
+    sys.stdout.flush()
