@@ -65,7 +65,7 @@ def _body(model: nn.Module) -> InvertibleSequence:
     return body
 
 
-def stage_inputs(model: nn.Module, size: int, device: str = "cpu") -> list[tuple[int, ...]]:
+def stage_inputs(model: nn.Module, size: int, device: str | torch.device = "cpu") -> list[tuple[int, ...]]:
     """Input shape of every stage for a batch of one image (dim 0 is the batch multiplier)."""
     body = _body(model)
     shapes: dict[int, tuple[int, ...]] = {}
@@ -205,7 +205,9 @@ def fixed_bytes(model: nn.Module) -> int:
 def estimate_profile(model: nn.Module, size: int, device: str = "cpu") -> Profile:
     """Bytes from fake-tensor runs of each stage, seconds from FLOP counts at a nominal rate."""
     body = _body(model)
-    shapes = stage_inputs(model, size, "cpu")
+    # the shapes from a forward where the model is (a CUDA model's forward on a CPU image fails); the rest
+    # runs on fake CPU copies of its stages
+    shapes = stage_inputs(model, size, next(model.parameters()).device)
     stages, names = [], []
     for i, (stage, shape) in enumerate(zip(body.stages, shapes)):
         costs = {}
