@@ -217,7 +217,7 @@ class Campaign:
         out = self.work / f"{part.name}.json"
         if out.exists():
             entry["result"] = json.loads(out.read_text())
-            if "part_seconds" in entry["result"]:  # its own time, not when it was waited for
+            if part.background and "part_seconds" in entry["result"]:  # its own time, not when it was waited for
                 entry["seconds"] = entry["result"]["part_seconds"]
         if error:
             tail = (self.work / f"{part.name}.log").read_text(errors="replace")[-3000:]
