@@ -83,7 +83,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
     return [
         Part("environment", "environment", 60),
         Part("predict", "predict", args.budget_seconds, background=True, cpu_only=True),
-        Part("profile", "profile", 240, background=True),
+        Part("profile", "profile", 300, background=True),
         Part("memory", "memory", 170),
         Part("cap", "cap", 80),
         Part("cap_expandable", "cap", 80, alloc_conf=EXPANDABLE),
