@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "edgerev.service"
 CPU_DROPIN = DEPLOY / "edgerev.service.d" / "cpu-only.conf"
+JETSON_DROPIN = DEPLOY / "edgerev.service.d" / "jetson.conf"
 DOCKERFILES = {"jetson": DEPLOY / "Dockerfile.jetson", "cuda": DEPLOY / "Dockerfile.cuda"}
 
 DATA_DIR = "/var/lib/edgerev"
@@ -176,27 +177,28 @@ def test_sysusers_and_tmpfiles_agree_with_the_unit(unit):
     assert {"group:edgerev:rwx", "default:group:edgerev:rwx"} <= set(acl)
 
 
-def _verifiable_copy(tmp_path: Path, dropin: bool) -> Path:
+def _verifiable_copy(tmp_path: Path, dropin: Path | None) -> Path:
     """The unit in tmp_path with ExecStart's program replaced by one that exists here (the daemon is installed
     under /opt only on a device); everything else is verified as shipped."""
     program = shutil.which("true")
     assert program is not None
     text = re.sub(r"^ExecStart=\S+", f"ExecStart={program}", UNIT.read_text(), count=1, flags=re.M)
     (tmp_path / UNIT.name).write_text(text)
-    if dropin:
+    if dropin is not None:
         (tmp_path / "edgerev.service.d").mkdir()
-        shutil.copy(CPU_DROPIN, tmp_path / "edgerev.service.d" / CPU_DROPIN.name)
+        shutil.copy(dropin, tmp_path / "edgerev.service.d" / dropin.name)
     return tmp_path / UNIT.name
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-@pytest.mark.parametrize("dropin", [False, True], ids=["unit", "with-cpu-only-dropin"])
+@pytest.mark.parametrize("dropin", [None, CPU_DROPIN, JETSON_DROPIN], ids=["unit", "with-cpu-only-dropin",
+                                                                          "with-jetson-dropin"])
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path, dropin):
     path = _verifiable_copy(tmp_path, dropin)
     r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True,
                        timeout=60)
     # an unknown key or a value systemd cannot parse is only a warning ("..., ignoring"), with exit status 0
-    problems = [line for line in r.stderr.splitlines() if "edgerev.service" in line or "cpu-only.conf" in line]
+    problems = [line for line in r.stderr.splitlines() if "edgerev.service" in line or ".conf" in line]
     assert r.returncode == 0 and not problems, r.stderr
 
 
@@ -205,7 +207,7 @@ def test_systemd_analyze_security_rates_the_unit_ok(tmp_path):
     usage = subprocess.run(["systemd-analyze", "security", "--help"], capture_output=True, text=True).stdout
     if "--offline" not in usage:
         pytest.skip("this systemd-analyze cannot review unit files offline")
-    path = _verifiable_copy(tmp_path, dropin=False)
+    path = _verifiable_copy(tmp_path, dropin=None)
     # --threshold is the exposure times ten: fail above 2.5 ("OK" ends at 3.9; the unit scores 1.6 on systemd 252)
     r = subprocess.run(["systemd-analyze", "security", "--offline=true", "--threshold=25", str(path)],
                        capture_output=True, text=True, timeout=60)
