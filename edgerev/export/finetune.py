@@ -99,7 +99,9 @@ def finetune_head(onnx_path: str | Path, data: Data, out_path: str | Path, *, va
             with ``pixels`` ``uint8 [N, 3, S, S]`` at the model's input size and ``labels`` class indices.
         out_path: the ``.onnx`` file to write (may be ``onnx_path`` itself: it is replaced atomically).
         val: held-out data of the same kinds; its accuracy is reported before and after.
-        epochs, lr, batch: passes over the data, learning rate, mini-batch size.
+        epochs: passes over the data.
+        lr: learning rate.
+        batch: mini-batch size.
         optimizer: ``"adamw"`` or ``"sgd"``.
         seed: seed of the shuffling.
         tolerance: largest accepted difference between the written model's logits and the head in numpy,

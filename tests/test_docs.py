@@ -1,0 +1,303 @@
+"""What a user reads runs: the README's and the guides' commands, the presets, the paths the docs name.
+
+Each fenced ``sh`` block (bash, ``set -euo pipefail``) and ``python`` block of a page runs in order in one
+scratch folder per page; a block is skipped only under a marker that names what CI lacks (docs/testing-docs.md
+says which marker means what, and what runs instead). The quick checks here run in every suite; running the
+pages trains models for minutes, so those are marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+#: the pages whose commands a user follows: run by test_page_runs
+RUN_PAGES = [README, DOCS / "install.md", *sorted((DOCS / "guides").glob("*.md")), DOCS / "reference" / "commands.md"]
+#: every Markdown text a user reads: checked for markers, cited paths and stale statements
+TEXTS = [README, ROOT / "configs" / "README.md", ROOT / "deploy" / "README.md", ROOT / "deploy" / "GTX750.md",
+         *sorted(p for p in DOCS.rglob("*.md"))]
+MARKERS = ("network", "root", "docker", "gpu", "data", "forever", "slow")
+MARKER = re.compile(r"<!-- docs: (.*?) -->")
+FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
+MAX_README_LINES = 300
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    marker: str | None  # what the block needs that CI lacks, or None: it runs
+
+
+def blocks(page: Path) -> list[Block]:
+    """The fenced blocks of ``page``, each with the marker right above it."""
+    lines = page.read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, lang, start = m.group(1), m.group(2), i
+        body = []
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        before = next((lines[k].strip() for k in range(start - 1, -1, -1) if lines[k].strip()), "")
+        mk = MARKER.fullmatch(before)
+        marker = mk.group(1).removeprefix("not-run ").strip() if mk else None
+        out.append(Block(page, start + 1, lang, "\n".join(body) + "\n", marker))
+        i += 1
+    return out
+
+
+def tracked() -> set[str]:
+    """Files in a checkout: tracked, or new and not ignored (results/ and runs/ are ignored: never in one)."""
+    r = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                       capture_output=True, text=True, check=True)
+    return set(r.stdout.splitlines())
+
+
+def _configref():
+    spec = importlib.util.spec_from_file_location("configref", DOCS / "_tools" / "configref.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------- quick checks
+
+
+@pytest.mark.parametrize("page", TEXTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_markers_are_known_and_sit_above_a_block(page):
+    lines = page.read_text().splitlines()
+    for n, line in enumerate(lines):
+        m = MARKER.fullmatch(line.strip())
+        if not m:  # a marker is a line of its own; one named in a sentence or a table is not one
+            continue
+        assert m.group(1).startswith("not-run "), f"{page.name}:{n + 1}: unknown marker {m.group(0)}"
+        what = m.group(1).removeprefix("not-run ").strip()
+        assert what in MARKERS, f"{page.name}:{n + 1}: unknown marker {what!r}; known: {', '.join(MARKERS)}"
+        nxt = next((x for x in lines[n + 1:] if x.strip()), "")
+        fence = FENCE.match(nxt)
+        assert fence and fence.group(2), f"{page.name}:{n + 1}: a marker must sit right above a code block"
+
+
+def test_the_marker_table_names_every_marker():
+    text = (DOCS / "testing-docs.md").read_text()
+    for m in MARKERS:
+        assert f"<!-- docs: not-run {m} -->" in text, f"docs/testing-docs.md does not say what '{m}' means"
+
+
+def test_readme_is_short():
+    n = len(README.read_text().splitlines())
+    assert n <= MAX_README_LINES, f"README.md has {n} lines; details belong in docs/ (at most {MAX_README_LINES})"
+
+
+def _ci() -> str:
+    return (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_setup_lines_are_cis():
+    """The README's first two commands: the demo in one environment, the tests in another, as CI builds it."""
+    first = blocks(README)[0]
+    assert first.lang == "sh" and first.marker == "network"
+    demo, tests = first.code.strip().splitlines()
+    ci = _ci()
+    pin = re.search(r"pip install --quiet (torch==\S+)", ci).group(1)
+    extras = re.search(r"pip install --quiet -e '(\.\[[^]]+\])'", ci).group(1)
+    test_command = re.search(r"^(python -m pytest -q -n auto)$", ci, re.M).group(1)
+    assert f"pip install {pin} " in tests and f"pip install -e '{extras}'" in tests and tests.endswith(test_command)
+    assert f"pip install {pin} " in demo and demo.endswith("&& edgerev daemon demo")
+    venvs = [re.match(r"python3 -m venv (\S+) ", line).group(1) for line in (demo, tests)]
+    assert venvs[0] != venvs[1], "runtime and ort-training both install onnxruntime: two environments"
+    assert "'.[runtime]'" in demo and "ort-training" not in demo
+
+
+def test_torch_pins_agree_with_ci():
+    """Every torch==X a user is told to install is CI's newest end (2.6.0 is CI's oldest, named only there)."""
+    pin = re.search(r"pip install --quiet torch==(\S+)", _ci()).group(1)
+    files = [*TEXTS, ROOT / "deploy" / "Dockerfile.cuda"]
+    for path in files:
+        for v in re.findall(r"torch==([0-9][\w.+]*)", path.read_text()):
+            assert v == pin, f"{path.relative_to(ROOT)} pins torch=={v}; CI tests torch=={pin}"
+    for v in re.findall(r"ARG TORCH_VERSION=(\S+)", (ROOT / "deploy" / "Dockerfile.cuda").read_text()):
+        assert v == pin, f"deploy/Dockerfile.cuda builds torch {v}; CI tests {pin}"
+
+
+TOP = ("edgerev", "daemon", "configs", "deploy", "benchmarks", "tests", "docs", ".ci", "results")
+PATHLIKE = re.compile(r"`([\w.-]+(?:/[\w.*<>{}-]+)+/?)(?:::\w+)?`")
+
+
+def _cited(page: Path) -> set[str]:
+    """Repository paths a page names: in backticks (from the repository root) or as relative links."""
+    text = page.read_text()
+    found = {m.group(1) for m in PATHLIKE.finditer(text) if m.group(1).split("/")[0] in TOP}
+    for m in re.finditer(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", text):
+        target = (page.parent / m.group(1)).resolve()
+        found.add(str(target.relative_to(ROOT)) if target.is_relative_to(ROOT) else m.group(1))
+    return {f for f in found if not any(c in f for c in "*<>{}") and "NNNN" not in f}
+
+
+@pytest.mark.parametrize("page", [p for p in TEXTS if "reference/configuration" not in str(p)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_files_are_tracked(page):
+    """A file the docs name must be in every checkout (results/ and runs/ are outputs git ignores)."""
+    files = tracked()
+    dirs = {str(p) for f in files for p in Path(f).parents}
+    for cited in sorted(_cited(page)):
+        assert not cited.startswith("results/"), f"{page.name} cites {cited}: results/ is ignored by git"
+        path = cited.rstrip("/")
+        assert path in files or path in dirs, f"{page.name} cites {cited}, which is not in a checkout"
+
+
+def test_config_reference_is_current():
+    assert not _configref().stale(), "docs/reference/configuration.md is stale: python docs/_tools/configref.py --write"
+
+
+def test_config_reference_names_every_key():
+    """Every field of every config class appears with its full key path (the generator walks them all)."""
+    import dataclasses
+
+    from edgerev_daemon.config import DaemonConfig
+
+    page = (DOCS / "reference" / "configuration.md").read_text()
+    for f in dataclasses.fields(DaemonConfig.__dataclass_fields__["promotion"].default_factory()):
+        assert f"`promotion.{f.name}`" in page
+    assert "`training.memory.profile`" in page and "`memory.mode`" in page and "`data.train.kind`" in page
+
+
+def test_every_preset_loads_and_validates():
+    from edgerev.fleet.simulate import load_simulation
+    from edgerev.train.config import load_config as load_recipe
+    from edgerev_daemon.config import load_config as load_daemon
+
+    loaders = {"configs": load_recipe, "configs/daemon": load_daemon, "configs/fleet": load_simulation}
+    presets = sorted((ROOT / "configs").rglob("*.yaml"))
+    assert presets
+    for p in presets:
+        folder = str(p.parent.relative_to(ROOT))
+        assert folder in loaders, f"{p.relative_to(ROOT)}: no test loads presets of {folder}/"
+        loaders[folder](p)
+
+
+def test_the_cpu_preset_is_writable_by_its_user():
+    """configs/daemon/cpu.yaml runs as a normal user; /var/lib/edgerev is the service's (root-made) directory."""
+    import yaml
+
+    data_dir = yaml.safe_load((ROOT / "configs" / "daemon" / "cpu.yaml").read_text())["data_dir"]
+    assert not data_dir.startswith("/var/"), data_dir
+
+
+STALE = {
+    "three exact modes": "there are four exact modes (invert, floor, recompute, store)",
+    "Xavier NX class": "deploy/ supports JetPack 6, which a Xavier cannot run",
+    "diverges at high lr without it": "the paper's stem and head removed the divergence (benchmarks/high_lr.py)",
+    "Defaults are the paper's recipe": "the defaults are one-cycle, warm-up 0.25, batch 128: after the paper",
+    "the paper's CIFAR-10 recipe": "configs/cifar10.yaml is after the paper (one-cycle, clipping), not its recipe",
+    "torch>=2.2": "the supported range is torch>=2.6.0a0,<2.15",
+}
+
+
+@pytest.mark.parametrize("path", [*TEXTS, *sorted((ROOT / "configs").rglob("*.yaml"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_stale_statement(path):
+    text = path.read_text()
+    for phrase, why in STALE.items():
+        assert phrase not in text, f"{path.relative_to(ROOT)} says {phrase!r}: {why}"
+    for n, line in enumerate(text.splitlines()):
+        if "promotion.tolerance" in line:
+            assert "gone" in line or "removed" in line, f"{path.name}:{n + 1}: promotion.tolerance was replaced"
+
+
+def test_rollback_and_rebuild_are_never_run_beside_the_service():
+    """Both take the data directory's lock: every place that runs them on a service says to stop it first."""
+    for page in TEXTS:
+        lines = page.read_text().splitlines()
+        for n, line in enumerate(lines):
+            if not re.search(r"daemon (rollback|rebuild) --config /etc", line):
+                continue
+            context = " ".join(lines[max(0, n - 2):n + 1]).lower()
+            assert "stop" in context, f"{page.name}:{n + 1}: runs rollback/rebuild without stopping the daemon"
+
+
+# ------------------------------------------------------------------------------------------------ the pages
+
+
+def _env(home: Path, cache: Path) -> dict:
+    env = dict(os.environ)
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", HOME=str(home),
+               OMP_NUM_THREADS="1", EDGEREV_CACHE=str(cache), MPLCONFIGDIR=str(home / ".mpl"), PYTHONPATH=str(ROOT))
+    return env
+
+
+def _run_forever(block: Block, cwd: Path, env: dict) -> None:
+    """A service block: start it, wait until it serves, stop it with SIGTERM: it must exit cleanly."""
+    (command,) = [line.split("#")[0].strip() for line in block.code.splitlines() if line.strip()]
+    proc = subprocess.Popen(["bash", "-c", "exec " + command], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "serving " in line:
+                break
+        else:
+            pytest.fail(f"{block.page.name}:{block.line}: {command} exited before serving:\n{''.join(seen)}")
+        proc.send_signal(signal.SIGTERM)
+        proc.stderr.read()
+        assert proc.wait(timeout=600) == 0, f"{block.page.name}:{block.line}: {command} did not stop cleanly"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _readme_setup(page: Path) -> list[Block]:
+    """The README's first command minus the setup CI has done already (the venv and pip lines): the demo."""
+    first = blocks(page)[0]
+    demo = first.code.strip().splitlines()[0].split(" && ")[-1]
+    return [Block(page, first.line, "sh", demo + "\n", None)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [p for p in RUN_PAGES if any(b.marker is None and b.lang in ("sh", "python")
+                                                               for b in blocks(p))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_runs(page, tmp_path, tmp_path_factory):
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("configs", "benchmarks"):
+        (work / name).symlink_to(ROOT / name)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = _env(home, tmp_path_factory.getbasetemp() / "edgerev-cache")  # profiles shared by the pages
+    todo = (_readme_setup(page) if page == README else []) + blocks(page)
+    for block in todo:
+        where = f"{page.relative_to(ROOT)}:{block.line}"
+        if block.marker == "forever":
+            _run_forever(block, work, env)
+            continue
+        if block.marker is not None or block.lang not in ("sh", "python"):
+            continue
+        if block.lang == "sh":
+            argv = ["bash", "-c", "set -euo pipefail\n" + block.code]
+        else:
+            argv = [sys.executable, "-c", block.code]
+        r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, (f"{where}: exit {r.returncode}\n$ {shlex.join(argv)[:2000]}\n"
+                                   f"--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}")
