@@ -11,8 +11,8 @@ from the daemon to the fleet but weights and per-class sample counts:
   (``continual.distill`` > 0: distillation from the received model on every fleet class, LwF), under the
   daemon's memory cap, checkpointed; the job is a row in the store like any other. What keeps the other
   devices' classes is the averaging; distillation from a fleet model that does not know them yet held
-  a non-IID fleet at chance for its first round (README, "A fleet"), so the presets turn it off. Its output becomes
-  the device's local state and its shared tensors the reply.
+  a non-IID fleet at chance for its first round (docs/guides/fleet.md), so the presets turn it off. Its output
+  becomes the device's local state and its shared tensors the reply.
 - **a candidate** (:func:`consider`): the aggregated fleet model, composed with the local state the
   same way, goes through the device's own gate (:func:`fleet_judge`): promoted (exported, versioned,
   ``current`` switched by the daemon's own promotion) only if it is no worse than the model in service

@@ -1,4 +1,4 @@
-"""Exit statuses of every ``edgerev`` command, the daemon's too (documented in the README and ``--help``)."""
+"""Exit statuses of every ``edgerev`` command, the daemon's too (docs/reference/commands.md and ``--help``)."""
 
 OK = 0
 PARTIAL = 1  # it ran, but not everything succeeded: a job failed, an image was unreadable, a check found a problem
