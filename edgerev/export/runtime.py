@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import logging
 import re
 import sys
 import types
@@ -27,6 +28,10 @@ INSTALL_HINT = ("pip install 'edgerev[runtime]' for inference, or 'edgerev[ort-t
 
 def onnxruntime() -> types.ModuleType:
     """The ``onnxruntime`` module, or :class:`ExportError` saying how to install it."""
+    # onnxruntime-training's import loads torch.utils.cpp_extension where torch is installed; a CUDA build of torch
+    # (PyPI's 2.14.1) on a machine with nvcc and no GPU then logs "No CUDA runtime is found, using CUDA_HOME=..."
+    # to stderr, which ends up in every predict and daemon command's output. Nothing here compiles extensions.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         import onnxruntime as ort
     except ImportError:
