@@ -8,6 +8,7 @@ model's path and a prediction made with it by ONNX Runtime.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 DEMO_CONFIG = {
@@ -23,8 +24,10 @@ DEMO_CONFIG = {
 
 
 def write_images(inbox: str | Path, n: int, classes: range | list[int], seed: int = 0, start: int = 0,
-                 num_classes: int = 10, size: int = 32) -> list[Path]:
-    """Write ``n`` generated images of ``classes`` as ``inbox/class<k>/<seed>-<index>.png``."""
+                 num_classes: int = 10, size: int = 32, look: Callable | None = None,
+                 prefix: str | None = None) -> list[Path]:
+    """Write ``n`` generated images of ``classes`` as ``inbox/class<k>/<prefix>-<index>.png`` (``prefix``: the
+    seed unless given); ``look``, when given, changes each ``uint8 [3, H, W]`` image before it is written."""
     from PIL import Image
 
     from edgerev.train.data import SyntheticImages
@@ -35,8 +38,10 @@ def write_images(inbox: str | Path, n: int, classes: range | list[int], seed: in
         img, label = ds[i]
         folder = Path(inbox) / f"class{label}"
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{seed}-{start + i:07d}.png"
+        path = folder / f"{seed if prefix is None else prefix}-{start + i:07d}.png"
         tmp = path.with_name("." + path.name)  # hidden while written: ingest skips it
+        if look is not None:
+            img = look(img)
         Image.fromarray(img.permute(1, 2, 0).numpy()).save(tmp, format="PNG")
         tmp.rename(path)
         paths.append(path)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edgerev_daemon.demo import write_images
+
 
 def drifted(image: Tensor, amount: float) -> Tensor:
     """``image`` (``uint8 [3, H, W]``) as it looks at drift ``amount``: its colour moved toward the next
@@ -25,19 +27,5 @@ def drifted(image: Tensor, amount: float) -> Tensor:
 def write_drifted(inbox: Path, n: int, classes: Sequence[int], amount: float, start: int = 0, seed: int = 0,
                   num_classes: int = 4, size: int = 16) -> list[Path]:
     """Write ``n`` generated images of ``classes`` at drift ``amount`` as ``inbox/class<k>/<name>.png``."""
-    from PIL import Image
-
-    from edgerev.train.data import SyntheticImages
-
-    ds = SyntheticImages(n, num_classes=num_classes, size=size, seed=seed, classes=list(classes), start=start)
-    paths = []
-    for i in range(n):
-        img, label = ds[i]
-        folder = Path(inbox) / f"class{label}"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"drift{amount:g}-{start + i:07d}.png"
-        tmp = path.with_name("." + path.name)  # hidden while written: ingest skips it
-        Image.fromarray(drifted(img, amount).permute(1, 2, 0).numpy()).save(tmp, format="PNG")
-        tmp.rename(path)
-        paths.append(path)
-    return paths
+    return write_images(inbox, n, list(classes), seed=seed, start=start, num_classes=num_classes, size=size,
+                        look=lambda image: drifted(image, amount), prefix=f"drift{amount:g}")
