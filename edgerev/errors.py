@@ -36,3 +36,7 @@ class ExportError(EdgerevError):
 
 class ArchitectureError(EdgerevError):
     """A model's arguments describe a network its design cannot build (a width, a block list)."""
+
+
+class UnsupportedModel(EdgerevError):
+    """A model file cannot be imported: not ONNX, truncated, or using an op, opset, type or shape edgerev cannot train."""
