@@ -200,20 +200,62 @@ REMOVED_PROMOTION_KEYS = {
 
 @dataclass(frozen=True)
 class StorageConfig:
-    """``min_free_space``: below this much free space on the data directory's file system (bytes, or a
+    """How much of the disk the daemon keeps, and what goes when that is reached
+    (:mod:`edgerev_daemon.retention`).
+
+    ``min_free_space``: below this much free space on the data directory's file system (bytes, or a
     size such as ``"200MiB"``; 0: no floor) the daemon stops ingesting and training, keeps serving
-    status, and resumes by itself once space returns. Ingest then never fills the disk to the last
-    byte, which SQLite, the journal and a promotion need to finish what they started."""
+    status, and resumes by itself once space returns: the guard for a disk shared with others, so that
+    SQLite, the journal and a promotion can finish what they started.
+
+    ``max_bytes``: the budget for everything the daemon keeps in its data directory (blobs, store,
+    journal, versions, a job's checkpoints, quarantine); null: no budget. Checked at every cycle: above
+    it, samples are removed by the retention policy until the total is at most ``target`` of it, and
+    while it cannot be brought under, ingest waits. ``max_samples``: an optional bound on the number of
+    samples kept (null: none). ``max_quarantine_bytes``: quarantine's own bound (the oldest rejected
+    files go first; part of ``max_bytes`` too). ``keep_newest_per_class``: samples of each class and
+    split that are never removed, the newest ones. ``reservoir``: the share of samples (chosen by their
+    hash, so spread evenly over a class's history) that outlive the others: a class's older samples go
+    oldest first, those in the reservoir last."""
 
     min_free_space: int | str = "100MiB"
+    max_bytes: int | str | None = None
+    max_samples: int | None = None
+    max_quarantine_bytes: int | str = "64MiB"
+    target: float = 0.9
+    keep_newest_per_class: int = 20
+    reservoir: float = 0.5
 
     def __post_init__(self) -> None:
         if self.min_free_space not in (0, "0"):
             _bytes(self.min_free_space, "min_free_space")
+        _bytes(self.max_bytes, "max_bytes")
+        check(self.max_samples is None or self.max_samples >= 1, "max_samples",
+              f"must be at least 1 (or null: no bound), got {self.max_samples}")
+        _bytes(self.max_quarantine_bytes, "max_quarantine_bytes")
+        check(0.5 <= self.target < 1.0, "target",
+              f"is the share of the budget removal brings use down to, in [0.5, 1), got {self.target}")
+        check(self.keep_newest_per_class >= 1, "keep_newest_per_class",
+              f"must be at least 1 (every class stays represented), got {self.keep_newest_per_class}")
+        check(0.0 <= self.reservoir <= 1.0, "reservoir", f"is a share in [0, 1], got {self.reservoir}")
+        budget = self.max_bytes_int
+        if budget is not None:
+            check(self.quarantine_bytes < budget, "max_quarantine_bytes",
+                  f"({self.quarantine_bytes} bytes) must be below storage.max_bytes ({budget} bytes)")
 
     @property
     def min_free_bytes(self) -> int:
         return 0 if self.min_free_space in (0, "0") else _bytes(self.min_free_space, "min_free_space")
+
+    @property
+    def max_bytes_int(self) -> int | None:
+        """``max_bytes`` in bytes (None: no budget)."""
+        return _bytes(self.max_bytes, "max_bytes")
+
+    @property
+    def quarantine_bytes(self) -> int:
+        """``max_quarantine_bytes`` in bytes."""
+        return _bytes(self.max_quarantine_bytes, "max_quarantine_bytes")
 
 
 @dataclass(frozen=True)
