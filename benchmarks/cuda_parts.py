@@ -251,7 +251,7 @@ def cap(args, save: Save) -> dict:
                     "cap_bytes": budget, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                     "plan_seconds": round(time.perf_counter() - t0, 2), "micro_batch": summary["micro_batch"],
                     "micro_batches": micro_batches, "predicted_peak_bytes": summary["predicted_peak_bytes"],
-                    "stages": [s["mode"] for s in summary["stages"]]}
+                    "stages": [s["mode"] for s in summary["stages"]], "device_fit": summary.get("device_fit")}
     save(result)
     o = cfg.optim
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=o.momentum, nesterov=o.nesterov,

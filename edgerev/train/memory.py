@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from edgerev.memory.account import StepAccount, StepShape
-from edgerev.memory.autoplan import floor_plan, plan_training
+from edgerev.memory.autoplan import TrainingPlan, floor_plan, plan_training
 from edgerev.memory.cap import CpuCap, apply_cuda_cap
+from edgerev.memory.device_fit import cuda_step_peak, fit_to_device
 from edgerev.train.config import RunConfig
 from edgerev.train.continual import ContinualLoss
 
@@ -45,6 +46,9 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
                 device: torch.device) -> tuple[int, CpuCap | None, dict]:
     """Micro-batches per step, the CPU cap (None: none), and the plan's summary for ``cfg``.
 
+    On CUDA the cap is set first and the plan is fitted to the allocator with real steps
+    (:func:`~edgerev.memory.device_fit.fit_to_device`): the summary's ``device_fit`` lists each plan measured.
+
     Raises:
         BudgetTooSmall: ``memory.budget`` is below the step's floor (named), before anything is profiled.
     """
@@ -58,13 +62,23 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
             {"name": n, "type": type(s).__name__, "mode": m.value}
             for (n, s), m in zip(model.body.stages.named_children(), model.body.modes)]}
     budget = int(mem.budget)
-    tp = plan_training(model, cfg.data.size, budget, str(device.type), estimate=mem.profile == "estimate",
-                       max_batch=batch, step=step_shape(cfg, model, teacher, batch), loss_fn=loss_of(cfg))
-    tp.apply(model)
-    if device.type == "cuda":
+    shape, loss_fn = step_shape(cfg, model, teacher, batch), loss_of(cfg)
+
+    def plan_at(b: int) -> TrainingPlan:
+        return plan_training(model, cfg.data.size, b, str(device.type), estimate=mem.profile == "estimate",
+                             max_batch=batch, step=shape, loss_fn=loss_fn)
+
+    fitted: dict = {}
+    if device.type == "cuda":  # the allocator holds more than the accounting sees: measured under the cap
         apply_cuda_cap(budget, device)
+        on_device = teacher is None or all(p.is_cuda for p in teacher.parameters())
+        fit = fit_to_device(plan_at, lambda p: cuda_step_peak(model, p, shape, loss_fn, device, on_device), budget)
+        tp, fitted = fit.plan, fit.summary()
+    else:
+        tp = plan_at(budget)
+    tp.apply(model)
     micro = math.ceil(batch / tp.batch)
     summary = {"mode": "planned", "budget_bytes": budget, "micro_batch": tp.batch, "micro_batches": micro,
-               **tp.summary}
+               **tp.summary, **fitted}
     cap = CpuCap(budget, tp.account.baseline) if device.type == "cpu" and tp.account is not None else None
     return micro, cap, summary

@@ -1,0 +1,118 @@
+"""A plan fitted to the CUDA allocator (edgerev/memory/device_fit.py): the loop on constructed devices
+(a planner and an allocator whose excess over the plan is known), and on a real GPU under a 400 MiB cap."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgerev.memory.autoplan import TrainingPlan
+from edgerev.memory.costs import BudgetTooSmall
+from edgerev.memory.device_fit import HEADROOM, fit_to_device
+
+MiB = 2**20
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def planner(base: int, per_sample: int):
+    """A planner whose step holds ``base + per_sample * micro_batch`` bytes: the largest batch under the budget."""
+
+    def plan_at(budget: int) -> TrainingPlan:
+        fitting = [b for b in BATCHES if base + per_sample * b <= budget]
+        if not fitting:
+            raise BudgetTooSmall(budget, base + per_sample)
+        b = max(fitting)
+        return TrainingPlan(b, None, None, base + per_sample * b, {})
+
+    return plan_at
+
+
+def device(budget: int, fixed: int, per_sample: int, base: int, plan_per_sample: int):
+    """An allocator that holds the plan's bytes, a fixed workspace and more per sample; out of memory above the cap."""
+    seen = []
+
+    def measure(tp: TrainingPlan) -> int | None:
+        real = base + plan_per_sample * tp.batch + fixed + per_sample * tp.batch
+        seen.append(real)
+        return None if real > budget else real
+
+    return measure, seen
+
+
+@settings(max_examples=200, deadline=None)
+@given(fixed=st.integers(0, 80 * MiB), extra=st.integers(0, 400_000), per_sample=st.integers(100_000, 2 * MiB),
+       base=st.integers(0, 60 * MiB))
+def test_the_fitted_plan_fits_when_any_does(fixed, extra, per_sample, base):
+    """Whatever the device's excess (fixed and per sample), the plan returned leaves the headroom free whenever
+    some micro-batch does; the budget planned under only shrinks; a plan that fit at once is kept."""
+    budget = 400 * MiB
+    measure, seen = device(budget, fixed, extra, base, per_sample)
+    limit = int(budget * (1 - HEADROOM))
+    some_fits = any(base + (per_sample + extra) * b + fixed <= limit for b in BATCHES)
+    try:
+        fit = fit_to_device(planner(base, per_sample), measure, budget)
+    except BudgetTooSmall as e:
+        assert not some_fits or base + per_sample > budget
+        assert e.budget == budget and e.smallest > base + per_sample
+        return
+    budgets = [f.planned_under for f in fit.fits]
+    assert budgets == sorted(budgets, reverse=True) and len(set(budgets)) == len(budgets)
+    if fit.fitted:
+        assert fit.fits[-1].measured_bytes <= limit
+        assert all(f.measured_bytes is None or f.measured_bytes > limit for f in fit.fits[:-1])
+    else:
+        assert len(fit.fits) == 6
+    if seen[0] <= limit:
+        assert len(fit.fits) == 1 and fit.plan.batch == fit.fits[0].micro_batch
+    if some_fits:  # found within the rounds
+        assert fit.fitted
+
+
+def test_the_campaign_case_fits_in_one_more_round():
+    """The GTX 750 recipe on an H100: planned at 256 samples for 335 MiB, the allocator peaked at 388 MiB."""
+    budget = 400 * MiB
+    per_sample = (335 * MiB - 20 * MiB) // 256
+    measure, seen = device(budget, 0, (388 - 335) * MiB // 256, 20 * MiB, per_sample)
+    fit = fit_to_device(planner(20 * MiB, per_sample), measure, budget)
+    assert [f.micro_batch for f in fit.fits] == [256, 128]
+    assert fit.fitted and fit.summary()["device_fitted"] is True
+
+
+def test_a_floor_beyond_the_device_names_the_budget_that_would_fit():
+    budget = 100 * MiB
+    measure, _ = device(budget, 60 * MiB, 0, 50 * MiB, 1000)
+    with pytest.raises(BudgetTooSmall) as e:
+        fit_to_device(planner(50 * MiB, 1000), measure, budget)
+    assert e.value.budget == budget and e.value.smallest > 50 * MiB
+
+
+@pytest.mark.gpu
+def test_the_planned_batch_trains_under_a_400_mib_cap_without_running_out_of_memory():
+    """The GTX 750 recipe (RevNeXt width 32, 32x32, steps of 256) planned as the trainer does, then 20 steps at
+    the planned micro-batch: not one out-of-memory retry, and the allocator's peak under the cap."""
+    from edgerev.memory.cap import train_step
+    from edgerev.models import create_model
+    from edgerev.train.config import load_config
+    from edgerev.train.memory import plan_memory
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gtx750.yaml")
+    cfg = replace(cfg, memory=replace(cfg.memory, profile="estimate"))  # measuring the profile takes minutes
+    torch.manual_seed(0)
+    model = create_model("revnext", width=32, num_classes=10).cuda()
+    try:
+        micro, _, summary = plan_memory(cfg, model, None, 256, torch.device("cuda"))
+        assert summary["device_fitted"], summary["device_fit"]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        torch.cuda.reset_peak_memory_stats()
+        x = torch.randn(256, 3, 32, 32, device="cuda")
+        y = torch.randint(0, 10, (256,), device="cuda")
+        retries = sum(train_step(model, optimizer, x, y, micro_batches=micro).retries for _ in range(20))
+        assert retries == 0
+        assert torch.cuda.max_memory_reserved() <= 400 * MiB
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
