@@ -26,26 +26,66 @@ from edgerev.train.labeled import LabeledImages
 REPLAY = "replay.safetensors"
 
 
-def grow_head(model: nn.Module, old: tuple[str, ...], new: tuple[str, ...]) -> None:
-    """Replace ``model.head`` by one with a row per class of ``new`` (which starts with ``old``).
+def head_name(model: nn.Module) -> str:
+    """The qualified name of the layer whose rows are ``model``'s classes: ``head`` when the model has a linear
+    ``head`` (edgerev's own), else its last linear layer: in the order the graph runs them for a
+    ``torch.fx.GraphModule`` (an ONNX import: the last Gemm/MatMul/Linear becomes an ``nn.Linear``), in module
+    order for any other model (``classifier.1`` of a MobileNetV2, ``fc`` of a ResNet).
 
-    Old rows keep their weights and biases; new rows get the layer's default initialization.
+    Raises:
+        CheckpointError: the model has no linear layer.
+    """
+    if isinstance(getattr(model, "head", None), nn.Linear):
+        return "head"
+    if isinstance(model, torch.fx.GraphModule):
+        modules = dict(model.named_modules())
+        for node in reversed(model.graph.nodes):
+            if node.op == "call_module" and isinstance(modules.get(node.target), nn.Linear):
+                return node.target
+    last = None
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name:
+            last = name
+    if last is None:
+        raise CheckpointError(f"{type(model).__name__} has no linear layer (Gemm, MatMul or Linear) whose rows are "
+                              "its classes: its head cannot grow for new classes")
+    return last
+
+
+def grow_head(model: nn.Module, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+    """Replace the model's head (:func:`head_name`) by one with a row per class of ``new`` (which starts with
+    ``old``), in place; a ``num_classes`` attribute follows.
+
+    Old rows keep their weights and biases; new rows get the layer's default initialization, so the grown
+    model gives exactly the old logits on the old classes.
+
+    Raises:
+        CheckpointError: ``new`` does not start with ``old``, the model has no linear layer, or its head's
+            rows are not the old classes.
     """
     if new[: len(old)] != old:
         raise CheckpointError(f"new classes {list(new)} must start with the old ones {list(old)}")
+    name = head_name(model)
+    head: nn.Linear = model.get_submodule(name)
+    if head.out_features != len(old):
+        raise CheckpointError(f"the head {name!r} of {type(model).__name__} has {head.out_features} rows, not one per "
+                              f"old class ({len(old)}): its last linear layer is not the classifier")
     if len(new) == len(old):
         return
-    head: nn.Linear = model.head
     if isinstance(head, ScaledLinear):  # keeps its kind: no bias, the same logit scale
         grown: nn.Linear = head.resized(len(new))
     else:
-        grown = nn.Linear(head.in_features, len(new), bias=head.bias is not None).to(head.weight.device)
+        grown = nn.Linear(head.in_features, len(new), bias=head.bias is not None).to(head.weight.device,
+                                                                                      head.weight.dtype)
     with torch.no_grad():
         grown.weight[: len(old)] = head.weight
         if head.bias is not None:
             grown.bias[: len(old)] = head.bias
-    model.head = grown
-    model.num_classes = len(new)
+    grown.train(head.training)
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, grown)
+    if hasattr(model, "num_classes"):
+        model.num_classes = len(new)
 
 
 def distillation_loss(logits: Tensor, teacher: Tensor, temperature: float) -> Tensor:
