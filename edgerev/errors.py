@@ -39,4 +39,4 @@ class ArchitectureError(EdgerevError):
 
 
 class UnsupportedModel(EdgerevError):
-    """A model file cannot be imported: not ONNX, truncated, or using an op, opset, type or shape edgerev cannot train."""
+    """A model file cannot be imported: not ONNX, truncated, or an op, opset, type or shape edgerev cannot train."""

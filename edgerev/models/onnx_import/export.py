@@ -1,0 +1,131 @@
+"""The export of an imported model: its weights written back into the original graph, verified, atomically.
+
+Writing the trained weights into the original file keeps everything the owner's application relies on: the
+input and output names, shapes and dynamic batch, the opset and IR version, the metadata, and the final Softmax
+if the original ended in one (the import left it out for training). Nothing is re-traced, so no exporter can
+change the graph, and the same holds on every torch release edgerev supports. What may differ is only what
+training changed: the weights, the batch-norm statistics, and the head's row count when classes were added.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from edgerev.atomic import atomic_write
+from edgerev.errors import ExportError
+from edgerev.export.runtime import first_line, inference_session, logits_apart
+from edgerev.models.onnx_import.model import ImportedModel
+
+#: spatial size verified where the file leaves height and width dynamic
+FALLBACK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class ImportedExport:
+    """What :func:`export_imported` wrote and how close ONNX Runtime is to PyTorch on it."""
+
+    path: Path
+    max_abs_diff: float  # the outputs (probabilities where the original outputs them), over the batches
+    batches: tuple[int, ...]
+    size_bytes: int
+    seconds: float
+
+
+def updated_proto(model: ImportedModel) -> onnx.ModelProto:
+    """The original ModelProto with the model's current weights and statistics in its initializers."""
+    proto = onnx.load_from_string(model.onnx_source)
+    state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    inits = {t.name: t for t in proto.graph.initializer}
+    nodes = {n.name: n for n in proto.graph.node}
+    for key, (name, how, node_name) in model.onnx_links.items():
+        value, old = state[key], numpy_helper.to_array(inits[name])
+        if how in ("transpose", "gemm_weight_t"):
+            value = value.T
+        elif how in ("bias", "gemm_bias"):  # the original's rank, with the (possibly grown) class count last
+            value = value.reshape((*old.shape[:-1], value.size) if old.ndim else (value.size,))
+        elif value.size == old.size:
+            value = value.reshape(old.shape)
+        inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value).astype(old.dtype), name))
+        if how.startswith("gemm"):  # the Linear holds alpha * B and beta * C
+            _set_float(nodes[node_name], "alpha" if how != "gemm_bias" else "beta", 1.0)
+    return proto
+
+
+def export_imported(model: ImportedModel, out_path: str | Path, *, batches: tuple[int, ...] = (4, 1),
+                    tolerance: float = 1e-4, seed: int = 0) -> ImportedExport:
+    """Write ``model``'s weights into its original ONNX graph, verify it with ONNX Runtime, write it atomically.
+
+    Args:
+        model: a model :func:`~edgerev.models.onnx_import.load_onnx` imported, trained or not.
+        out_path: the ``.onnx`` file to write.
+        batches: batch sizes verified (the batch stays dynamic).
+        tolerance: largest accepted difference against PyTorch, scaled as in :func:`logits_apart`.
+        seed: seed of the random verification inputs.
+
+    Raises:
+        ExportError: the folder is missing, ONNX Runtime fails, or its outputs differ from PyTorch's.
+    """
+    start = time.perf_counter()
+    out_path = Path(out_path)
+    if not out_path.parent.is_dir():
+        raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
+    proto = updated_proto(model)
+    reference = copy.deepcopy(model).cpu().eval()
+    io = model.io
+    shape = [d or FALLBACK_SIZE for d in io.input_shape[1:]]
+    rng = np.random.default_rng(seed)
+    inputs = {b: rng.standard_normal((b, *shape)).astype(np.float32) for b in batches}
+    expected = {b: _reference(reference, x) for b, x in inputs.items()}
+    _fix_output_shape(proto, next(iter(expected.values())).shape)
+    data = proto.SerializeToString()
+    session = inference_session(data, str(out_path))
+    worst = 0.0
+    for b, x in inputs.items():
+        try:
+            got = session.run(None, {io.input_name: x})[0]
+        except Exception as e:  # ORT's pybind exceptions derive from Exception only
+            raise ExportError(f"ONNX Runtime failed on {out_path} at batch {b}: {first_line(e)}") from None
+        if got.shape != expected[b].shape:
+            raise ExportError(f"{out_path} outputs shape {got.shape} at batch {b}, PyTorch {expected[b].shape}")
+        diff, allowed = logits_apart(got, expected[b], tolerance)
+        if not diff <= allowed:
+            raise ExportError(f"ONNX Runtime and PyTorch disagree on {out_path}: max abs difference {diff:.3g} at "
+                              f"batch {b} exceeds the tolerance {allowed:.3g}; nothing written")
+        worst = max(worst, diff)
+    atomic_write(out_path, data)
+    return ImportedExport(path=out_path, max_abs_diff=worst, batches=tuple(batches), size_bytes=len(data),
+                          seconds=time.perf_counter() - start)
+
+
+def _reference(model: ImportedModel, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        y = model(torch.from_numpy(x))
+        if model.io.softmax_axis is not None:
+            y = torch.softmax(y, model.io.softmax_axis)
+    return y.numpy()
+
+
+def _fix_output_shape(proto: onnx.ModelProto, shape: tuple[int, ...]) -> None:
+    """A grown head changes the output's fixed class count; stale inferred shapes inside the graph go."""
+    del proto.graph.value_info[:]
+    dims = proto.graph.output[0].type.tensor_type.shape.dim
+    if len(dims) == len(shape):
+        for d, n in zip(dims, shape):
+            if d.HasField("dim_value") and d.dim_value != n and d is not dims[0]:
+                d.dim_value = n
+
+
+def _set_float(node: onnx.NodeProto, name: str, value: float) -> None:
+    for a in node.attribute:
+        if a.name == name:
+            a.f = value
+            return
+    node.attribute.append(helper.make_attribute(name, value))
