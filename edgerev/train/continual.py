@@ -37,6 +37,9 @@ def head_name(model: nn.Module) -> str:
     """
     if isinstance(getattr(model, "head", None), nn.Linear):
         return "head"
+    named = getattr(model, "head_name", None)  # a model that names its head (an ONNX import) is taken at its word
+    if isinstance(named, str) and isinstance(model.get_submodule(named), nn.Linear):
+        return named
     if isinstance(model, torch.fx.GraphModule):
         modules = dict(model.named_modules())
         for node in reversed(model.graph.nodes):
@@ -84,7 +87,8 @@ def grow_head(model: nn.Module, old: tuple[str, ...], new: tuple[str, ...]) -> N
     grown.train(head.training)
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent), attr, grown)
-    if hasattr(model, "num_classes"):
+    # an attribute follows; a property (an ONNX import's counts the head's rows) already does
+    if hasattr(model, "num_classes") and not isinstance(getattr(type(model), "num_classes", None), property):
         model.num_classes = len(new)
 
 
