@@ -160,13 +160,14 @@ def check_training(config: DaemonConfig) -> None:
     import copy
 
     from edgerev.config import ConfigError
-    from edgerev.models import create_model
+    from edgerev.models.resolve import resolve_model
+    from edgerev.models.spec import check_size
     from edgerev.train.memory import floor
 
     t = config.training
     try:
-        model = create_model(t.model.arch, **t.model.args, num_classes=2)
-        model.check_input(torch.zeros(1, model.in_channels, config.image_size, config.image_size))
+        model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2)
+        check_size(model, config.image_size)
     except ValueError as e:
         raise ConfigError(f"training: {e} (image_size {config.image_size})") from None
     budget = t.memory.budget

@@ -97,7 +97,8 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
     from edgerev.memory import profile as profiles
     from edgerev.memory.autoplan import floor_plan, plan_training
     from edgerev.memory.cap import CpuCap, apply_cuda_cap, train_step
-    from edgerev.models import create_model
+    from edgerev.models.resolve import resolve_model
+    from edgerev.models.spec import check_size, model_spec
     from edgerev.train.memory import loss_of, step_shape
 
     t = cfg.train
@@ -106,8 +107,8 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
     t0 = time.perf_counter()
     try:
         torch.manual_seed(seed)
-        model = create_model(cfg.model.arch, **cfg.model.args, num_classes=classes)
-        model.check_input(torch.zeros(1, model.in_channels, cfg.data.size, cfg.data.size))
+        model = resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args, num_classes=classes)
+        check_size(model, cfg.data.size)
         teacher = None
         if cfg.continual.distill > 0:  # jobs after the first distill from the model in service
             teacher = copy.deepcopy(model).eval().requires_grad_(False)
@@ -154,7 +155,7 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         optimizer = torch.optim.SGD(params, lr=cfg.optim.lr, momentum=cfg.optim.momentum,
                                     nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(t.batch, model.in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev)
+        x = torch.randn(t.batch, model_spec(model).in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev)
         y = torch.randint(0, classes, (t.batch,), generator=g).to(dev)
         target = (y,)
         if teacher is not None:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from edgerev._torchapi import fake_copy, fake_mode
 from edgerev.memory.cap import accumulate, split_batch
 from edgerev.memory.tracker import MemoryTracker
+from edgerev.models.spec import model_spec
 
 LABEL_BYTES = 8  # int64 class indices
 
@@ -99,7 +100,7 @@ def held(model: nn.Module, shape: StepShape, micro_batch: int) -> dict[str, int]
     """The bytes held through a step (the baseline's terms), from sizes alone: nothing runs."""
     batch = shape.batch or micro_batch
     trainable = [p for p in model.parameters() if p.requires_grad]
-    pixels = model.in_channels * shape.size * shape.size
+    pixels = model_spec(model).in_channels * shape.size * shape.size
     return {
         "weights": _nbytes(model.parameters()),
         "buffers": _nbytes(model.buffers()),
@@ -114,7 +115,7 @@ def held(model: nn.Module, shape: StepShape, micro_batch: int) -> dict[str, int]
 def beyond_model(model: nn.Module, shape: StepShape, micro_batch: int) -> int:
     """What a step holds besides what a bare micro-batch step holds (the solvers' profiles count that)."""
     h = held(model, shape, micro_batch)
-    bare = micro_batch * (model.in_channels * shape.size * shape.size * shape.input_bytes + LABEL_BYTES)
+    bare = micro_batch * (model_spec(model).in_channels * shape.size * shape.size * shape.input_bytes + LABEL_BYTES)
     return max(0, h["optimizer"] + h["teacher"] + h["batch_input"] + h["labels"] + h["teacher_logits"] - bare)
 
 
@@ -143,8 +144,9 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         apply(run)
         run.train()
         run.zero_grad(set_to_none=True)
-        x = torch.randn(batch, model.in_channels, shape.size, shape.size)
-        targets: tuple[Tensor, ...] = (torch.randint(0, model.num_classes, (batch,)),)
+        spec = model_spec(model)
+        x = torch.randn(batch, spec.in_channels, shape.size, shape.size)
+        targets: tuple[Tensor, ...] = (torch.randint(0, spec.num_classes, (batch,)),)
         if shape.teacher_bytes:
             targets += (torch.randn(batch, max(1, shape.teacher_classes)),)
         parts = split_batch(batch, math.ceil(batch / micro_batch))[:2]

@@ -33,6 +33,7 @@ from edgerev.memory.costs import BudgetTooSmall, Plan, Profile, Segment, Segment
 from edgerev.memory.knapsack import default_batches, plan, smallest_budget
 from edgerev.memory.measure import apply_plan, fake_step_peak, step_peak
 from edgerev.memory.segments import plan_segments
+from edgerev.models.spec import model_spec
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class _SegmentsSolver:
 
     def prepare(self) -> None:
         if self.stats is None:
-            x = torch.randn(8, self.model.in_channels, self.size, self.size, device=self.device)
+            x = torch.randn(8, model_spec(self.model).in_channels, self.size, self.size, device=self.device)
             self.stats = profiles.stage_stats(self.model.body.stages, x)
 
     def solve(self, target: int, batches: list[int] | None) -> Proposal:
@@ -359,8 +360,9 @@ def verify(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: in
     """Run real training steps with the plan: measured peak bytes and seconds per step."""
     apply_plan(model, modes, segments)
     peak = step_peak(model, batch, size, device).peak_bytes
-    x = torch.randn(batch, model.in_channels, size, size, device=device)
-    y = torch.randint(0, model.num_classes, (batch,), device=device)
+    spec = model_spec(model)
+    x = torch.randn(batch, spec.in_channels, size, size, device=device)
+    y = torch.randint(0, spec.num_classes, (batch,), device=device)
     times = []
     for _ in range(steps + 1):
         model.zero_grad(set_to_none=True)

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgerev._torchapi import fake_mode, storage_bytes
+from edgerev._torchapi import fake_copy, fake_mode, storage_bytes
 from edgerev.engine import Execution, Mode, supported_modes
 from edgerev.errors import ModeError
 from edgerev.memory.account import StepShape, account_step
 from edgerev.memory.tracker import CudaPeak, MemoryTracker
 from edgerev.models import create_model
+from edgerev.models.spec import model_spec
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> to
     return loss.detach()
 
 
-def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_channels: int = 3,
+def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_channels: int | None = None,
               tracker: bool | None = None) -> StepMemory:
     """Peak bytes of one training step of ``model`` on a random batch.
 
@@ -57,8 +58,9 @@ def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_c
     """
     model.train()
     model.zero_grad(set_to_none=True)
-    num_classes = getattr(model, "num_classes", 10)
-    x = torch.randn(batch, in_channels, size, size, device=device)
+    spec = model_spec(model)
+    num_classes = spec.num_classes
+    x = torch.randn(batch, in_channels or spec.in_channels, size, size, device=device)
     target = torch.randint(0, num_classes, (batch,), device=device)
     if tracker is None:
         tracker = torch.device(device).type != "cuda"
@@ -98,7 +100,10 @@ def set_modes(model: nn.Module, modes: str) -> None:
         ModeError: an unknown mode, a stage that cannot run its mode (named, with the modes it supports),
             or a single mode no stage supports.
     """
-    body = model.body
+    body = getattr(model, "body", None)
+    if body is None:
+        raise ModeError(f"{getattr(model, 'arch', type(model).__name__)} is not one of edgerev's reversible models: "
+                        "it trains through plain autograd; leave the mode out")
     if "," in modes:
         body.set_modes([m.strip() for m in modes.split(",")])
         return
@@ -112,10 +117,10 @@ def set_modes(model: nn.Module, modes: str) -> None:
 @contextlib.contextmanager
 def _maybe_fake(fake: bool):
     if not fake:
-        yield
+        yield None
         return
-    with fake_mode():
-        yield
+    with fake_mode() as mode:
+        yield mode
 
 
 def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fake: bool = False,
@@ -125,15 +130,21 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
     The slope cancels everything that does not grow with the batch (weights, their gradients,
     batch-sliced temporaries), as in the RevNeXt paper. ``fake=True`` predicts the same figures
     with fake tensors: nothing is allocated, so any size can be asked for. ``modes`` sets one
-    engine mode for every stage that supports it.
+    engine mode for every stage that supports it. ``arch`` is any model source
+    (:mod:`edgerev.models.resolve`); a model from outside the registry runs through plain autograd.
     """
     from edgerev.memory.analytic import model_bytes_per_pixel
+    from edgerev.models.names import SourceKind, source_kind
+    from edgerev.models.resolve import resolve_model
 
     if fake and device != "cpu":
         raise ValueError("--fake predicts on the CPU tracker; leave --device at cpu")
     torch.manual_seed(seed)
-    with _maybe_fake(fake):
-        model = create_model(arch, **overrides)
+    registry = source_kind(arch) is SourceKind.REGISTRY
+    # a registry model is built on fake tensors directly; a source from outside loads real weights, then is copied
+    outside = None if registry else resolve_model(arch, args=overrides)
+    with _maybe_fake(fake) as mode:
+        model = create_model(arch, **overrides) if registry else outside if not fake else fake_copy(outside, mode)
         if not fake:
             model = model.to(device)
         if modes is not None:
@@ -149,10 +160,18 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
         "size": size,
         "device": device,
         "fake": fake,
-        "modes": sorted({str(m) for m in model.body.modes}),
+        "modes": sorted({str(m) for m in model.body.modes}) if hasattr(model, "body") else ["plain"],
         "peak_bytes": first.peak_bytes,
         "peak_bytes_2x": second.peak_bytes,
         "bytes_per_pixel": (second.peak_bytes - first.peak_bytes) / pixels,
-        "model_bytes_per_pixel": model_bytes_per_pixel(model),
+        "model_bytes_per_pixel": _analytic(model_bytes_per_pixel, model),
         "peak_op": first.peak_op,
     }
+
+
+def _analytic(fn, model: nn.Module) -> float | None:
+    """The analytic bytes per pixel of an edgerev model; None for one without an invertible sequence."""
+    try:
+        return fn(model)
+    except ValueError:
+        return None

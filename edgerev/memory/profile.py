@@ -32,6 +32,7 @@ from edgerev.errors import EdgerevError
 from edgerev.layers.base import replaying
 from edgerev.memory.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats
 from edgerev.memory.tracker import MemoryTracker
+from edgerev.models.spec import model_spec
 
 # seconds per FLOP used by estimates (about 20 GFLOP/s: a small CPU; a measured profile replaces it)
 NOMINAL_SECONDS_PER_FLOP = 1 / 20e9
@@ -80,7 +81,7 @@ def stage_inputs(model: nn.Module, size: int, device: str | torch.device = "cpu"
     try:
         model.eval()
         with torch.no_grad():
-            model(torch.zeros(1, model.in_channels, size, size, device=device))
+            model(torch.zeros(1, model_spec(model).in_channels, size, size, device=device))
     finally:
         model.train(was_training)
         for h in hooks:

@@ -107,10 +107,17 @@ class ModelInfo:
         if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):
             raise CheckpointError("normalization needs one mean and one positive std per channel")
 
-    def build(self) -> nn.Module:
-        from edgerev.models import create_model
+    def build(self, folder: str | Path | None = None) -> nn.Module:
+        """The model, fresh weights, one row per class, through the one resolver (:mod:`edgerev.models.resolve`).
 
-        return create_model(self.arch, **self.model_args, num_classes=len(self.classes))
+        An ONNX import (``arch`` ``onnx``) is rebuilt from the copy of its file in ``folder``."""
+        from edgerev.models.resolve import ONNX_SOURCE, resolve_model
+
+        if self.arch == "onnx":
+            if folder is None:
+                raise CheckpointError("an imported ONNX model is rebuilt from its model directory's source.onnx")
+            return resolve_model(str(Path(folder) / ONNX_SOURCE), num_classes=len(self.classes))
+        return resolve_model(self.arch, args=self.model_args, num_classes=len(self.classes))
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -138,9 +145,26 @@ def save_model(folder: str | Path, model: nn.Module, info: ModelInfo, extra: dic
     """Write ``model.safetensors`` then ``model.json`` into ``folder``; returns the weights' SHA-256."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    _keep_onnx_source(folder, model, info)
     sha = save_tensors(folder / WEIGHTS, model.state_dict())
     write_json(folder / INFO, {**info.to_json(), "weights_sha256": sha, **(extra or {})})
     return sha
+
+
+def _keep_onnx_source(folder: Path, model: nn.Module, info: ModelInfo) -> None:
+    """An imported ONNX model's graph lives in its file: the model directory keeps a copy (``source.onnx``),
+    written before the weights, so the directory rebuilds it alone (a daemon's versions outlive the file)."""
+    from edgerev.models.resolve import ONNX_SOURCE
+
+    if info.arch != "onnx":
+        return
+    source = getattr(model, "onnx_source", None)
+    if source is None:
+        raise CheckpointError("an imported ONNX model must carry onnx_source (the file it was imported from)")
+    target = folder / ONNX_SOURCE
+    if target.exists() and Path(source).resolve() == target.resolve():
+        return
+    atomic_write(target, Path(source).read_bytes())
 
 
 def read_info(folder: str | Path) -> tuple[ModelInfo, dict]:
@@ -167,7 +191,7 @@ def load_model(folder: str | Path, arch: str | None = None, classes: Sequence[st
         raise CheckpointError(f"{folder} was trained on classes {list(info.classes)}, not {list(classes)}")
     sha = raw.get("weights_sha256")
     state = load_tensors(Path(folder) / WEIGHTS, sha)
-    model = info.build()
+    model = info.build(folder)
     load_state(model, state, str(folder))
     return model, info, sha
 
@@ -177,7 +201,8 @@ def load_state(model: nn.Module, state: dict[str, Tensor], where: str) -> None:
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
-    shapes = [k for k in own if k in state and own[k].shape != state[k].shape]
+    shapes = [f"{k} ({_shape(state[k])} in the file, {_shape(own[k])} in the model)"
+              for k in own if k in state and own[k].shape != state[k].shape]
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -188,3 +213,7 @@ def load_state(model: nn.Module, state: dict[str, Tensor], where: str) -> None:
             parts.append(f"shape of {', '.join(shapes[:3])}")
         raise CheckpointError(f"weights in {where} do not fit the model ({'; '.join(parts)})")
     model.load_state_dict(state)
+
+
+def _shape(t: Tensor) -> str:
+    return "x".join(map(str, t.shape)) or "scalar"

@@ -20,18 +20,31 @@ MODES = ("auto", "plain", "invert", "floor", "recompute", "store", "store8", "st
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """``arch``: a registry name; ``args``: its overrides (``num_classes`` comes from the data);
-    ``init``: a model directory (a previous run's output) to start from instead of random weights."""
+    """``arch``: the model, one of a registry name, an edgerev model directory (a path with a ``/``), an
+    ``.onnx`` file or a factory ``package.module:callable`` (see :mod:`edgerev.models.resolve`); ``args``:
+    the registry model's or the factory's keyword arguments (``num_classes`` comes from the data);
+    ``weights``: pretrained weights for a registry model or a factory, a safetensors file or a
+    ``state_dict`` saved by ``torch.save`` (read with ``weights_only``); its classifier is then re-made
+    for the data's classes. ``init``: a model directory (a previous run's output) to continue from,
+    keeping its classes and growing its head for new ones."""
 
     arch: str = "revnext"
     args: dict = field(default_factory=dict)
+    weights: str | None = None
     init: str | None = None
 
     def __post_init__(self) -> None:
-        from edgerev.models.names import ARCHS  # no torch: the daemon's config and status stay light
+        from edgerev.errors import UnknownModelError
+        from edgerev.models.names import SourceKind, source_kind  # no torch: the daemon's config stays light
 
-        check(self.arch in ARCHS, "arch", f"unknown architecture {self.arch!r}; choose from {', '.join(ARCHS)}")
+        try:
+            kind = source_kind(self.arch)
+        except UnknownModelError as e:
+            check(False, "arch", str(e))
         check("num_classes" not in self.args, "args.num_classes", "set by the data's classes, not here")
+        if kind in (SourceKind.DIRECTORY, SourceKind.ONNX):
+            check(not self.args, "args", f"{self.arch} carries its own architecture; leave args out")
+            check(self.weights is None, "weights", f"{self.arch} carries its own weights; leave weights out")
 
 
 @dataclass(frozen=True)

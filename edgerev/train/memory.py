@@ -55,6 +55,13 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     mem = cfg.memory
     if mem.mode == "plain":
         return 1, None, {"mode": "plain"}
+    if mem.budget is None and not hasattr(model, "body"):  # a model from outside: plain autograd, nothing to plan
+        if mem.mode != "auto":
+            from edgerev.config import ConfigError
+
+            raise ConfigError(f"memory.mode: {mem.mode} is for edgerev's reversible models; this one trains "
+                              "through plain autograd (leave mode at auto, or set memory.budget to plan it)")
+        return 1, None, {"mode": "plain"}
     if mem.budget is None:
         if mem.mode != "auto":
             model.body.set_modes(mem.mode)

@@ -35,6 +35,7 @@ from edgerev.config import ConfigError, dump_yaml, from_dict, load_yaml, to_dict
 from edgerev.engine import plain
 from edgerev.errors import EdgerevError, NonFiniteError
 from edgerev.memory.cap import train_step
+from edgerev.models.spec import check_size, model_spec
 from edgerev.train.augment import Augment
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
 from edgerev.train.config import RunConfig, SourceConfig, default_threads
@@ -115,8 +116,10 @@ class _Setup:
     source_sha: str | None
 
 
-def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, LabeledImages | None] | None) -> _Setup:
-    """Data, the starting model (grown for new classes) and the teacher, from the recipe."""
+def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, LabeledImages | None] | None,
+             given: nn.Module | None = None) -> _Setup:
+    """Data, the starting model (grown for new classes) and the teacher, from the recipe (or ``given``, a
+    module object trained in place instead of ``model.arch``)."""
     size = cfg.data.size
     if data is not None:
         new, val = data[0].resized(size), data[1].resized(size) if data[1] is not None else None
@@ -136,7 +139,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     teacher, start_eval, source_sha, replay = None, None, None, None
     if cfg.model.init is not None:
         start, info0, source_sha = load_model(cfg.model.init)
-        if info0.arch != cfg.model.arch:
+        if given is None and not _same_arch(info0.arch, cfg.model.arch):
             raise RunError(f"model.init {cfg.model.init} holds a {info0.arch} model, "
                            f"but model.arch is {cfg.model.arch}")
         if info0.input_size != size:
@@ -155,21 +158,42 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
         grow_head(model, old, classes)
         info = replace(info0, classes=classes)
     else:
-        from edgerev.models import create_model
+        from edgerev.models.resolve import resolve_model
 
         old = ()
         classes = train_new.present()
-        model = create_model(cfg.model.arch, **cfg.model.args, num_classes=len(classes))
-        pixels = train_new.images.float() / 255
-        mean = pixels.mean(dim=(0, 2, 3))
-        std = pixels.std(dim=(0, 2, 3)).clamp_min(1e-3)
-        info = ModelInfo(cfg.model.arch, classes, size, tuple(round(float(v), 4) for v in mean),
-                         tuple(round(float(v), 4) for v in std), dict(cfg.model.args))
-    model.check_input(torch.zeros(1, model.in_channels, size, size))
+        try:
+            model = (resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args,
+                                   num_classes=len(classes)) if given is None
+                     else resolve_model(given, num_classes=len(classes)))
+        except EdgerevError as e:
+            raise RunError(f"model.arch: {e}") from None
+        spec = model_spec(model)
+        if spec.mean is not None and spec.std is not None:  # the normalization the model was trained with
+            mean, std = spec.mean, spec.std
+        else:
+            pixels = train_new.images.float() / 255
+            mean = pixels.mean(dim=(0, 2, 3)).tolist()
+            std = pixels.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
+        info = ModelInfo(model.arch, classes, size, tuple(round(float(v), 4) for v in mean),
+                         tuple(round(float(v), 4) for v in std), dict(model.model_args))
+    check_size(model, size)
     train = train_new.relabel(classes)
     if replay is not None:
         train = LabeledImages.concat([train, replay.relabel(classes)])
     return _Setup(model.to(device), info, train, val.restrict(classes), old, teacher, start_eval, source_sha)
+
+
+def _same_arch(saved: str, arch: str) -> bool:
+    """Whether a model directory's architecture ``saved`` is what the recipe's ``model.arch`` names."""
+    from edgerev.models.names import SourceKind, source_kind
+
+    kind = source_kind(arch)
+    if kind is SourceKind.DIRECTORY:
+        return read_info(arch)[0].arch == saved
+    if kind is SourceKind.ONNX:
+        return saved == "onnx"
+    return saved == arch
 
 
 def resolve_run(cfg: RunConfig | None, out: Path, resume: bool) -> RunConfig:
@@ -206,7 +230,8 @@ def training_threads(n: int | None) -> Iterator[int]:
 def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Callable[[], bool] | None = None,
           progress: bool | None = None, data: tuple[LabeledImages, LabeledImages | None] | None = None,
           report: Callable[[Progress], None] | None = None,
-          clock: Callable[[], float] = time.monotonic, source: str | None = None) -> RunResult:
+          clock: Callable[[], float] = time.monotonic, source: str | None = None,
+          model: nn.Module | None = None) -> RunResult:
     """Run the recipe ``cfg`` into ``out`` (see the module docstring), with ``train.threads`` CPU threads.
 
     Args:
@@ -222,13 +247,15 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
         clock: the monotonic clock that paces reports and measures speed (tests inject one).
         source: what ``data`` is, for the saved recipe (whose ``data.train`` and ``data.val`` then say
             ``kind: provided``, their sample counts and this: the recipe saved is what was trained).
+        model: a module object to train in place of building ``model.arch`` (:func:`edgerev.fit`);
+            ``model.arch`` then names what rebuilds it (its class, see :mod:`edgerev.models.resolve`).
     """
     out = Path(out)
     cfg = resolve_run(cfg, out, resume)
     if data is not None and not resume:
         cfg = as_given(cfg, data, source)
     with training_threads(cfg.train.threads):
-        return _train(cfg, out, resume, stop, progress, data, report, clock)
+        return _train(cfg, out, resume, stop, progress, data, report, clock, model)
 
 
 def as_given(cfg: RunConfig, data: tuple[LabeledImages, LabeledImages | None], source: str | None) -> RunConfig:
@@ -263,9 +290,9 @@ class _Reporter:
 
 def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | None, progress: bool | None,
            data: tuple[LabeledImages, LabeledImages | None] | None, report: Callable[[Progress], None] | None,
-           clock: Callable[[], float]) -> RunResult:
+           clock: Callable[[], float], given: nn.Module | None = None) -> RunResult:
     device = _device(cfg.device)
-    s = _prepare(cfg, device, data)
+    s = _prepare(cfg, device, data, given)
     model, info = s.model, s.info
     batch = min(cfg.train.batch, len(s.train))
     # the budget is checked (and the step planned) before anything is written: a refused run leaves nothing

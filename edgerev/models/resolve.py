@@ -1,0 +1,251 @@
+"""One resolver: whatever names a model becomes the ``nn.Module`` the rest of edgerev trains.
+
+:func:`resolve_model` takes
+
+- a **registry name** (``revnext``; :func:`edgerev.models.list_models`);
+- an **edgerev model directory** (a training run's output or a daemon's version: ``model.json`` +
+  ``model.safetensors``), its architecture and weights;
+- an **ONNX file** (``*.onnx``), imported to a trainable graph by :mod:`edgerev.models.onnx_import`;
+- a **factory** ``package.module:callable`` returning an ``nn.Module`` (``torchvision.models:resnet18``,
+  ``edgerev.models.designs:mobilenet_v2``, one's own), with ``args`` as its keyword arguments;
+- an ``nn.Module`` object (from Python: :func:`edgerev.fit`), used as it is.
+
+``weights`` (a registry name, a factory or a module) loads a safetensors file, or a ``state_dict``
+saved by ``torch.save``, read with ``torch.load(weights_only=True)``: a file never runs code.
+``num_classes`` sets the classifier's rows: a registry model or a factory that takes a ``num_classes``
+argument is built with it; otherwise (pretrained weights, a directory, an ONNX file) the source is
+built as it is and its classifier, the last linear layer (:func:`edgerev.models.spec.head_name`), is
+replaced by a fresh one with that many rows (keeping new classes' rows by name is the continual
+path's business: :func:`edgerev.train.continual.grow_head`).
+
+Every model it returns carries ``arch`` (the registry name, the factory, ``"onnx"`` or the class of a
+module object) and ``model_args``: what :class:`edgerev.train.checkpoint.ModelInfo` records so a
+model directory rebuilds it through this same function. An ONNX import also carries ``onnx_source``,
+the file a model directory keeps a copy of (``source.onnx``), because its graph lives there.
+
+Bad input is refused in one line (:class:`ModelSourceError`) before anything is written: a module
+that does not import, a factory that raises or returns no module, a weights file that is missing,
+of another format, or whose names or shapes do not fit (the first few named).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from edgerev.errors import EdgerevError
+from edgerev.models.names import SourceKind, source_kind
+from edgerev.models.spec import head_name
+
+ONNX_SOURCE = "source.onnx"  # the copy of an imported model's ONNX file in its model directory
+
+
+class ModelSourceError(EdgerevError):
+    """A model source cannot be turned into a model: the message names the source and what is wrong."""
+
+
+def resolve_model(source: str | Path | nn.Module, *, weights: str | Path | None = None, args: dict | None = None,
+                  num_classes: int | None = None) -> nn.Module:
+    """The model ``source`` names (see the module docstring), with ``weights`` loaded and ``num_classes`` rows.
+
+    Raises:
+        ModelSourceError: the source or its weights cannot be used (one line).
+        UnknownModelError: ``source`` is a string that names no kind of source.
+        edgerev.errors.UnsupportedModel: an ONNX file edgerev cannot import (from the importer).
+    """
+    args = dict(args or {})
+    if isinstance(source, nn.Module):
+        if args:
+            raise ModelSourceError("args are for a registry name or a factory, not for a module object")
+        model = source
+        if not isinstance(getattr(model, "arch", None), str):
+            try:
+                model.arch = module_arch(model)
+            except ModelSourceError:
+                pass  # planning needs no name; a model directory does (fit refuses then)
+        if not isinstance(getattr(model, "model_args", None), dict):
+            model.model_args = {}
+        return _finish(model, weights, num_classes)
+    text = str(source)
+    kind = source_kind(text)
+    if kind in (SourceKind.DIRECTORY, SourceKind.ONNX):
+        if weights is not None:
+            raise ModelSourceError(f"weights: {text} carries its own weights; leave weights out")
+        if args:
+            raise ModelSourceError(f"args: {text} carries its own architecture; leave args out")
+    if kind is SourceKind.REGISTRY:
+        from edgerev.models import create_model
+
+        model = create_model(text, **args, **({} if weights is not None or num_classes is None
+                                              else {"num_classes": num_classes}))
+        model.model_args = args
+    elif kind is SourceKind.FACTORY:
+        model = _from_factory(text, args, None if weights is not None else num_classes)
+    elif kind is SourceKind.DIRECTORY:
+        from edgerev.train.checkpoint import load_model
+
+        path = Path(text).expanduser()
+        if not (path / "model.json").is_file():
+            raise ModelSourceError(f"{text} is not a model directory (no model.json in it)")
+        model = load_model(path)[0]
+    else:
+        model = _from_onnx(Path(text).expanduser())
+    return _finish(model, weights, num_classes)
+
+
+def module_arch(model: nn.Module) -> str:
+    """What rebuilds a module object: its ``arch`` when it names a source, else its class as
+    ``package.module:Class`` (built with its ``model_args`` attribute, or no arguments).
+
+    Raises:
+        ModelSourceError: the class cannot be named (defined inside a function).
+    """
+    arch = getattr(model, "arch", None)
+    if isinstance(arch, str):
+        try:
+            source_kind(arch)
+            return arch
+        except EdgerevError:
+            pass
+    cls = type(model)
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    if "<" in name:
+        raise ModelSourceError(f"{cls.__qualname__} is defined inside a function; define the class at a module's top "
+                               "level so its model directory can rebuild it")
+    return name
+
+
+def _finish(model: nn.Module, weights: str | Path | None, num_classes: int | None) -> nn.Module:
+    """Load ``weights`` (the classifier first sized as in the file), then give the classifier ``num_classes`` rows."""
+    if weights is not None:
+        state = load_weights(weights)
+        head = head_name(model)
+        rows = state.get(f"{head}.weight") if head is not None else None
+        if rows is not None and rows.dim() == 2 and rows.shape[0] != model.get_submodule(head).out_features:
+            set_head_rows(model, rows.shape[0])
+        from edgerev.train.checkpoint import load_state
+
+        load_state(model, state, str(weights))
+    if num_classes is not None:
+        set_head_rows(model, num_classes)
+    return model
+
+
+def set_head_rows(model: nn.Module, rows: int) -> None:
+    """Replace ``model``'s classifier (its last linear layer) by a fresh one of the same kind with ``rows`` rows.
+
+    Nothing changes when it has that many rows already. ``model.num_classes`` follows when the model has one.
+    """
+    head = head_name(model)
+    if head is None:
+        raise ModelSourceError(f"{type(model).__name__} has no linear layer whose rows could be its {rows} classes")
+    layer = model.get_submodule(head)
+    if layer.out_features == rows:
+        return
+    resized = getattr(layer, "resized", None)  # edgerev's ScaledLinear keeps its scale and bias-free kind
+    new = resized(rows) if callable(resized) else nn.Linear(layer.in_features, rows, bias=layer.bias is not None)
+    new = new.to(layer.weight.device, layer.weight.dtype)
+    parent, _, name = head.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, new)
+    if isinstance(getattr(model, "num_classes", None), int):
+        model.num_classes = rows
+
+
+def _from_factory(text: str, args: dict, num_classes: int | None) -> nn.Module:
+    module_name, _, attr = text.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001  (a user's module may fail with anything while it imports)
+        raise ModelSourceError(f"{text}: cannot import {module_name} ({type(e).__name__}: {_line(e)})") from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ModelSourceError(f"{text}: {module_name} has no {attr}")
+    if not callable(fn):
+        raise ModelSourceError(f"{text}: {attr} is a {type(fn).__name__}, not a callable that builds a model")
+    if num_classes is not None and _takes(fn, "num_classes") and "num_classes" not in args:
+        call_args, later = {**args, "num_classes": num_classes}, None
+    else:
+        call_args, later = args, num_classes
+    try:
+        model = fn(**call_args)
+    except Exception as e:  # noqa: BLE001  (the factory is the user's code: whatever it raises is one line)
+        raise ModelSourceError(f"{text} raised {type(e).__name__}: {_line(e)}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelSourceError(f"{text} returned a {type(model).__name__}, not a torch.nn.Module")
+    model.arch, model.model_args = text, dict(args)
+    if later is not None:
+        set_head_rows(model, later)
+    return model
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _from_onnx(path: Path) -> nn.Module:
+    if not path.is_file():
+        raise ModelSourceError(f"ONNX file {path} does not exist")
+    try:
+        from edgerev.models.onnx_import import load_onnx
+    except ImportError as e:
+        raise ModelSourceError(f"{path}: this edgerev cannot import ONNX files ({_line(e)})") from None
+    model = load_onnx(path)
+    model.arch, model.model_args, model.onnx_source = "onnx", {}, path.resolve()
+    return model
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, or of a ``state_dict`` saved with ``torch.save`` (read with
+    ``weights_only=True``: no code runs); a checkpoint dict holding it under ``state_dict`` or ``model``
+    is unwrapped.
+
+    Raises:
+        ModelSourceError: the file is missing, of neither format, or holds no tensors by name.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ModelSourceError(f"weights file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if path.suffix == ".safetensors" or _looks_safetensors(head, path.stat().st_size):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except (SafetensorError, ValueError, OSError) as e:
+            raise ModelSourceError(f"weights file {path} is not a valid safetensors file ({_line(e)})") from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (pickle refusals, zip errors, truncation: all mean 'not a state_dict')
+        raise ModelSourceError(f"weights file {path} is neither safetensors nor a state_dict saved by torch.save "
+                               f"({type(e).__name__}: {_line(e)})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not obj or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                       for k, v in obj.items()):
+        raise ModelSourceError(f"weights file {path} holds a {type(obj).__name__}, not a state_dict "
+                               "(names to tensors)")
+    return obj
+
+
+def _looks_safetensors(head: bytes, size: int) -> bool:
+    """safetensors starts with the little-endian length of its JSON header, then ``{``."""
+    return len(head) == 9 and head[8:] == b"{" and 0 < int.from_bytes(head[:8], "little") < size
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
