@@ -23,13 +23,20 @@ _LAZY = {
     "ShapeError": "edgerev.errors",
     "UnknownModelError": "edgerev.errors",
     "create_model": "edgerev.models",
+    "fit": "edgerev.api",
     "list_models": "edgerev.models",
+    "model_spec": "edgerev.models.spec",
+    "plan": "edgerev.api",
+    "resolve_model": "edgerev.models.resolve",
 }
 
 if TYPE_CHECKING:  # what type checkers and editors see
+    from edgerev.api import fit, plan
     from edgerev.engine import InvertibleSequence, Mode, plain
     from edgerev.errors import EdgerevError, NonFiniteError, ShapeError, UnknownModelError
     from edgerev.models import create_model, list_models
+    from edgerev.models.resolve import resolve_model
+    from edgerev.models.spec import model_spec
 
 __all__ = [
     "EdgerevError",
@@ -40,8 +47,12 @@ __all__ = [
     "UnknownModelError",
     "__version__",
     "create_model",
+    "fit",
     "list_models",
+    "model_spec",
     "plain",
+    "plan",
+    "resolve_model",
 ]
 
 __getattr__, __dir__ = lazy_attributes("edgerev", _LAZY, globals())

@@ -28,6 +28,8 @@ PAPER_PEAK_BYTES = {
     "revnext": 648e6,
 }
 PAPER_PIXELS = 32 * 240 * 240
+SOURCES = ("a registry name, a model directory (a path with a /), an .onnx file, or a factory "
+           "package.module:callable")
 MODE_HELP = ("engine mode for every stage that supports it (invert, floor, recompute, store, store8, store4), "
              "or one per stage, comma-separated (default: each stage's default, invert where supported)")
 
@@ -56,12 +58,24 @@ def _device(name: str) -> str:
     return name
 
 
+def _source(name: str) -> str:
+    """A model source (:mod:`edgerev.models.resolve`), checked by its spelling before anything runs."""
+    from edgerev.models.names import source_kind
+
+    source_kind(name)
+    return name
+
+
 def _arch(name: str) -> str:
     from edgerev.models import list_models
 
     if name not in list_models():
         raise EdgerevError(f"unknown architecture {name!r}; choose from {', '.join(list_models())}")
     return name
+
+
+def _per_px(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 def _mb(n: float) -> str:
@@ -75,7 +89,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if args.table == bool(args.arch):
         raise EdgerevError("give either --arch NAME or --table")
-    archs = list(PAPER_PEAK_BYTES) if args.table else [_arch(args.arch)]
+    archs = list(PAPER_PEAK_BYTES) if args.table else [_source(args.arch)]
     rows = []
     with chunk_budget(args.chunk_bytes):
         for arch in archs:
@@ -100,7 +114,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         paper = _mb(r["paper_peak_bytes"]) if "paper_peak_bytes" in r else "-"
         ppx = f"{r['paper_bytes_per_pixel']:.0f}" if "paper_bytes_per_pixel" in r else "-"
         print(f"{r['arch']:<10} {r['params']:>10,} {_mb(r['peak_bytes']):>10} {r['bytes_per_pixel']:>7.0f} "
-              f"{r['model_bytes_per_pixel']:>7.0f} {paper:>9} {ppx:>10}")
+              f"{_per_px(r['model_bytes_per_pixel']):>7} {paper:>9} {ppx:>10}")
     print("B/px: slope of the peak between batch B and 2B per input pixel; model: analytic; paper: batch 32, 240x240")
     return 0
 
@@ -129,45 +143,21 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import torch
+    from edgerev.api import plan
 
-    from edgerev.memory.account import account_step
-    from edgerev.memory.autoplan import plan_training, verify
-    from edgerev.models import create_model
-    from edgerev.sizes import parse_bytes
-    from edgerev.train.config import DataConfig, OptimConfig, RunConfig, TrainConfig
-    from edgerev.train.memory import loss_of, step_shape
-
-    try:
-        budget = parse_bytes(args.budget)
-    except EdgerevError as e:
-        raise EdgerevError(f"--budget: {e}") from None
     device = _device(args.device)
-    model = create_model(_arch(args.arch)).to(device)
-    model.check_input(torch.zeros(1, model.in_channels, args.size, args.size, device=device))
-    # the trainer's default recipe at this size and batch: the same step the trainer accounts and plans
-    momentum = OptimConfig().momentum if args.momentum else 0.0
-    cfg = RunConfig(data=DataConfig(size=args.size), train=TrainConfig(batch=args.batch or TrainConfig().batch),
-                    optim=OptimConfig(momentum=momentum, nesterov=momentum > 0))
-    step = step_shape(cfg, model, None, args.batch)
-    tp = plan_training(model, args.size, budget, device, estimate=args.estimate, max_batch=args.batch, step=step,
-                       loss_fn=loss_of(cfg))
-    batch, modes, segments, result = tp.batch, tp.modes, tp.segments, tp.summary
-    result = {"arch": args.arch, "size": args.size, "device": device, "budget_bytes": budget,
-              "step_batch": args.batch, **result}
-    if args.verify:
-        result.update(verify(model, modes, batch, args.size, device, segments=segments))
-        if device == "cpu":  # the whole step as the trainer holds it, measured on real tensors
-            result["measured_peak_bytes"] = account_step(model, step, batch, tp.apply, loss_of(cfg), real=True).total
+    p = plan(_source(args.arch), size=args.size, budget=args.budget, batch=args.batch, device=device,
+             momentum=args.momentum, estimate=args.estimate, verify=args.verify, weights=args.weights)
+    result, budget = p.summary, p.summary["budget_bytes"]
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{args.arch} at {args.size}x{args.size} on {device}, budget {budget:,} bytes, {result['planner']}")
-    steps = f"step of {args.batch} samples in micro-batches of {batch}" if args.batch else f"batch {batch}"
+    steps = f"step of {args.batch} samples in micro-batches of {p.batch}" if args.batch else f"batch {p.batch}"
     print(f"{steps}, predicted peak "
           f"{result['predicted_peak_bytes']:,} bytes, {result['samples_per_second'] or 0:.1f} samples/s predicted")
-    if tp.account is not None:
-        a = tp.account
+    if p.account is not None:
+        a = p.account
         print(f"  held: weights {a.weights:,}, buffers {a.buffers:,}, optimizer {a.optimizer:,}, batch "
               f"{a.batch_input + a.labels:,}; the step: {a.step_bytes:,} (gradients {a.gradients:,} and activations)")
     if args.verify:
@@ -182,11 +172,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import signal
 
+    from edgerev.api import fit_run
     from edgerev.train.config import load_config
-    from edgerev.train.trainer import train
 
-    if args.config is None and not args.resume:
-        raise EdgerevError("give --config FILE.yaml (or --resume to continue the run in --out)")
+    if args.config is None and not args.resume and args.arch is None:
+        raise EdgerevError("give --config FILE.yaml or --arch (or --resume to continue the run in --out)")
     cfg = load_config(args.config) if args.config is not None else None
     stop = {"asked": False}
 
@@ -195,8 +185,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, ask_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        result = train(cfg, args.out, resume=args.resume, stop=lambda: stop["asked"],
-                       progress=False if args.quiet else None)
+        result = fit_run(_source(args.arch) if args.arch else None, out=args.out, config=cfg, resume=args.resume,
+                         weights=args.weights, stop=lambda: stop["asked"], progress=False if args.quiet else None)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -280,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("memory", help="peak memory of one training step, measured or predicted",
                        description="Peak live bytes of one training step (forward, loss, backward) and bytes per "
                                    "input pixel: the slope of the peak between batch B and 2B.")
-    m.add_argument("--arch", help="registry name (see --table for all)")
+    m.add_argument("--arch", help="the model: " + SOURCES)
     m.add_argument("--table", action="store_true", help="all five architectures beside the paper's figures")
     m.add_argument("--batch", type=_positive("--batch"), default=32, help="batch size B (default 32)")
     m.add_argument("--size", type=_positive("--size"), default=240, help="input height and width (default 240)")
@@ -299,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "stays under the budget. A budget below the smallest step is refused at once, "
                                     "naming it. Stage costs are measured once per model, size and device and "
                                     "cached.")
-    pl.add_argument("--arch", required=True, help="registry name")
+    pl.add_argument("--arch", required=True, help="the model: " + SOURCES)
+    pl.add_argument("--weights", help="pretrained weights of a registry model or factory: safetensors or a state_dict")
     pl.add_argument("--size", type=_positive("--size"), required=True, help="input height and width")
     pl.add_argument("--budget", required=True, help="bytes, e.g. 400MiB, 1.5GB or 1000000: the whole step, as the "
                     "trainer counts it (weights, gradients, momentum, the batch, activations)")
@@ -336,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "line per epoch and every train.progress_seconds. SIGTERM or Ctrl-C stops at a "
                                    "step boundary with a checkpoint.")
     t.add_argument("--config", help="the recipe (YAML); see configs/")
+    t.add_argument("--arch", help="the model, in place of the recipe's model.arch: " + SOURCES)
+    t.add_argument("--weights", help="pretrained weights of a registry model or factory (the recipe's model.weights)")
     t.add_argument("--out", required=True, help="output folder of the run")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines")
