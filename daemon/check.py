@@ -6,7 +6,10 @@ the sample row recorded (damaged on disk), and anything ``PRAGMA integrity_check
 ``foreign_key_check`` reports; a store that lost rows (journal samples the store lacks whose files have
 left the inbox: only a commit removes them) or a journal that lacks stored samples (the store could not
 be rebuilt); and, when a registry is given, a version in service that is not complete or not intact
-(its files against the SHA-256 recorded in its manifest). Garbage (harmless, removable with
+(its files against the SHA-256 recorded in its manifest). Not problems: samples being removed (the
+journal says so, the store's commit did not come: the next start finishes it), and what a rebuild would
+lose (``rebuild_would_lose``: the rows only the store holds, which :func:`edgerev_daemon.rebuild.rebuild`
+salvages from a readable old store and otherwise cannot recreate). Garbage (harmless, removable with
 :func:`remove_garbage` while the daemon's lock is held): orphan blobs that neither a sample nor the journal
 names (written by a batch that a crash cut short before its journal lines) and stray files (a crash's
 temporary files).
@@ -38,6 +41,9 @@ class CheckReport:
     pending: list[str] = field(default_factory=list)    # journal samples not yet committed (file still in the inbox)
     unjournaled: list[str] = field(default_factory=list)  # stored samples the journal lacks
     service: list[str] = field(default_factory=list)    # what is wrong with the version in service
+    removing: list[str] = field(default_factory=list)   # stored samples the journal says were removed (a crash
+    #                                                     before the removal's commit; the next start finishes it)
+    history: dict[str, int] = field(default_factory=dict)  # what a rebuild would lose: rows the journal lacks
 
     @property
     def ok(self) -> bool:
@@ -54,7 +60,8 @@ class CheckReport:
         return {"ok": self.ok, "clean": self.clean, "samples": self.samples, "blobs": self.blobs,
                 "missing": self.missing, "corrupt": self.corrupt, "orphans": self.orphans,
                 "strays": [str(p) for p in self.strays], "database": self.database, "journal": self.journal,
-                "lost": self.lost, "pending": self.pending, "unjournaled": self.unjournaled, "service": self.service}
+                "lost": self.lost, "pending": self.pending, "unjournaled": self.unjournaled, "service": self.service,
+                "removing": self.removing, "rebuild_would_lose": self.history}
 
 
 def check_consistency(store: Store, blobs: BlobStore, verify: bool = True, inbox: Path | None = None,
@@ -94,9 +101,11 @@ def _compare_journal(store: Store, report: CheckReport, inbox: Path | None) -> s
     if not store.journal.exists():
         report.unjournaled = sorted(store.blob_hashes()) if report.samples else []
         return set()
-    journaled = store.journal.read().samples()
+    contents = store.journal.read()
+    journaled = contents.samples()
     stored = store.blob_hashes()
     report.journal = len(journaled)
+    report.removing = sorted(contents.removed() & set(stored))
     for sha, r in journaled.items():
         if sha in stored:
             continue
@@ -104,7 +113,9 @@ def _compare_journal(store: Store, report: CheckReport, inbox: Path | None) -> s
             report.lost.append(sha)
         else:
             report.pending.append(sha)
-    report.unjournaled = sorted(sha for sha in stored if sha not in journaled)
+    gone = set(report.removing)
+    report.unjournaled = sorted(sha for sha in stored if sha not in journaled and sha not in gone)
+    report.history = store.unjournaled_history()
     return set(journaled)
 
 

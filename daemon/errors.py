@@ -19,3 +19,9 @@ class StoreError(DaemonError):
 
 class LockError(DaemonError):
     """Another daemon holds the data directory."""
+
+
+class Stopped(Exception):  # noqa: N818 (not an error: the service was asked to stop)
+    """The service was asked to stop in the middle of a phase (an evaluation, the ONNX export, a
+    promotion), which ends there: what it had done is safe to leave, and the next start does it again.
+    The message names the phase. Not an :class:`~edgerev.errors.EdgerevError`: nothing failed."""

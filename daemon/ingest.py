@@ -292,7 +292,7 @@ class _Ingest:
                                                   "message": f"inbox folder {folder} is readable again"}))
 
     def run(self, scan: Scan, problems: tuple[dict[str, str], list[str]], stop: Callable[[], bool]) -> None:
-        """Ingest everything the scan found, or stop between two batches when ``stop()`` says so."""
+        """Ingest everything the scan found, or stop between two files when ``stop()`` says so."""
         size = self.config.ingest.batch_files
         batch = _Batch()
         self.problems(batch, *problems)
@@ -314,9 +314,12 @@ class _Ingest:
             if i and i % size == 0:
                 self._finish(batch, pending, open_manifests, scan)
                 batch, pending = _Batch(), []
-                if stop():
-                    self.report.stopped = True
-                    return
+            # asked before every file, not every batch: a batch of large images (max_pixels each) takes
+            # minutes to decode; a stop commits the files examined so far as a shorter batch
+            if i and stop():
+                self._finish(batch, pending, open_manifests, scan)
+                self.report.stopped = True
+                return
             if self.examine(batch, c):
                 pending.append(c)
         self._finish(batch, pending, open_manifests, scan)
@@ -339,7 +342,8 @@ def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] 
 
     Args:
         clock: the current time (for settling and the recorded times).
-        stop: asked between batches; ``True`` ends the call early (the rest waits for the next).
+        stop: asked between files; ``True`` commits the files examined and ends the call early (the rest
+            waits for the next).
         watch: what earlier scans of this process saw (settling, folders already reported); a
             long-running caller keeps one. ``None``: a fresh one, for this call only.
         wait: sleeps for the given seconds. When the watch has seen no scan yet and files are not

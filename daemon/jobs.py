@@ -94,7 +94,8 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
 
     Args:
         base_batch: the last ingest batch the current version was trained on (0: none).
-        stop: polled after every training step; the job checkpoints and returns ``"stopped"``.
+        stop: polled after every training step and after the final evaluation; the job checkpoints and
+            returns ``"stopped"``.
         report: called with the trainer's progress reports (each epoch's end, and every
             ``training.train.progress_seconds`` within one); the latest is also in ``progress.json`` in the
             job's folder, which ``status`` reads.
@@ -135,7 +136,9 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
     result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False, report=report,
                    data=(train_new, val), source=source)
     if result.status == "stopped":
-        return JobOutcome("stopped", out, f"stopped at step {result.step} of {result.total_steps}",
+        where = result.summary.get("stopped_in")
+        return JobOutcome("stopped", out, f"stopped in {where}" if where else
+                          f"stopped at step {result.step} of {result.total_steps}",
                           held_back=waiting)
     return JobOutcome("trained", out, "", result.summary, waiting)
 

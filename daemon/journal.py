@@ -8,7 +8,28 @@ from, its split, the ingest batch it arrived in) is also written here, one JSON 
      "blob_sha256": "...", "source": "cat/IMG_0001.jpg", "added_at": 1790000000.0}
 
 so that ``edgerev daemon rebuild`` can recreate the store from this file and the blobs (like git's
-objects and index) when the store is lost, emptied or damaged.
+objects and index) when the store is lost, emptied or damaged. A sample the retention policy removes
+(:mod:`edgerev_daemon.retention`) gets a line of its own, ``{"removed": "<sha256>", "why": "policy",
+"at": ...}``; the sample is gone from the journal's view from that line on (a later record of the same
+hash, the file dropped again, brings it back).
+
+Removal, in the order of one batch of removals (the mirror of ingest):
+
+1. inside the SQLite transaction that deletes the rows, before its ``COMMIT``, the removal lines are
+   appended and fsynced; 2. ``COMMIT``; 3. only then are the blobs deleted.
+
+A crash before step 1 changes nothing. Between 1 and 2 the journal says *removed* while the store still
+holds the rows: the decision is made, and the next start finishes it (rows, then blobs:
+:func:`edgerev_daemon.retention.finish_removals`); ``check`` reports those samples as *removing*, not as
+a problem, and ``rebuild`` leaves them out, so the two agree. Between 2 and 3 the blobs are orphans
+that neither the store nor the journal names: garbage, deleted at the next start.
+
+Compaction (:meth:`Journal.compact`) rewrites the file as the samples it holds now, each once, without
+the removal lines; the header carries the count of removals by reason it drops, so nothing the journal
+said is lost but the removed samples' own lines. It writes a temporary file, fsyncs it, renames it
+over the journal and fsyncs the folder: a crash leaves the old file or the new one, and both read as
+the same samples. It runs between transactions, holding the data directory's lock, so no append can
+fall between the read and the rename.
 
 Crash safety, in the order of one ingest batch:
 
@@ -36,7 +57,7 @@ from pathlib import Path
 from edgerev.atomic import fsync_dir
 
 NAME = "journal.jsonl"
-FORMAT = 1
+FORMAT = 2  # 2: removal lines and the header's count of removals
 KIND = "edgerev-samples"
 _CHUNK = 65536
 
@@ -73,13 +94,38 @@ class JournalRecord:
         return r
 
 
+@dataclass(frozen=True)
+class Removal:
+    """A sample removed (``why``: a :class:`~edgerev_daemon.records.RemovalReason` value) at ``at``."""
+
+    removed: str
+    why: str
+    at: float
+
+    def line(self) -> bytes:
+        return (json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
+
+    @classmethod
+    def from_obj(cls, obj: dict) -> Removal:
+        """Raises ``ValueError`` for anything but a complete removal line."""
+        try:
+            r = cls(str(obj["removed"]), str(obj["why"]), float(obj["at"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a removal ({e})") from None
+        if len(r.removed) != 64:
+            raise ValueError("not a removal (bad hash)")
+        return r
+
+
 @dataclass
 class JournalContents:
-    """What :meth:`Journal.read` found: the header, the records in order, lines that did not parse
-    (1-based numbers; the torn last line of a power cut is counted apart, in ``torn_tail``)."""
+    """What :meth:`Journal.read` found: the header, the sample records and removals in order (``lines``;
+    ``records`` holds the sample records alone), lines that did not parse (1-based numbers; the torn
+    last line of a power cut is counted apart, in ``torn_tail``)."""
 
     header: dict = field(default_factory=dict)
     records: list[JournalRecord] = field(default_factory=list)
+    lines: list[JournalRecord | Removal] = field(default_factory=list)
     bad_lines: list[int] = field(default_factory=list)
     torn_tail: bool = False
 
@@ -89,15 +135,42 @@ class JournalContents:
         return size if isinstance(size, int) else None
 
     def samples(self) -> dict[str, JournalRecord]:
-        """``{sha256: first record}``: a sample journaled twice (a crash before its commit) is one sample."""
+        """``{sha256: record}`` of the samples the journal holds now: a sample journaled twice (a crash
+        before its commit) is one sample (its first record); a removal line ends it."""
         out: dict[str, JournalRecord] = {}
-        for r in self.records:
-            out.setdefault(r.sha256, r)
+        for r in self.lines:
+            if isinstance(r, Removal):
+                out.pop(r.removed, None)
+            else:
+                out.setdefault(r.sha256, r)
+        return out
+
+    def removed(self) -> set[str]:
+        """Hashes whose last line is a removal (the store may still hold some: a crash before the commit)."""
+        last: dict[str, bool] = {}
+        for r in self.lines:
+            if isinstance(r, Removal):
+                last[r.removed] = True
+            else:
+                last[r.sha256] = False
+        return {sha for sha, gone in last.items() if gone}
+
+    def removal_counts(self) -> dict[str, int]:
+        """Removals by reason over the journal's whole life: the header's (lines compaction dropped) and
+        the removal lines since."""
+        counts = self.header.get("removed")
+        out = {str(k): int(v) for k, v in counts.items()} if isinstance(counts, dict) else {}
+        for r in self.lines:
+            if isinstance(r, Removal):
+                out[r.why] = out.get(r.why, 0) + 1
         return out
 
 
-def header_line(image_size: int | None) -> bytes:
-    return (json.dumps({"journal": KIND, "format": FORMAT, "image_size": image_size}) + "\n").encode()
+def header_line(image_size: int | None, removed: dict[str, int] | None = None) -> bytes:
+    header = {"journal": KIND, "format": FORMAT, "image_size": image_size}
+    if removed:
+        header["removed"] = dict(sorted(removed.items()))
+    return (json.dumps(header) + "\n").encode()
 
 
 class Journal:
@@ -109,12 +182,14 @@ class Journal:
     def exists(self) -> bool:
         return self.path.is_file()
 
-    def create(self, image_size: int | None, records: list[JournalRecord]) -> None:
-        """Write a new journal holding ``records`` (temporary file, fsync, rename, fsync of the folder)."""
+    def create(self, image_size: int | None, records: list[JournalRecord],
+               removed: dict[str, int] | None = None) -> None:
+        """Write a new journal holding ``records`` (temporary file, fsync, rename, fsync of the folder);
+        ``removed``: the count of removals by reason its header carries."""
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         try:
             with open(tmp, "wb") as f:
-                f.write(header_line(image_size) + b"".join(r.line() for r in records))
+                f.write(header_line(image_size, removed) + b"".join(r.line() for r in records))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
@@ -122,7 +197,22 @@ class Journal:
             tmp.unlink(missing_ok=True)
         fsync_dir(self.path.parent)
 
-    def append(self, records: list[JournalRecord]) -> None:
+    def compact(self, contents: JournalContents | None = None) -> tuple[int, int]:
+        """Rewrite the journal as the samples it holds now (see the module's docstring for why a crash at
+        any point leaves an equivalent journal); returns its size in bytes before and after. Lines that
+        did not parse are kept out, as :meth:`read` already ignores them. Call it only when the store
+        holds none of the removed samples (:func:`edgerev_daemon.retention.compact_journal` sees to it):
+        afterwards the journal no longer says they were removed.
+
+        Args:
+            contents: what :meth:`read` returned just before (read again when not given).
+        """
+        before = self.path.stat().st_size
+        contents = contents if contents is not None else self.read()
+        self.create(contents.image_size, list(contents.samples().values()), contents.removal_counts())
+        return before, self.path.stat().st_size
+
+    def append(self, records: list[JournalRecord | Removal]) -> None:
         """Append ``records`` durably (one write, one fsync); on any failure the file is cut back to the
         length it had, so no partial line stays behind.
 
@@ -162,7 +252,12 @@ class Journal:
                 if number == 1 and isinstance(obj, dict) and obj.get("journal") == KIND:
                     out.header = obj
                     continue
-                out.records.append(JournalRecord.from_obj(obj))
+                if isinstance(obj, dict) and "removed" in obj:
+                    out.lines.append(Removal.from_obj(obj))
+                    continue
+                record = JournalRecord.from_obj(obj)
+                out.records.append(record)
+                out.lines.append(record)
             except ValueError:
                 out.bad_lines.append(number)
         return out

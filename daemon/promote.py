@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from edgerev.train.evaluate import confusion as confusion_of
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages
 from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.errors import Stopped
 from edgerev_daemon.evidence import Paired, p_text, paired
 from edgerev_daemon.jobs import load_samples
 from edgerev_daemon.records import Job, Sample, Split
@@ -145,9 +146,22 @@ def held_out(store: Store, blobs: BlobStore, job: Job, window_days: float | None
                    load_samples(samples, blobs, store.labels()))
 
 
-def decide(candidate: Path, current: Path | None, held: HeldOut, gate: Gate) -> Decision:
-    """Score both models on the same held-out samples and apply :func:`judge`."""
-    return judge(held, score(candidate, held), score(current, held) if current is not None else None, gate)
+def decide(candidate: Path, current: Path | None, held: HeldOut, gate: Gate,
+           stop: Callable[[], bool] = lambda: False) -> Decision:
+    """Score both models on the same held-out samples and apply :func:`judge`.
+
+    Raises:
+        Stopped: ``stop()`` said so before one of the models was scored (each takes about a second
+            on a few thousand samples: the evaluation stops between them, on time).
+    """
+    if stop():
+        raise Stopped("the evaluation")
+    cand = score(candidate, held)
+    if current is None:
+        return judge(held, cand, None, gate)
+    if stop():
+        raise Stopped("the evaluation")
+    return judge(held, cand, score(current, held), gate)
 
 
 # figures ---------------------------------------------------------------------------------------------
@@ -294,11 +308,3 @@ def version_files(run_dir: Path, onnx: Path, metrics: dict) -> dict[str, Path | 
     files["metrics.json"] = (json.dumps(metrics, indent=2, sort_keys=True) + "\n").encode()
     return files
 
-
-def export(run_dir: Path, out: Path) -> dict:
-    """The candidate's ONNX file, verified against PyTorch (see :func:`edgerev.export.onnx.export_onnx`)."""
-    from edgerev.export.onnx import export_onnx
-
-    result = export_onnx(run_dir, out)
-    return {"max_abs_diff": result.max_abs_diff, "opset": result.opset, "ir_version": result.ir_version,
-            "export_seconds": round(result.seconds, 3), "size_bytes": result.size_bytes}

@@ -5,9 +5,12 @@ them (the journal, :mod:`edgerev_daemon.journal`). A store that is missing, empt
 power cut or an fsck) or damaged, next to blobs, a journal or model versions, is not a fresh start:
 :func:`guard_start` refuses it with the way out, before anything opens (opening would create an empty
 store, which would call every blob an orphan). :func:`rebuild` is that way out: a new store from the
-journal (samples, labels, splits, batches), the blobs it names, and the version directories on disk
-(their ``metrics.json`` and ``model.json``). :func:`replay` records, at start, journal lines an intact
-store lacks (a crash between the journal's fsync and the commit, or lost rows).
+journal (samples, labels, splits, batches, the count of removed samples), the blobs it names, and the
+version directories on disk (their ``metrics.json`` and ``model.json``); the job history, the versions
+that were refused and the events, which only the store holds, are copied from the old store as far as it
+can still be read (``check`` names what a rebuild from a lost store would lose). :func:`replay` records,
+at start, journal lines an intact store lacks (a crash between the journal's fsync and the commit, or
+lost rows).
 """
 
 from __future__ import annotations
@@ -145,11 +148,15 @@ class RebuildReport:
     bad_lines: list[int] = field(default_factory=list)
     torn_tail: bool = False
     moved_aside: list[str] = field(default_factory=list)
+    salvaged: dict[str, int] = field(default_factory=dict)  # rows of the old store's history copied, per table
+    lost_history: str | None = None  # why the old store's history could not be read (None: nothing to read)
+    removed: dict[str, int] = field(default_factory=dict)   # samples removed by the retention policy, by reason
 
     def to_json(self) -> dict:
         return {"samples": self.samples, "labels": self.labels, "versions": self.versions,
                 "without_blob": self.without_blob, "unlabeled_blobs": self.unlabeled_blobs,
-                "bad_lines": self.bad_lines, "torn_tail": self.torn_tail, "moved_aside": self.moved_aside}
+                "bad_lines": self.bad_lines, "torn_tail": self.torn_tail, "moved_aside": self.moved_aside,
+                "salvaged": self.salvaged, "lost_history": self.lost_history, "removed": self.removed}
 
 
 _STORE_FILES = ("", "-wal", "-shm", "-journal")
@@ -202,7 +209,12 @@ def rebuild(config: DaemonConfig, move_aside: bool = False, clock: Callable[[], 
         report.without_blob = len(samples) - len(todo)
         report.samples = store.restore_samples(todo)
         report.labels = store.labels()
-        report.versions = _restore_versions(store, Registry(layout.root))
+        report.removed = contents.removal_counts()
+        if report.removed:
+            store.restore_removal_counts(report.removed)
+        if present:
+            report.salvaged, report.lost_history = _salvage(database, store)
+        report.versions = _restore_versions(store, Registry(layout.root), job_history=bool(report.salvaged.get("jobs")))
         store.checkpoint()
     report.unlabeled_blobs = sum(1 for key, _ in blobs.scan() if key is not None and key not in samples)
     if present:
@@ -214,10 +226,29 @@ def rebuild(config: DaemonConfig, move_aside: bool = False, clock: Callable[[], 
     return report
 
 
-def _restore_versions(store: Store, registry: Registry) -> list[str]:
+def _salvage(database: Path, store: Store) -> tuple[dict[str, int], str | None]:
+    """Copy the job history, versions and events of the store being replaced, read-only, as far as it can
+    be read; returns the rows copied per table and, when it could not be opened, why."""
+    if not database.is_file() or database.stat().st_size == 0:
+        return {}, f"{database.name} {store_state(database, thorough=False) or 'is empty'}"
+    try:
+        old = sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+    except sqlite3.Error as e:
+        return {}, f"{database.name} cannot be opened ({e})"
+    try:
+        copied = store.salvage_history(old)
+    except sqlite3.Error as e:
+        return {}, f"{database.name} cannot be read ({e})"
+    finally:
+        old.close()
+    missing = [t for t in Store.HISTORY_TABLES if t not in copied]
+    return copied, (f"{', '.join(missing)} of {database.name} could not be read" if missing else None)
+
+
+def _restore_versions(store: Store, registry: Registry, job_history: bool = False) -> list[str]:
     """A row per complete version directory, promoted (only promoted versions are written to disk), with
     its ``metrics.json``; a finished job stands for the last one's data, so the schedule counts only
-    samples that arrived after it as new."""
+    samples that arrived after it as new (unless the old store's job history was salvaged)."""
     names = registry.versions()
     last_batch = 0
     for name in names:
@@ -230,7 +261,7 @@ def _restore_versions(store: Store, registry: Registry) -> list[str]:
         store.restore_version(name, created_at=folder.stat().st_mtime, metrics=metrics,
                               reason=f"rebuilt from versions/{name}")
         last_batch = max(last_batch, int(metrics.get("data_batch_id", 0) or 0))
-    if names:
+    if names and not job_history:
         store.restore_done_job(f"rebuilt: the data of {names[-1]}", last_batch)
     try:
         current = registry.current()

@@ -41,6 +41,14 @@ class EventKind(str, Enum):
     ROLLBACK = "rollback"        # from, to
     ERROR = "error"              # where, error
     INFO = "info"                # message
+    REMOVED = "removed"          # why, samples, bytes, by_label (retention), or quarantine files and bytes
+
+
+class RemovalReason(str, Enum):
+    """Why the retention policy removed a sample (:mod:`edgerev_daemon.retention`)."""
+
+    BYTES = "max_bytes"          # the data directory was over storage.max_bytes
+    SAMPLES = "max_samples"      # the store held more than storage.max_samples
 
 
 @dataclass(frozen=True)

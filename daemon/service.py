@@ -40,6 +40,8 @@ from edgerev.train.progress import Progress
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
+from edgerev_daemon.errors import Stopped
+from edgerev_daemon.exporting import export
 from edgerev_daemon.faults import Conditions, free_bytes, storage_fault
 from edgerev_daemon.handoff import serve_requests
 from edgerev_daemon.ingest import ingest_inbox
@@ -47,7 +49,7 @@ from edgerev_daemon.jobs import JobOutcome, check_training, job_dir, run_job
 from edgerev_daemon.layout import prepare
 from edgerev_daemon.lock import DataDirLock
 from edgerev_daemon.notify import Notifier
-from edgerev_daemon.promote import decide, export, held_out, version_files
+from edgerev_daemon.promote import decide, held_out, version_files
 from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
@@ -329,8 +331,11 @@ class Daemon:
             shutil.rmtree(out, ignore_errors=True)
             return {"job": job.id, "status": "skipped", "reason": outcome.reason}
         gate = self.config.promotion.gate
-        held = held_out(self.store, self.blobs, job, gate.recent_window_days, outcome.held_back)
-        decision = decide(outcome.run_dir, current, held, gate)
+        try:
+            held = held_out(self.store, self.blobs, job, gate.recent_window_days, outcome.held_back)
+            decision = decide(outcome.run_dir, current, held, gate, self._alive)
+        except Stopped as e:  # the trained candidate waits in its folder: the next start evaluates it again
+            return self._stopped(job, e)
         summary = outcome.summary or {}
         metrics = {"data_batch_id": job.data_batch_id, "base_batch": base_batch, "promote": decision.promote,
                    "evaluation": decision.metrics, "classes": summary.get("classes"),
@@ -380,6 +385,8 @@ class Daemon:
         if version.metrics.get("promote") and not version.promoted:
             try:
                 self._promote(version, out, parent)
+            except Stopped as e:  # the decision is recorded: the next start carries it out
+                return self._stopped(job, e) | {"version": version.id}
             except (OSError, EdgerevError) as e:  # a full disk, a failed export: the current model stays
                 reason = f"promotion failed, {parent or 'no model'} stays in service: {e}"
                 self.store.update_version(version.id, reason=reason)
@@ -405,10 +412,19 @@ class Daemon:
         self.notifier.status(line)
 
     def _promote(self, version: Version, out: Path, current_name: str | None) -> None:
+        """Export, write the version directory, switch ``current`` to it, prune old versions.
+
+        A stop is honoured until the version directory is written (:class:`Stopped`): the export runs in
+        a child process that a stop kills (:mod:`edgerev_daemon.exporting`). From the write on, the
+        promotion finishes (a fraction of a second: files of a few MB fsynced, a link renamed), so a
+        stop finds ``current`` on the old version or the new one, and the store saying the same.
+        """
         if not self.registry.path(version.id).is_dir():
             onnx = out / "model.onnx"
             metrics = dict(version.metrics)
-            metrics["export"] = export(out, onnx)
+            metrics["export"] = export(out, onnx, self._alive, self.config.training.train.threads)
+            if self._alive():
+                raise Stopped("the promotion (exported, the version not yet written)")
             self.registry.write(version.id, version_files(out, onnx, metrics))
         protect = [current_name] if current_name else []  # the version a rollback would go back to
         self.registry.switch(version.id)
@@ -417,6 +433,13 @@ class Daemon:
         pruned = self.registry.prune(self.config.promotion.keep_last, protect=set(protect))
         if pruned:
             log.info("pruned versions %s", ", ".join(pruned))
+
+    def _stopped(self, job: Job, stopped: Stopped) -> dict:
+        """A job asked to stop in ``stopped``'s phase: it stays running in the store (queued again at the
+        next start, which resumes it where it left off)."""
+        reason = f"stopped in {stopped}"
+        log.info("job %d %s; it resumes at the next start", job.id, reason)
+        return {"job": job.id, "status": "stopped", "reason": reason}
 
     def _fail(self, job: Job, error: str) -> dict:
         log.error("job %d: %s", job.id, error)

@@ -188,7 +188,7 @@ class Store:
                           [(now, EventKind(k).value, dumps(m)) for k, m in events])
         return batch
 
-    def _journal(self, c: sqlite3.Connection, records: list[JournalRecord]) -> None:
+    def _journal(self, c: sqlite3.Connection, records: list) -> None:
         """Append ``records`` to the journal (inside the caller's transaction, before its commit). A data
         directory without a journal (written by an older edgerev, or the journal was deleted) gets one
         holding every sample already stored first, so the journal never knows less than the store."""
@@ -231,6 +231,77 @@ class Store:
                           (r.sha256, label, r.split, r.width, r.height, r.blob_sha256, r.source, r.added_at, r.batch))
                 added += 1
         return added
+
+    def remove_samples(self, shas: Sequence[str], why: str, event: dict | None = None) -> int:
+        """Remove samples (the retention policy's choice) in one transaction: their removal lines are
+        appended to the journal and fsynced before the ``COMMIT`` that deletes the rows (see
+        :mod:`edgerev_daemon.journal`); the caller deletes the blobs after it. The count by reason grows
+        and one ``removed`` event says what went and why; returns how many rows went.
+
+        Args:
+            why: a :class:`~edgerev_daemon.records.RemovalReason` value.
+            event: more for the event's message (bytes freed, the budget).
+        """
+        from edgerev_daemon.journal import Removal
+
+        now = self.clock()
+        with self.transaction() as c:
+            by_label = self._labels_of(c, shas)
+            self._journal(c, [Removal(sha, why, now) for sha in shas])
+            n = self._delete(c, shas, why)
+            message = {"why": why, "samples": n, "by_label": by_label} | (event or {})
+            self._event(c, EventKind.REMOVED, message)
+        return n
+
+    def finish_removals(self, shas: Sequence[str], why: str = "interrupted") -> int:
+        """Delete the rows of samples the journal already says were removed (a crash came between the
+        journal's fsync and the commit); returns how many went."""
+        with self.transaction() as c:
+            by_label = self._labels_of(c, shas)
+            n = self._delete(c, shas, why)
+            if n:
+                self._event(c, EventKind.REMOVED, {"why": why, "samples": n, "by_label": by_label,
+                                                   "finished": "a removal the journal recorded before a crash"})
+        return n
+
+    @staticmethod
+    def _labels_of(c: sqlite3.Connection, shas: Sequence[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for sha in shas:
+            row = c.execute("SELECT l.name FROM samples s JOIN labels l ON l.id = s.label_id WHERE s.sha256 = ?",
+                            (sha,)).fetchone()
+            if row is not None:
+                out[row[0]] = out.get(row[0], 0) + 1
+        return out
+
+    def _delete(self, c: sqlite3.Connection, shas: Sequence[str], why: str) -> int:
+        n = 0
+        for sha in shas:
+            n += c.execute("DELETE FROM samples WHERE sha256 = ?", (sha,)).rowcount
+        if n:
+            counts = self._removal_counts(c)
+            counts[why] = counts.get(why, 0) + n
+            self._set_removal_counts(c, counts)
+        return n
+
+    @staticmethod
+    def _removal_counts(c: sqlite3.Connection) -> dict[str, int]:
+        row = c.execute("SELECT value FROM meta WHERE key = 'removed'").fetchone()
+        return {str(k): int(v) for k, v in json.loads(row[0]).items()} if row else {}
+
+    @staticmethod
+    def _set_removal_counts(c: sqlite3.Connection, counts: dict[str, int]) -> None:
+        c.execute("INSERT INTO meta (key, value) VALUES ('removed', ?) "
+                  "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (dumps(counts),))
+
+    def removal_counts(self) -> dict[str, int]:
+        """Samples removed over the data directory's life, by reason."""
+        return self._removal_counts(self._conn)
+
+    def restore_removal_counts(self, counts: dict[str, int]) -> None:
+        """Set the count of removals by reason (a rebuild: from the journal)."""
+        with self.transaction() as c:
+            self._set_removal_counts(c, counts)
 
     def labels(self) -> list[str]:
         """Label names in the order they first arrived: a label's index never changes, so a model's
@@ -500,6 +571,46 @@ class Store:
                 return n + c.execute("DELETE FROM events").rowcount
             return n + c.execute("DELETE FROM events WHERE id < (SELECT MIN(id) FROM "
                                  "(SELECT id FROM events ORDER BY id DESC LIMIT ?))", (keep,)).rowcount
+
+    # what only the store knows ----------------------------------------------------------------------
+
+    HISTORY_TABLES = ("jobs", "versions", "events")
+
+    def unjournaled_history(self) -> dict[str, int]:
+        """Rows no file on disk can recreate: the job history, the versions that were not promoted (a
+        promoted one is a directory with its metrics; a rebuild records it again), the events. A rebuild
+        salvages them from a readable old store (:func:`edgerev_daemon.rebuild.rebuild`); from a lost
+        one, these are lost (``check`` names them)."""
+        return {"jobs": self._one("SELECT COUNT(*) FROM jobs")[0],
+                "versions_not_promoted": self._one("SELECT COUNT(*) FROM versions WHERE promoted = 0")[0],
+                "events": self._one("SELECT COUNT(*) FROM events")[0]}
+
+    def salvage_history(self, old: sqlite3.Connection) -> dict[str, int]:
+        """Copy the jobs, versions and events of another store (``old``, a damaged one being replaced) into
+        this one, which holds none yet; returns the rows copied per table. A table that cannot be read
+        is skipped (its rows are lost, and the count says so by its absence)."""
+        copied: dict[str, int] = {}
+        columns = {"jobs": "id, state, reason, created_at, started_at, finished_at, data_batch_id, checkpoint_dir, "
+                           "error",
+                   "versions": "id, number, created_at, job_id, parent_id, promoted, metrics, reason",
+                   "events": "id, at, kind, message, repeats, last_at"}
+        order = {"jobs": "id", "versions": "number", "events": "id"}
+        for table in self.HISTORY_TABLES:
+            try:
+                rows = old.execute(f"SELECT {columns[table]} FROM {table} ORDER BY {order[table]}").fetchall()
+            except sqlite3.Error:
+                continue
+            marks = ", ".join("?" * len(columns[table].split(", ")))
+            with self.transaction() as c:
+                n = 0
+                for row in rows:
+                    try:
+                        n += c.execute(f"INSERT OR IGNORE INTO {table} ({columns[table]}) VALUES ({marks})",
+                                       row).rowcount
+                    except sqlite3.IntegrityError:  # a damaged row (a version naming a lost job): left out
+                        continue
+            copied[table] = n
+        return copied
 
     # the version in service -------------------------------------------------------------------------
 

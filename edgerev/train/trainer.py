@@ -386,7 +386,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                                **{k: v for k, v in ev.items() if k not in ("per_class", "confusion")}})
                 plateau.update(step // per_epoch, ev["acc"], ev["loss"])
             stopping = stop is not None and stop()
-            if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0:
+            if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0 or step == end():
                 save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro})
             if pacer.due(end_of_epoch) and step < end():  # the last report follows the loop
                 reporter(progress_of("running", epoch + 1, lr), end_of_epoch)
@@ -398,6 +398,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         bar.close()
         metrics.close()
     last_epoch = max(1, -(-step // per_epoch))
+    if status == "done" and stop is not None and stop():  # asked in the last step: the rest waits for a resume
+        status = "stopped"
     if status == "stopped":
         reporter(progress_of("stopped", last_epoch, lr_at(max(0, step - 1), total, cfg.optim, tail())), True)
         return RunResult(status, out, step, total)
@@ -410,20 +412,28 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     if cap is not None and cap.peak:  # what the tracker saw in this session's verified steps, against the plan's
         plan_summary = {**plan_summary, "measured_peak_bytes": cap.peak}
     summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step,
-                      early)
+                      early, stop)
+    if summary is None:
+        reporter(progress_of("stopped", last_epoch, lr_at(max(0, step - 1), total, cfg.optim, tail())), True)
+        return RunResult("stopped", out, step, total, {"stopped_in": "the final evaluation"})
     reporter(progress_of("plateau" if early else "done", last_epoch,
                          lr_at(max(0, step - 1), total, cfg.optim, tail())), True)
     return RunResult(status, out, step, total, summary)
 
 
 def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelInfo, rows: list[dict],
-            plan_summary: dict, seconds: float, step: int, early: dict | None) -> dict:
+            plan_summary: dict, seconds: float, step: int, early: dict | None,
+            stop: Callable[[], bool] | None = None) -> dict | None:
     """Final evaluation, the model directory, the replay sample, the summary and the plot.
 
     ``early``: ``{"epoch", "annealed_epochs", "reason"}`` when patience ran out (at the end of ``epoch``)
-    before the epoch maximum, and the run annealed for ``annealed_epochs`` before it stopped."""
+    before the epoch maximum, and the run annealed for ``annealed_epochs`` before it stopped. ``stop`` is
+    asked once the evaluation is done: True returns None before anything is written (the last step's
+    checkpoint holds the run, and a resume comes straight here)."""
     device = next(model.parameters()).device
     final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
+    if stop is not None and stop():
+        return None
     extra = {}
     if cfg.continual.replay > 0:
         extra["replay_sha256"] = save_replay(out, s.train.balanced_sample(cfg.continual.replay, cfg.train.seed))

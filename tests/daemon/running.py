@@ -20,13 +20,17 @@ LIMIT = 600.0  # seconds before a wait gives up: far beyond any healthy run, eve
 
 
 class Running:
-    """The daemon on ``config_path``; a context manager that kills it if the test leaves early."""
+    """The daemon on ``config_path``; a context manager that kills it if the test leaves early.
 
-    def __init__(self, config_path: Path, poll: float = 0.2) -> None:
+    ``command``: another command line that runs the daemon (a script that hooks into it first).
+    """
+
+    def __init__(self, config_path: Path, poll: float = 0.2, command: list[str] | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("JOURNAL_STREAM", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "edgerev", "daemon", "run", "--config", str(config_path),
-                                      "--poll", str(poll)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        command = command or [sys.executable, "-m", "edgerev", "daemon", "run", "--config", str(config_path),
+                              "--poll", str(poll)]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, errors="replace", env=env)
         self.lines: list[str] = []
         self._ended = False

@@ -134,6 +134,8 @@ def test_a_burst_of_sighup_is_one_reload(tmp_path, monkeypatch, caplog):
     with Daemon(config, config_path=path, clock=Clock()) as d, _handled(d):
         for _ in range(2000):
             os.kill(os.getpid(), signal.SIGHUP)
+        # the signal thread takes them when it runs: wait until it has (the loop read the flag too early once)
+        assert d.requests.wakeup.wait(LIMIT) and d.requests.reload
         cycles = []
         monkeypatch.setattr(d, "cycle", lambda: cycles.append(1) or d.request_stop() or CycleReport())
         with caplog.at_level(logging.INFO, logger="edgerev.daemon"):

@@ -1,0 +1,307 @@
+"""The storage budget: what is removed when the data directory reaches ``storage.max_bytes``.
+
+Checked at the start of every cycle (:func:`enforce`), before ingest. When the data directory holds more
+than ``storage.max_bytes`` (or the store more than ``storage.max_samples`` samples), samples are removed
+until it is at most ``storage.target`` of the bound, by this policy:
+
+1. **Nothing a job reads.** While a job is queued or running (interrupted, to be resumed) it reads every
+   sample up to its data, and its evaluation the held-out ones: no sample is removed until it is done.
+   The version in service and the one a rollback goes back to are version directories, never samples;
+   ``promotion.keep_last`` bounds those.
+2. **The held-out share stays fixed.** Of the samples removed, as many come from the held-out split as
+   keep it at ``heldout_fraction`` of what is kept (a split with nothing left to remove gives the rest).
+3. **Every class stays, with its newest samples.** The newest ``storage.keep_newest_per_class`` samples
+   of each class in each split are never removed, so the recent window the promotion gate judges on is
+   the last to thin.
+4. **The largest class gives first** (water-filling): each removal comes from the class that holds the
+   most samples in that split, so a rare or vanished class keeps its history while a frequent one thins.
+5. **Within a class, oldest first, a reservoir last.** A sample whose hash falls in the first
+   ``storage.reservoir`` share of the hash space belongs to the reservoir: the others go oldest first;
+   reservoir samples go after them, in a fixed order of their hashes, so what remains of a class's past
+   is an even sample of its whole history (nested: a smaller budget keeps a subset of what a larger one
+   keeps). The choice is a pure function of the store, so a removal cut short by a crash is chosen again.
+
+Crash safety is the journal's (see :mod:`edgerev_daemon.journal`): the removal lines are fsynced inside the
+transaction that deletes the rows, the blobs go after its commit; :func:`finish_removals` completes at start
+what a crash cut short. Every removal is counted by reason in the store (``status``) and explained by a
+``removed`` event (how many, of which labels, why, the bytes before and the budget).
+
+Quarantine has its own bound (``storage.max_quarantine_bytes``): its oldest files go first, with their
+reasons. When the budget cannot be reached (a job holds the samples, or only protected samples remain) ingest
+waits, so the data directory does not keep growing past the budget.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.faults import free_bytes
+from edgerev_daemon.journal import JournalContents, Removal
+from edgerev_daemon.quarantine import SIDECAR
+from edgerev_daemon.records import EventKind, RemovalReason, Sample, Split
+from edgerev_daemon.store import Store
+from edgerev_daemon.usage import DiskUsage, Usage
+
+log = logging.getLogger("edgerev.daemon")
+
+_HASH_SPAN = float(16**8)
+_PASSES = 4
+
+
+def reservoir_key(sha256: str) -> float:
+    """A sample's place in the hash space, in [0, 1) (the bytes after those :func:`~edgerev_daemon.store.split_of`
+    reads, so reservoir and split are independent)."""
+    return int(sha256[8:16], 16) / _HASH_SPAN
+
+
+def victim_order(samples: Sequence[Sample], keep_newest: int, reservoir: float) -> list[Sample]:
+    """A class's removable samples in the order they go: ``samples`` (one class and split, in arrival
+    order) without the newest ``keep_newest``; those outside the reservoir oldest first, then the
+    reservoir's from the largest hash key down."""
+    older = list(samples[: max(0, len(samples) - keep_newest)])
+    outside = [s for s in older if reservoir_key(s.sha256) >= reservoir]
+    inside = sorted((s for s in older if reservoir_key(s.sha256) < reservoir),
+                    key=lambda s: reservoir_key(s.sha256), reverse=True)
+    return outside + inside
+
+
+def water_fill(by_label: dict[str, list[Sample]], count: int, keep_newest: int, reservoir: float) -> list[Sample]:
+    """Up to ``count`` samples of one split, each from the label that holds the most samples then."""
+    queues = {label: victim_order(s, keep_newest, reservoir) for label, s in by_label.items()}
+    order = {label: i for i, label in enumerate(by_label)}
+    heap = [(-len(s), order[label], label) for label, s in by_label.items() if queues[label]]
+    heapq.heapify(heap)
+    taken: dict[str, int] = {label: 0 for label in by_label}
+    out: list[Sample] = []
+    while heap and len(out) < count:
+        held, i, label = heapq.heappop(heap)
+        out.append(queues[label][taken[label]])
+        taken[label] += 1
+        if taken[label] < len(queues[label]):
+            heapq.heappush(heap, (held + 1, i, label))
+    return out
+
+
+def choose(samples: Sequence[Sample], count: int, heldout_fraction: float, keep_newest: int,
+           reservoir: float) -> list[Sample]:
+    """The ``count`` samples the policy removes first (fewer when only protected ones remain)."""
+    splits: dict[Split, dict[str, list[Sample]]] = {Split.TRAIN: {}, Split.HELDOUT: {}}
+    for s in samples:  # in arrival order: each class's list ends with its newest
+        splits[s.split].setdefault(s.label, []).append(s)
+    held = sum(len(v) for v in splits[Split.HELDOUT].values())
+    kept = len(samples) - count
+    from_heldout = min(count, max(0, held - round(heldout_fraction * kept)))
+    heldout = water_fill(splits[Split.HELDOUT], from_heldout, keep_newest, reservoir)
+    train = water_fill(splits[Split.TRAIN], count - len(heldout), keep_newest, reservoir)
+    if len(heldout) + len(train) < count:  # the train split ran out of removable samples
+        heldout = water_fill(splits[Split.HELDOUT], count - len(train), keep_newest, reservoir)
+    return heldout + train
+
+
+@dataclass
+class BudgetReport:
+    """What one check of the budget found and did."""
+
+    usage: Usage = field(default_factory=Usage)
+    max_bytes: int | None = None
+    samples: int = 0
+    max_samples: int | None = None
+    removed: int = 0
+    removed_bytes: int = 0
+    quarantine_removed: int = 0
+    compacted: tuple[int, int] | None = None
+    over: str | None = None  # why the data directory is still over its bounds (ingest waits), or None
+
+    def to_json(self) -> dict:
+        return {"usage": self.usage.to_json(), "max_bytes": self.max_bytes, "samples": self.samples,
+                "max_samples": self.max_samples, "removed": self.removed, "removed_bytes": self.removed_bytes,
+                "quarantine_removed": self.quarantine_removed,
+                "compacted": list(self.compacted) if self.compacted else None, "over": self.over}
+
+
+def _over(config: DaemonConfig, usage: Usage, samples: int) -> str | None:
+    st = config.storage
+    budget = st.max_bytes_int
+    if budget is not None and usage.total > budget:
+        return f"{usage.total} bytes kept, over storage.max_bytes ({budget})"
+    if st.max_samples is not None and samples > st.max_samples:
+        return f"{samples} samples kept, over storage.max_samples ({st.max_samples})"
+    return None
+
+
+def _to_remove(config: DaemonConfig, usage: Usage, samples: int) -> tuple[int, RemovalReason]:
+    """How many samples to remove to bring both bounds down to ``target``, and the bound that asks most."""
+    st = config.storage
+    by_bytes = by_count = 0
+    budget = st.max_bytes_int
+    if budget is not None and usage.total > budget and samples:
+        excess = usage.total - math.floor(st.target * budget)
+        by_bytes = min(samples, math.ceil(excess / max(1, usage.blobs / samples)))
+    if st.max_samples is not None and samples > st.max_samples:
+        by_count = samples - math.floor(st.target * st.max_samples)
+    return (by_bytes, RemovalReason.BYTES) if by_bytes >= by_count else (by_count, RemovalReason.SAMPLES)
+
+
+def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsage) -> BudgetReport:
+    """Check the bounds and remove what the policy says (see the module's docstring); once per cycle."""
+    st = config.storage
+    report = BudgetReport(max_bytes=st.max_bytes_int, max_samples=st.max_samples)
+    report.usage = usage.measure()
+    if report.usage.quarantine > st.quarantine_bytes:
+        report.quarantine_removed = prune_quarantine(config, store, report.usage.quarantine)
+        report.usage = usage.measure()
+    report.samples = store.count_samples()
+    if _over(config, report.usage, report.samples) is None:
+        return report
+    job = store.active_job()
+    if job is not None:
+        report.over = _over(config, report.usage, report.samples) + f"; job {job.id} reads the samples until it ends"
+        return report
+    short = False
+    for _ in range(_PASSES):  # the count is estimated from the mean blob; a pass short of the target goes again
+        if _over(config, report.usage, report.samples) is None:
+            break
+        count, why = _to_remove(config, report.usage, report.samples)
+        victims = choose(store.samples(), count, config.heldout_fraction, st.keep_newest_per_class, st.reservoir)
+        short = len(victims) < count
+        if not victims:
+            break
+        before = report.usage.total
+        freed = sum(_blob_bytes(blobs, s.sha256) for s in victims)
+        store.remove_samples([s.sha256 for s in victims], why.value,
+                             {"bytes_before": before, "blob_bytes": freed, "max_bytes": st.max_bytes_int,
+                              "max_samples": st.max_samples})
+        for s in victims:  # after the commit: a crash here leaves orphans, removed at the next start
+            blobs.remove(s.sha256)
+        report.removed += len(victims)
+        report.removed_bytes += freed
+        log.info("storage: removed %d samples (%d bytes of blobs) by the retention policy: %s", len(victims),
+                 freed, _over(config, report.usage, report.samples))
+        store.checkpoint()  # the write-ahead log holds every page the removal touched: fold it back
+        report.usage = usage.measure()
+        report.samples = store.count_samples()
+    if report.removed:
+        report.compacted = compact_journal(store)
+        report.usage = usage.measure()
+    if _over(config, report.usage, report.samples) is not None:
+        report.over = _over(config, report.usage, report.samples) + (": only protected samples remain" if short
+                                                                     else "")
+    return report
+
+
+def _blob_bytes(blobs: BlobStore, key: str) -> int:
+    try:
+        st = os.stat(blobs.path(key))
+    except FileNotFoundError:
+        return 0
+    return getattr(st, "st_blocks", 0) * 512 or st.st_size
+
+
+def finish_removals(store: Store, blobs: BlobStore, contents: JournalContents | None = None) -> int:
+    """Complete removals a crash cut short: rows the journal says were removed go, then their blobs
+    (blobs of removals already committed are orphans, for :func:`~edgerev_daemon.check.remove_garbage`).
+    Returns how many rows went."""
+    contents = contents if contents is not None else store.journal.read()
+    removed = contents.removed()
+    stored = set(store.blob_hashes())
+    todo = sorted(removed & stored)
+    if not todo:
+        return 0
+    last = {r.removed: r.why for r in contents.lines if isinstance(r, Removal)}
+    why: dict[str, list[str]] = {}
+    for sha in todo:
+        why.setdefault(last[sha], []).append(sha)
+    n = sum(store.finish_removals(shas, reason) for reason, shas in why.items() if shas)
+    for sha in todo:
+        blobs.remove(sha)
+    log.warning("finished %d sample removals that a crash cut short", n)
+    return n
+
+
+def compact_journal(store: Store, min_removed: int = 256, force: bool = False) -> tuple[int, int] | None:
+    """Compact the journal when the removals it still lists are at least ``min_removed`` and half the samples it
+    holds (``force``: whenever it lists any); returns its size before and after, or None when left alone.
+
+    Finishes any removal the store has not committed first: a compacted journal no longer says those
+    samples were removed (see :meth:`edgerev_daemon.journal.Journal.compact`)."""
+    if not store.journal.exists():
+        return None
+    contents = store.journal.read()
+    removals = sum(1 for r in contents.lines if isinstance(r, Removal))
+    live = len(contents.samples())
+    if not removals or (not force and (removals < min_removed or removals < live // 2)):
+        return None
+    if contents.removed() & set(store.blob_hashes()):
+        return None  # a removal not committed: the next start finishes it, then the journal is compacted
+    before, after = store.journal.compact(contents)
+    log.info("journal compacted: %d -> %d bytes (%d removed samples' lines dropped)", before, after, removals)
+    return before, after
+
+
+def prune_quarantine(config: DaemonConfig, store: Store, used: int) -> int:
+    """Delete the oldest quarantined files (each with its reason file) until the quarantine is under its
+    bound; returns how many files went. The file goes before its reason: a crash between leaves a reason
+    alone, which goes at the next prune (a reason without its file is the oldest entry of all)."""
+    folder = config.layout.quarantine
+    bound = config.storage.quarantine_bytes
+    entries: dict[str, list[os.DirEntry]] = {}
+    for e in os.scandir(folder):
+        if e.is_file(follow_symlinks=False) or e.is_symlink():
+            base = e.name[: -len(SIDECAR)] if e.name.endswith(SIDECAR) else e.name
+            entries.setdefault(base, []).append(e)
+
+    def age(item: tuple[str, list[os.DirEntry]]) -> tuple[int, float]:
+        files = item[1]
+        alone = all(f.name.endswith(SIDECAR) for f in files)
+        return (0 if alone else 1, min(f.stat(follow_symlinks=False).st_mtime for f in files))
+
+    removed = freed = 0
+    for _, files in sorted(entries.items(), key=age):
+        if used - freed <= bound * config.storage.target:
+            break
+        for f in sorted(files, key=lambda f: f.name.endswith(SIDECAR)):  # the file, then its reason
+            try:
+                size = f.stat(follow_symlinks=False).st_blocks * 512
+                os.unlink(f.path)
+            except FileNotFoundError:
+                continue
+            freed += size
+            removed += 1
+    if removed:
+        store.add_event(EventKind.REMOVED, {"why": "max_quarantine_bytes", "quarantine_files": removed,
+                                            "bytes": freed, "max_quarantine_bytes": bound})
+        log.info("storage: removed the %d oldest quarantine files (%d bytes) over storage.max_quarantine_bytes",
+                 removed, freed)
+    return removed
+
+
+def fits_disk(config: DaemonConfig, usage: Usage) -> str | None:
+    """Why the budget cannot fit the disk (what is kept now plus what is free, less ``min_free_space``), or None."""
+    budget = config.storage.max_bytes_int
+    free = free_bytes(config.layout.root)
+    if budget is None or free is None:
+        return None
+    room = usage.total + free - config.storage.min_free_bytes
+    if budget <= room:
+        return None
+    total = shutil.disk_usage(config.layout.root).total
+    return (f"storage.max_bytes ({budget} bytes) cannot fit the disk: the daemon keeps {usage.total} bytes and "
+            f"{free} are free of {total} (less storage.min_free_space, {config.storage.min_free_bytes}); "
+            f"min_free_space will stop ingest at about {room} bytes kept")
+
+
+def budget_status(config: DaemonConfig, store: Store, measure: Callable[[], Usage] | None = None) -> dict:
+    """The budget's lines for ``status``, the HTTP page and ``/metrics``."""
+    usage = (measure or DiskUsage(config.layout).measure)()
+    samples = store.count_samples()
+    return {"usage": usage.to_json(), "max_bytes": config.storage.max_bytes_int, "samples": samples,
+            "max_samples": config.storage.max_samples, "max_quarantine_bytes": config.storage.quarantine_bytes,
+            "over": _over(config, usage, samples), "removed": store.removal_counts()}

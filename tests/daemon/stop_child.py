@@ -1,0 +1,87 @@
+"""``edgerev daemon run`` parked in one phase until a SIGTERM lands (not collected by pytest).
+
+    python stop_child.py CONFIG PHASE
+
+Runs the daemon as the CLI does (signal handlers, lock, the loop), with one hook: the first time the
+daemon reaches PHASE it logs ``parked in PHASE`` and holds there until the stop flag is set by the test's
+SIGTERM, then goes on as if the signal had landed at that instant. A test waits for the line, sends the
+signal from its own process, and checks that the daemon left the phase at once and what it left behind.
+
+- ``ingest``: the third file of a batch is being examined (decoded, checked, stored);
+- ``training``: inside the third training step;
+- ``final``: the trainer's final evaluation, before the model directory is written;
+- ``evaluation``: the candidate being scored on the held-out samples (the model in service next);
+- ``export``: the ONNX export's child process runs, and never ends by itself (it waits on its standard
+  input; it writes ``parked in export <pid>`` to the daemon's standard error): only a kill ends it;
+- ``promotion``: the version's files are written and fsynced, the directory not yet renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PARK_EXPORT = """
+import os, sys
+with open(f"/proc/{os.getppid()}/fd/2", "w") as daemon_stderr:
+    print(f"parked in export {os.getpid()}", file=daemon_stderr, flush=True)
+sys.stdin.read()
+"""
+
+
+def main() -> None:
+    import edgerev.train.trainer as trainer
+    from edgerev.cli import main as cli
+    from edgerev_daemon import exporting, ingest, promote, registry, signals
+
+    config, phase = sys.argv[1], sys.argv[2]
+    made = []
+    real_requests = signals.Requests.__init__
+
+    def remember(self) -> None:
+        real_requests(self)
+        made.append(self)
+
+    signals.Requests.__init__ = remember  # the CLI's own, which its SIGTERM handler sets
+
+    def park() -> None:
+        print(f"parked in {phase}", file=sys.stderr, flush=True)
+        while not made[0].stop:
+            made[0].wakeup.wait(600)
+
+    def at(module, name: str, nth: int = 1) -> None:
+        real, calls = getattr(module, name), [0]
+
+        def parked(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == nth:
+                park()
+            return real(*args, **kwargs)
+
+        setattr(module, name, parked)
+
+    from edgerev_daemon.promote import Decision
+
+    real_judge = promote.judge
+    # the gate is told to promote (these tests are about stopping, not judging): every phase is reached
+    promote.judge = lambda *a, **k: Decision(True, "promoted by the test", real_judge(*a, **k).metrics)
+    if phase == "ingest":
+        at(ingest._Ingest, "examine", 3)
+    elif phase == "training":
+        at(trainer, "train_step", 3)
+    elif phase == "final":
+        at(trainer, "_finish")
+    elif phase == "evaluation":
+        at(promote, "score")
+    elif phase == "export":
+        exporting.command = lambda run_dir, out, threads: [sys.executable, "-c", PARK_EXPORT]
+    elif phase == "promotion":
+        at(registry, "fsync_dir")  # its first call in a promotion: the partial directory's files are synced
+    else:
+        raise SystemExit(f"unknown phase {phase!r}")
+    sys.exit(cli(["daemon", "run", "--config", config, "--poll", "0.2"]))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    main()
