@@ -245,3 +245,41 @@ def test_the_step_accounting_takes_a_model_from_outside():
     model = resolve_model(TINY, num_classes=4)
     a = account_step(model, StepShape(16, 4, momentum=True), 2, lambda m: None, real=True)
     assert a.total > a.baseline > 0 and a.batch_input == 4 * 3 * 16 * 16 * 4
+
+
+def _onnx_of(model: nn.Module, path) -> None:
+    """A model exported as a user's server would (the TorchScript exporter in eval mode: batch norm folded)."""
+    import warnings
+
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.zeros(1, 3, 16, 16),), str(path), input_names=["image"],
+                          output_names=["scores"], dynamic_axes={"image": {0: "n"}, "scores": {0: "n"}},
+                          opset_version=17, dynamo=False)
+
+
+def test_an_onnx_file_resolves_trains_and_rebuilds_from_its_model_directory(tmp_path):
+    pytest.importorskip("onnx")
+    import edgerev
+
+    torch.manual_seed(4)
+    original = TinyNet(classes=5)
+    _onnx_of(original, tmp_path / "m.onnx")
+    model = resolve_model(str(tmp_path / "m.onnx"))
+    spec = model_spec(model)
+    assert (model.arch, spec.in_channels, spec.num_classes) == ("onnx", 3, 5)
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.allclose(model.eval()(x), original(x), atol=1e-5)
+    grown = resolve_model(str(tmp_path / "m.onnx"), num_classes=3)
+    assert model_spec(grown).num_classes == 3 and grown(x).shape == (2, 3)
+
+    from edgerev.train.config import SourceConfig
+    from edgerev.train.labeled import load_source
+
+    data = load_source(SourceConfig(kind="synthetic", samples=24, num_classes=3, seed=2), 16)
+    out = edgerev.fit(str(tmp_path / "m.onnx"), data, out=tmp_path / "run", size=16, epochs=1, batch=8)
+    assert (out / "source.onnx").read_bytes() == model.onnx_source  # the directory rebuilds without the file
+    (tmp_path / "m.onnx").unlink()
+    back, info, _ = load_model(out)
+    assert info.arch == "onnx" and model_spec(back).num_classes == 3

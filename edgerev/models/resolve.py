@@ -20,8 +20,8 @@ path's business: :func:`edgerev.train.continual.grow_head`).
 
 Every model it returns carries ``arch`` (the registry name, the factory, ``"onnx"`` or the class of a
 module object) and ``model_args``: what :class:`edgerev.train.checkpoint.ModelInfo` records so a
-model directory rebuilds it through this same function. An ONNX import also carries ``onnx_source``,
-the file a model directory keeps a copy of (``source.onnx``), because its graph lives there.
+model directory rebuilds it through this same function. An ONNX import also carries ``onnx_source``
+(the file's bytes), which a model directory keeps a copy of (``source.onnx``), because its graph lives there.
 
 Bad input is refused in one line (:class:`ModelSourceError`) before anything is written: a module
 that does not import, a factory that raises or returns no module, a weights file that is missing,
@@ -151,7 +151,8 @@ def set_head_rows(model: nn.Module, rows: int) -> None:
     new = new.to(layer.weight.device, layer.weight.dtype)
     parent, _, name = head.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, name, new)
-    if isinstance(getattr(model, "num_classes", None), int):
+    if isinstance(getattr(model, "num_classes", None), int) and not isinstance(
+            getattr(type(model), "num_classes", None), property):  # an ONNX import counts its head's rows itself
         model.num_classes = rows
 
 
@@ -199,8 +200,8 @@ def _from_onnx(path: Path) -> nn.Module:
         from edgerev.models.onnx_import import load_onnx
     except ImportError as e:
         raise ModelSourceError(f"{path}: this edgerev cannot import ONNX files ({_line(e)})") from None
-    model = load_onnx(path)
-    model.arch, model.model_args, model.onnx_source = "onnx", {}, path.resolve()
+    model = load_onnx(path)  # carries onnx_source: the file's bytes (external data inlined)
+    model.arch, model.model_args = "onnx", {}
     return model
 
 

@@ -59,7 +59,11 @@ def _floats(value) -> tuple[float, ...] | None:
 
 
 def head_name(model: nn.Module) -> str | None:
-    """The qualified name of ``model``'s classifier: its last linear layer in module order (None: none)."""
+    """The qualified name of ``model``'s classifier: the one it names (an ONNX import's ``head_name``: its last
+    Gemm/MatMul in the order the graph runs), else its last linear layer in module order (None: none)."""
+    named = getattr(model, "head_name", None)
+    if isinstance(named, str):
+        return named
     last = None
     for name, m in model.named_modules():
         if isinstance(m, _LINEAR):
@@ -88,10 +92,9 @@ def model_spec(model: nn.Module) -> ModelSpec:
             raise SpecError(f"{type(model).__name__} has no linear layer to count its classes from; give the model "
                             "a num_classes attribute")
         num_classes = model.get_submodule(head).out_features
-    io = getattr(model, "io", None)  # an ONNX import's record of the original's input (preprocessing among it)
-    pre = getattr(io, "preprocessing", None)
-    mean = _floats(getattr(model, "mean", None)) or _floats(getattr(pre, "mean", None))
-    std = _floats(getattr(model, "std", None)) or _floats(getattr(pre, "std", None))
+    io = getattr(model, "io", None)  # an ONNX import's record of the original's input (normalization among it)
+    mean = _floats(getattr(model, "mean", None)) or _floats(getattr(io, "mean", None)) or None
+    std = _floats(getattr(model, "std", None)) or _floats(getattr(io, "std", None)) or None
     return ModelSpec(in_channels, num_classes, _int_attr(model, "image_size"), head, mean, std)
 
 

@@ -158,13 +158,13 @@ def _keep_onnx_source(folder: Path, model: nn.Module, info: ModelInfo) -> None:
 
     if info.arch != "onnx":
         return
-    source = getattr(model, "onnx_source", None)
-    if source is None:
-        raise CheckpointError("an imported ONNX model must carry onnx_source (the file it was imported from)")
+    source = getattr(model, "onnx_source", None)  # the original file's bytes (edgerev.models.onnx_import)
+    if not isinstance(source, bytes):
+        raise CheckpointError("an imported ONNX model must carry onnx_source (the bytes of the file it came from)")
     target = folder / ONNX_SOURCE
-    if target.exists() and Path(source).resolve() == target.resolve():
+    if target.is_file() and target.stat().st_size == len(source) and target.read_bytes() == source:
         return
-    atomic_write(target, Path(source).read_bytes())
+    atomic_write(target, source)
 
 
 def read_info(folder: str | Path) -> tuple[ModelInfo, dict]:
