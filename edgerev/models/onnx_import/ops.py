@@ -46,10 +46,12 @@ def _spatial_pads(b, node, a: dict, kernel, strides, dilations, x: str) -> list[
     begin, end = [], []
     for i in range(n):
         size, k, s, d = shape[2 + i], kernel[i], strides[i], dilations[i]
-        total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
-        small, large = total // 2, total - total // 2
-        begin.append(small if auto == "SAME_UPPER" else large)
-        end.append(large if auto == "SAME_UPPER" else small)
+        # as ONNX Runtime computes it: the total may be negative (a stride longer than the kernel), and halves
+        # round toward zero
+        total = (math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size
+        head = int((total + 1) / 2) if auto == "SAME_LOWER" else int(total / 2)
+        begin.append(head)
+        end.append(total - head)
     return begin + end
 
 
@@ -71,7 +73,7 @@ def conv(b, node):
     pads = _spatial_pads(b, node, a, kernel, strides, dilations, node.input[0])
     x = b.tensor(node.input[0])
     padding: tuple[int, ...] | int = tuple(pads[:2])
-    if pads[:2] != pads[2:]:  # asymmetric (SAME_UPPER on an even kernel, TF exports): pad explicitly first
+    if pads[:2] != pads[2:] or min(pads) < 0:  # asymmetric (SAME_UPPER on an even kernel), or a crop: explicit
         x = b.call(F.pad, x, _torch_pad(pads))
         padding = 0
     m = nn.Conv2d(w.shape[1] * group, w.shape[0], tuple(kernel), stride=tuple(strides), padding=padding,
@@ -130,10 +132,15 @@ def _pool(b, node, kind: str):
     pads = _spatial_pads(b, node, a, kernel, strides, dilations, node.input[0])
     ceil = bool(a.get("ceil_mode", 0))
     include = bool(a.get("count_include_pad", 0))
+    if ceil:
+        ceil = _ceil_adds_a_window(b, node, kernel, strides, dilations, pads)
+        if ceil and kind == "avg":
+            b.refuse(node, "averages with ceil_mode over a last window past the padding, which runtimes divide "
+                           "differently")
     x = b.tensor(node.input[0])
     padding = tuple(pads[:2])
     # torch pads symmetrically and at most half a kernel; anything else is padded explicitly first
-    if pads[:2] != pads[2:] or any(p > k // 2 for p, k in zip(pads, kernel + kernel)):
+    if pads[:2] != pads[2:] or any(p > k // 2 or p < 0 for p, k in zip(pads, kernel + kernel)):
         if kind == "avg" and not include and any(pads):
             b.refuse(node, "pads asymmetrically and excludes the padding from the average; torch cannot")
         x = b.call(F.pad, x, _torch_pad(pads), value=-math.inf if kind == "max" else 0.0)
@@ -141,6 +148,27 @@ def _pool(b, node, kind: str):
     if kind == "max":
         return [b.call(F.max_pool2d, x, tuple(kernel), tuple(strides), padding, tuple(dilations), ceil)]
     return [b.call(F.avg_pool2d, x, tuple(kernel), tuple(strides), padding, ceil, include)]
+
+
+def _ceil_adds_a_window(b, node, kernel, strides, dilations, pads) -> bool:
+    """Whether ``ceil_mode`` changes the output; refused where the window it adds starts past the input.
+
+    ONNX Runtime 1.19, onnx's shape inference and torch disagree on a last window that begins in the end padding
+    or beyond (torch drops it, ONNX Runtime keeps some); a window that begins inside the input all keep.
+    """
+    shape = b.shape(node.input[0])
+    if shape is None or not all(isinstance(d, int) for d in shape[2:]):
+        b.refuse(node, "pools with ceil_mode over a spatial size that is not fixed")
+    adds = False
+    for i, (k, s, d) in enumerate(zip(kernel, strides, dilations)):
+        size, head, tail = shape[2 + i], pads[i], pads[len(kernel) + i]
+        span = size + head + tail - ((k - 1) * d + 1)
+        if span % s == 0:
+            continue
+        if (span // s + 1) * s >= size + head:
+            b.refuse(node, "pools with ceil_mode whose last window starts past the input, where runtimes disagree")
+        adds = True
+    return adds
 
 
 def max_pool(b, node):
