@@ -163,8 +163,8 @@ _PROGRESS = (  # the running job's latest report: (its key, the metric, help); a
 def format_metrics(s: dict) -> str:
     """A :func:`~edgerev_daemon.status.status` snapshot in Prometheus text exposition format 0.0.4.
 
-    Counters are what only grows (samples are never deleted; failed jobs stay failed); everything
-    that may go down is a gauge (a version's ``promoted`` flag flips from false to true, events are
+    Counters are what only grows (samples stored counts the removed ones too; failed jobs stay failed);
+    everything that may go down is a gauge (a version's ``promoted`` flag flips from false to true, events are
     pruned). ``edgerev_current_heldout_accuracy`` (all held-out samples) and
     ``edgerev_current_recent_heldout_accuracy`` (the recent window) are left out while unknown.
     """
@@ -178,8 +178,27 @@ def format_metrics(s: dict) -> str:
     lines: list[str] = []
     lines += _family("edgerev_daemon_up", "gauge", "1 while a daemon holds the data directory's lock, else 0.",
                      [({}, 1 if s.get("daemon_pid") else 0)])
-    lines += _family("edgerev_samples_total", "counter", "Samples stored, by split.",
+    storage = s.get("storage") or {}
+    removed_split = storage.get("removed_by_split") or {}
+    lines += _family("edgerev_samples_total", "counter",
+                     "Samples stored, by split (those kept and those the retention policy removed since).",
+                     [({"split": split}, s["samples"][split] + removed_split.get(split, 0))
+                      for split in ("train", "heldout")])
+    lines += _family("edgerev_samples", "gauge", "Samples kept now, by split.",
                      [({"split": split}, s["samples"][split]) for split in ("train", "heldout")])
+    if storage:
+        removed = storage.get("removed") or {}
+        lines += _family("edgerev_samples_removed_total", "counter",
+                         "Samples removed by the retention policy, by the bound that asked (storage.max_bytes, "
+                         "storage.max_samples).", [({"why": why}, removed.get(why, 0))
+                                                   for why in ("max_bytes", "max_samples")])
+        lines += _family("edgerev_storage_bytes", "gauge", "Bytes on disk of the data directory, by part.",
+                         [({"part": part}, n) for part, n in storage["usage"].items() if part != "total"])
+        lines += _family("edgerev_storage_max_bytes", "gauge", "The storage budget (storage.max_bytes); absent: none.",
+                         [({}, storage["max_bytes"])] if storage.get("max_bytes") else [])
+        lines += _family("edgerev_storage_over", "gauge",
+                         "1 while the data directory is over its bounds and the policy cannot bring it under "
+                         "(ingest waits), else 0.", [({}, 1 if storage.get("over") else 0)])
     lines += _family("edgerev_labels", "gauge", "Labels (classes) seen so far.", [({}, len(s["labels"]))])
     lines += _family("edgerev_new_samples_since_last_job", "gauge",
                      "Samples stored after the data of the last finished job (what the schedule counts).",

@@ -304,4 +304,5 @@ def budget_status(config: DaemonConfig, store: Store, measure: Callable[[], Usag
     samples = store.count_samples()
     return {"usage": usage.to_json(), "max_bytes": config.storage.max_bytes_int, "samples": samples,
             "max_samples": config.storage.max_samples, "max_quarantine_bytes": config.storage.quarantine_bytes,
-            "over": _over(config, usage, samples), "removed": store.removal_counts()}
+            "over": _over(config, usage, samples), "removed": store.removal_counts(),
+            "removed_by_split": store.removal_counts(by_split=True)}

@@ -53,9 +53,11 @@ from edgerev_daemon.promote import decide, held_out, version_files
 from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
+from edgerev_daemon.retention import enforce, finish_removals, fits_disk
 from edgerev_daemon.schedule import listed, next_job
 from edgerev_daemon.signals import Requests
 from edgerev_daemon.store import Store
+from edgerev_daemon.usage import DiskUsage
 from edgerev_daemon.watch import InboxWatch
 
 log = logging.getLogger("edgerev.daemon")
@@ -71,10 +73,11 @@ class CycleReport:
     waiting: str | None = None  # a storage condition kept this cycle from ingesting or training
     not_due: str | None = None  # why no job ran (the schedule's word: samples still needed, a back-off)
     fleet: int = 0  # fleet requests carried out (edgerev_daemon.handoff)
+    storage: dict | None = None  # the storage budget's check (edgerev_daemon.retention)
 
     def to_json(self) -> dict:
         return {"ingest": self.ingest, "due": self.due, "not_due": self.not_due, "job": self.job,
-                "waiting": self.waiting, "fleet": self.fleet}
+                "waiting": self.waiting, "fleet": self.fleet, "storage": self.storage}
 
     def summary(self) -> str:
         """One line for systemd's STATUS=: what this cycle did."""
@@ -135,6 +138,8 @@ class Daemon:
         self._owns_requests = requests is None
         self.requests = Requests() if requests is None else requests
         self.watch = InboxWatch()  # settling and reported folders, across this process's cycles
+        self.usage = DiskUsage(config.layout)  # caches each blob folder's sum between cycles
+        self._say_if_budget_cannot_fit()
 
     # lifecycle --------------------------------------------------------------------------------------
 
@@ -194,6 +199,7 @@ class Daemon:
         if self.store.ensure_journal():
             log.warning("wrote the journal %s from the store's %d samples", self.store.journal.path,
                         self.store.count_samples())
+        finish_removals(self.store, self.blobs)  # before the replay: a removed sample is not recorded again
         replayed = replay(self.store, self.blobs)
         if replayed:
             log.warning("recorded %d samples from the journal that the store lacked", replayed)
@@ -248,6 +254,36 @@ class Daemon:
             if storage_fault(err) is None:
                 raise
 
+    def _say_if_budget_cannot_fit(self) -> None:
+        """Log (and record) at start when ``storage.max_bytes`` is more than the disk can give the daemon."""
+        try:
+            why = fits_disk(self.config, self.usage.measure())
+        except OSError:
+            return
+        if why is not None:
+            log.warning("%s", why)
+            self.conditions.event(EventKind.ERROR, {"where": "storage budget", "error": why})
+
+    def _budget(self, report: CycleReport) -> str | None:
+        """Check the storage budget and remove what the retention policy says (at every cycle); returns why
+        the data directory is still over it (ingest waits), or None."""
+        if self.store is None or not self._recovered:
+            return None
+        try:
+            budget = enforce(self.config, self.store, self.blobs, self.usage)
+        except CYCLE_ERRORS as e:
+            why = storage_fault(e)
+            if why is None:
+                raise
+            self.conditions.begin("storage", f"the storage budget's removal waits: {why}")
+            return None
+        report.storage = budget.to_json()
+        if budget.over is None:
+            self.conditions.end("storage budget")
+            return None
+        self.conditions.begin("storage budget", f"{budget.over}; ingest waits")
+        return budget.over
+
     def _disk_low(self) -> str | None:
         floor = self.config.storage.min_free_bytes
         free = free_bytes(self.config.layout.root) if floor else None
@@ -278,6 +314,7 @@ class Daemon:
         if not self._recovered and not self._try_recover():
             report.waiting = "storage"
             return report
+        over = self._budget(report)  # first: removing samples may also lift the free-space floor below
         low = self._disk_low()
         if low is not None:
             self.conditions.begin("disk space", low)
@@ -286,8 +323,11 @@ class Daemon:
         self.conditions.end("disk space")
         try:
             # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
-            report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=self._alive,
-                                         watch=self.watch, wait=self.requests.wakeup.wait).to_json()
+            if over is None:
+                report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=self._alive,
+                                             watch=self.watch, wait=self.requests.wakeup.wait).to_json()
+            else:
+                report.waiting = "storage budget"  # the job still runs: it may be what holds the samples
             if self.stopping:
                 return report
             # a fleet's requests (a SuperNode beside this running daemon) come before the daemon's own job

@@ -50,6 +50,7 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
     from edgerev_daemon.errors import StoreError
     from edgerev_daemon.faults import free_bytes, storage_fault
     from edgerev_daemon.rebuild import evidence, store_state
+    from edgerev_daemon.retention import budget_status
 
     db = config.layout.database
     why = store_state(db, thorough=False)  # read-only: a lost store is reported, never replaced by an empty one here
@@ -105,6 +106,8 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             # the free space is shown only below the floor: a figure that moves at every call would make two
             # snapshots of an idle daemon differ
             "disk": {"min_free_bytes": floor, "below_floor": low} | ({"free_bytes": free} if low else {}),
+            # what the data directory holds against storage.max_bytes, and what the retention policy removed
+            "storage": budget_status(config, store),
             "events": [e.to_json() for e in store.events(limit=events)] if events else [],
         }
 
@@ -163,6 +166,31 @@ def accuracy_text(cur: dict) -> str:
     return text
 
 
+def _size(n: int | None) -> str:
+    if n is None:
+        return "no budget"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def storage_line(st: dict) -> str:
+    """One line: what the data directory holds against its budget, what was removed, and why it is over."""
+    used = st["usage"]["total"]
+    line = f"storage: {_size(used)} of {_size(st['max_bytes'])}"
+    if st["max_bytes"]:
+        line += f" ({100 * used / st['max_bytes']:.0f} %)"
+    if st.get("max_samples"):
+        line += f", {st['samples']} of {st['max_samples']} samples"
+    removed = st.get("removed") or {}
+    line += ("; removed by the retention policy: " + ", ".join(f"{n} ({why})" for why, n in sorted(removed.items()))
+             if removed else "; nothing removed yet")
+    if st.get("over"):
+        line += f"; over its bounds: {st['over']}"
+    return line
+
+
 def format_status(s: dict, versions: bool = True) -> str:
     """The human-readable form of :func:`status` (``edgerev daemon status``); ``versions``: list the last
     five (the HTML page has a table of its own)."""
@@ -176,6 +204,8 @@ def format_status(s: dict, versions: bool = True) -> str:
     if disk.get("below_floor"):
         lines.append(f"disk: {disk['free_bytes']} bytes free, below storage.min_free_space "
                      f"({disk['min_free_bytes']}): ingest and training wait")
+    if (storage := s.get("storage")) is not None:
+        lines.append(storage_line(storage))
     if waiting := s.get("labels_held_back"):
         lines.append("labels held back (too few training samples yet): "
                      + listed(waiting))

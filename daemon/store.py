@@ -276,27 +276,34 @@ class Store:
 
     def _delete(self, c: sqlite3.Connection, shas: Sequence[str], why: str) -> int:
         n = 0
+        splits = self._removal_counts(c, "removed_by_split")
         for sha in shas:
+            row = c.execute("SELECT split FROM samples WHERE sha256 = ?", (sha,)).fetchone()
+            if row is None:
+                continue
             n += c.execute("DELETE FROM samples WHERE sha256 = ?", (sha,)).rowcount
+            splits[row[0]] = splits.get(row[0], 0) + 1
         if n:
             counts = self._removal_counts(c)
             counts[why] = counts.get(why, 0) + n
             self._set_removal_counts(c, counts)
+            self._set_removal_counts(c, splits, "removed_by_split")
         return n
 
     @staticmethod
-    def _removal_counts(c: sqlite3.Connection) -> dict[str, int]:
-        row = c.execute("SELECT value FROM meta WHERE key = 'removed'").fetchone()
+    def _removal_counts(c: sqlite3.Connection, key: str = "removed") -> dict[str, int]:
+        row = c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return {str(k): int(v) for k, v in json.loads(row[0]).items()} if row else {}
 
     @staticmethod
-    def _set_removal_counts(c: sqlite3.Connection, counts: dict[str, int]) -> None:
-        c.execute("INSERT INTO meta (key, value) VALUES ('removed', ?) "
-                  "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (dumps(counts),))
+    def _set_removal_counts(c: sqlite3.Connection, counts: dict[str, int], key: str = "removed") -> None:
+        c.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
+                  "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, dumps(counts)))
 
-    def removal_counts(self) -> dict[str, int]:
-        """Samples removed over the data directory's life, by reason."""
-        return self._removal_counts(self._conn)
+    def removal_counts(self, by_split: bool = False) -> dict[str, int]:
+        """Samples removed over the data directory's life, by reason (or by split: kept since the store was
+        made; a rebuild restores the counts by reason only, from the journal)."""
+        return self._removal_counts(self._conn, "removed_by_split" if by_split else "removed")
 
     def restore_removal_counts(self, counts: dict[str, int]) -> None:
         """Set the count of removals by reason (a rebuild: from the journal)."""
