@@ -37,6 +37,7 @@ from pathlib import Path
 from edgerev.errors import EdgerevError
 from edgerev.export.runtime import onnxruntime
 from edgerev.train.progress import Progress
+from edgerev_daemon.base import names_base, write_base
 from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
@@ -73,6 +74,7 @@ class CycleReport:
     waiting: str | None = None  # a storage condition kept this cycle from ingesting or training
     not_due: str | None = None  # why no job ran (the schedule's word: samples still needed, a back-off)
     fleet: int = 0  # fleet requests carried out (edgerev_daemon.handoff)
+    base: str | None = None  # the version the base model was installed as (edgerev_daemon.base)
     storage: dict | None = None  # the storage budget's check (edgerev_daemon.retention)
 
     def to_json(self) -> dict:
@@ -138,6 +140,7 @@ class Daemon:
         self._owns_requests = requests is None
         self.requests = Requests() if requests is None else requests
         self.watch = InboxWatch()  # settling and reported folders, across this process's cycles
+        self._base_checked = False  # this process looked at training.model's base model (edgerev_daemon.base)
         self.usage = DiskUsage(config.layout)  # caches each blob folder's sum between cycles
         self._say_if_budget_cannot_fit()
 
@@ -302,6 +305,37 @@ class Daemon:
         v = self.store.get_version(name)
         return self.registry.path(name), int(v.metrics.get("data_batch_id", 0)) if v else 0, name
 
+    def _install_base(self) -> str | None:
+        """Make ``training.model``'s base model version ``v0001`` when it is due (:mod:`edgerev_daemon.base`):
+        a base model with class names, and no version yet (or the base recorded and not yet promoted).
+        Returns the version installed, or None."""
+        t = self.config.training
+        if not names_base(t):
+            self._base_checked = True
+            return None
+        versions = self.store.versions()
+        recorded = next((v for v in versions if v.metrics.get("base")), None)
+        if (recorded is None and (versions or self.registry.current() is not None)) or \
+                (recorded is not None and recorded.promoted):
+            self._base_checked = True
+            return None
+        out = self.config.layout.root / "jobs" / "base"
+        if not write_base(self.config, out):
+            log.info("the base model %s names no classes: the first job starts from its weights", t.model.arch)
+            self._base_checked = True
+            return None
+        version = recorded or self.store.add_version(
+            None, None, promoted=False, metrics={"base": t.model.arch, "data_batch_id": 0, "promote": True},
+            reason=f"the base model {t.model.arch}")
+        try:
+            self._promote(version, out, None)
+        except Stopped:
+            return None  # recorded: the next start installs it
+        shutil.rmtree(out, ignore_errors=True)
+        self._base_checked = True
+        log.info("installed the base model %s as %s", t.model.arch, version.id)
+        return version.id
+
     def due(self, now: float) -> str | None:
         """Why a job should run now, or None (:func:`edgerev_daemon.schedule.next_job` says why not)."""
         return next_job(self.store, self.config.schedule, now).due
@@ -322,6 +356,10 @@ class Daemon:
             return report
         self.conditions.end("disk space")
         try:
+            if not self._base_checked:
+                report.base = self._install_base()
+                if self.stopping:
+                    return report
             # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
             if over is None:
                 report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=self._alive,
@@ -467,6 +505,7 @@ class Daemon:
                 raise Stopped("the promotion (exported, the version not yet written)")
             self.registry.write(version.id, version_files(out, onnx, metrics))
         protect = [current_name] if current_name else []  # the version a rollback would go back to
+        protect += [v.id for v in self.store.versions() if v.metrics.get("base")]  # the last resort
         self.registry.switch(version.id)
         self.store.update_version(version.id, promoted=True, reason=version.reason)
         self.store.set_in_service(version.id)
