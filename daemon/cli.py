@@ -131,13 +131,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print(f"{report.samples} samples, {report.blobs} blobs: " + ("consistent" if report.ok else "INCONSISTENT")
               + f" ({report.journal} samples in the journal)")
-        for name in ("missing", "corrupt", "lost", "unjournaled", "pending", "orphans", "database", "service"):
+        for name in ("missing", "corrupt", "lost", "unjournaled", "pending", "removing", "orphans", "database",
+                     "service"):
             values = getattr(report, name)
             if values:
                 print(f"  {name}: {len(values)} ({', '.join(map(str, values[:3]))}{' ...' if len(values) > 3 else ''})")
         if report.lost or report.unjournaled:
             print(f"  the store lost rows or the journal is incomplete: stop the daemon, then run edgerev daemon "
                   f"rebuild --config {args.config} --move-aside (or start the daemon: it records journal lines again)")
+        if report.removing:
+            print("  removing: samples the retention policy removed as a crash came; the next start finishes it")
+        history = ", ".join(f"{n} {what.replace('_', ' ')}" for what, n in report.history.items() if n)
+        if history:
+            print(f"  only the store holds {history}: a rebuild copies them from a readable old store, and loses "
+                  "them when the store is lost")
     return 0 if report.ok else 1
 
 
@@ -157,6 +164,13 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
               f"versions {', '.join(report.versions) or 'none'}")
         if report.moved_aside:
             print(f"  the old store was moved aside: {', '.join(report.moved_aside)}")
+        if report.salvaged:
+            print("  copied from the old store: " + ", ".join(f"{n} {t}" for t, n in report.salvaged.items()))
+        if report.lost_history:
+            print(f"  job history, refused versions and events not recovered: {report.lost_history}")
+        if report.removed:
+            print("  removed by the retention policy before: "
+                  + ", ".join(f"{n} ({why})" for why, n in sorted(report.removed.items())))
         if report.without_blob or report.unlabeled_blobs or report.bad_lines:
             print(f"  not recorded: {report.without_blob} journal records without blob, {report.unlabeled_blobs} "
                   f"blobs no journal record names (kept on disk), {len(report.bad_lines)} unreadable journal lines")

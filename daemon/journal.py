@@ -197,6 +197,16 @@ class Journal:
             tmp.unlink(missing_ok=True)
         fsync_dir(self.path.parent)
 
+    def header(self) -> dict:
+        """The first line alone (cheap: what :func:`edgerev_daemon.retention.compact_journal` asks at every
+        removal); empty when missing or not a header."""
+        try:
+            with open(self.path, "rb") as f:
+                obj = json.loads(f.readline())
+        except (OSError, ValueError):
+            return {}
+        return obj if isinstance(obj, dict) and obj.get("journal") == KIND else {}
+
     def compact(self, contents: JournalContents | None = None) -> tuple[int, int]:
         """Rewrite the journal as the samples it holds now (see the module's docstring for why a crash at
         any point leaves an equivalent journal); returns its size in bytes before and after. Lines that

@@ -227,20 +227,27 @@ def finish_removals(store: Store, blobs: BlobStore, contents: JournalContents | 
 
 
 def compact_journal(store: Store, min_removed: int = 256, force: bool = False) -> tuple[int, int] | None:
-    """Compact the journal when the removals it still lists are at least ``min_removed`` and half the samples it
-    holds (``force``: whenever it lists any); returns its size before and after, or None when left alone.
+    """Compact the journal when the removals it lists since its last compaction are at least ``min_removed`` and
+    half the samples kept (``force``: whenever it lists any); returns its size before and after, or None when
+    left alone. Whether it is due is told by the store's count of removals against the one in the journal's
+    header (one line read); only a compaction reads the whole file.
 
-    Finishes any removal the store has not committed first: a compacted journal no longer says those
-    samples were removed (see :meth:`edgerev_daemon.journal.Journal.compact`)."""
+    Finishes no removal itself: when the store still holds a sample the journal says was removed (a commit
+    that did not come), it leaves the journal alone, as a compacted journal would no longer say so (see
+    :meth:`edgerev_daemon.journal.Journal.compact`); the next start finishes that removal."""
     if not store.journal.exists():
+        return None
+    header = store.journal.header().get("removed")
+    compacted = sum(int(v) for v in header.values()) if isinstance(header, dict) else 0
+    since = sum(store.removal_counts().values()) - compacted
+    if not force and (since < min_removed or since < store.count_samples() // 2):
         return None
     contents = store.journal.read()
     removals = sum(1 for r in contents.lines if isinstance(r, Removal))
-    live = len(contents.samples())
-    if not removals or (not force and (removals < min_removed or removals < live // 2)):
+    if not removals:
         return None
     if contents.removed() & set(store.blob_hashes()):
-        return None  # a removal not committed: the next start finishes it, then the journal is compacted
+        return None
     before, after = store.journal.compact(contents)
     log.info("journal compacted: %d -> %d bytes (%d removed samples' lines dropped)", before, after, removals)
     return before, after

@@ -101,3 +101,28 @@ def test_a_budget_the_disk_cannot_hold_is_said_at_start(tmp_path, caplog):
         errors = [e.message for e in d.store.events(kind=EventKind.ERROR)]
     assert any(m.get("where") == "storage budget" and "cannot fit the disk" in m["error"] for m in errors)
     assert "cannot fit the disk" in caplog.text
+
+
+def test_check_and_rebuild_say_what_only_the_store_holds(tmp_path, capsys):
+    import yaml
+
+    from edgerev.cli import main
+
+    data = {**BASE, "data_dir": str(tmp_path / "data"),
+            "storage": {"min_free_space": 0, "max_samples": 30, "keep_newest_per_class": 2}}
+    path = tmp_path / "daemon.yaml"
+    path.write_text(yaml.safe_dump(data))
+    config = config_from_dict(data)
+    write_images(config.inbox_path, 60, range(2), num_classes=2, size=16)
+    with Daemon(config, clock=Clock()) as d:
+        d.cycle()
+        d.cycle()
+        events = len(d.store.events(limit=10_000))
+    capsys.readouterr()
+    assert main(["daemon", "check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"only the store holds {events} events" in out and "a rebuild copies them" in out
+    assert main(["daemon", "rebuild", "--config", str(path), "--move-aside"]) == 0
+    out = capsys.readouterr().out
+    assert f"copied from the old store: 0 jobs, 0 versions, {events} events" in out
+    assert "removed by the retention policy before: 33 (max_samples)" in out

@@ -302,6 +302,22 @@ def test_compaction_keeps_the_samples_and_the_count_of_removals(tmp_path):
         d.lock.release()
 
 
+def test_enough_removals_compact_the_journal_by_themselves(tmp_path):
+    config = budget_config(tmp_path, max_samples=60, keep_newest_per_class=3)
+    d = open_data_dir(config)
+    try:
+        fill(d, {"cat": 300, "dog": 100})
+        report = enforce(config, d.store, d.blobs, DiskUsage(config.layout))
+        assert report.removed == 346 and report.compacted is not None
+        contents = d.store.journal.read()
+        assert len(contents.lines) == 54 and contents.header["removed"] == {"max_samples": 346}
+        assert check_consistency(d.store, d.blobs).clean and rebuilt(config, tmp_path) == stored(d)
+        assert compact_journal(d.store) is None  # nothing removed since
+    finally:
+        d.store.close()
+        d.lock.release()
+
+
 def test_a_sample_removed_then_journaled_again_is_kept():
     from edgerev_daemon.journal import JournalContents, JournalRecord, Removal
 
