@@ -223,3 +223,21 @@ def test_nhwc_input_is_recorded(tmp_path):
     io = load_onnx(save(m, tmp_path / "m.onnx")).io
     assert io.layout == "NHWC" and io.in_channels == 3 and io.image_size == 8
     assert TensorProto.FLOAT == m.graph.input[0].type.tensor_type.elem_type
+
+
+def test_a_batch_fixed_in_the_file_becomes_dynamic(tmp_path):
+    torch.manual_seed(0)
+    net = SmallCnn().eval()
+    path = tmp_path / "fixed.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no dynamic axes: the batch (1) is written into the Reshape's target
+        torch.onnx.export(net, (torch.randn(1, 3, 16, 16),), path, dynamo=False, input_names=["image"],
+                          output_names=["scores"], opset_version=17)
+    imported = load_onnx(path)
+    assert imported.io.fixed_batch == 1
+    x = torch.randn(6, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.softmax(imported(x), -1), net(x), atol=1e-5, rtol=1e-5)
+    out = tmp_path / "out.onnx"
+    export_imported(imported, out)
+    assert onnx.load(str(out)).graph.input[0].type == onnx.load(str(path)).graph.input[0].type

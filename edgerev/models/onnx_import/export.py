@@ -81,6 +81,8 @@ def export_imported(model: ImportedModel, out_path: str | Path, *, batches: tupl
     reference = copy.deepcopy(model).cpu().eval()
     io = model.io
     shape = [d or FALLBACK_SIZE for d in io.input_shape[1:]]
+    if io.fixed_batch is not None:  # the file keeps the batch it fixed
+        batches = (io.fixed_batch,)
     rng = np.random.default_rng(seed)
     inputs = {b: rng.standard_normal((b, *shape)).astype(np.float32) for b in batches}
     expected = {b: _reference(reference, x) for b, x in inputs.items()}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from onnx import TensorProto
 from torch import nn
 
-from edgerev.models.onnx_import.fold import ShapeValue
+from edgerev.models.onnx_import.fold import ShapeValue, Sym
 from edgerev.models.onnx_import.layers import PRelu, crop, hard_sigmoid
 
 BIG = 2**31  # Slice ends beyond this mean "to the end"
@@ -338,6 +338,9 @@ def reshape(b, node):
     data = b.shape_entries(node.input[0])
     if not int(b.attrs(node).get("allowzero", 0)) and data is not None:
         entries = [data[i] if e == 0 else e for i, e in enumerate(entries)]
+    fixed = b.io.fixed_batch
+    if fixed is not None and entries and entries[0] == fixed and data and isinstance(data[0], Sym):
+        entries[0] = data[0]  # the file's fixed batch written into the target: the batch
     return [b.call(torch.reshape, b.tensor(node.input[0]), b.resolve_shape(node, entries, data))]
 
 

@@ -115,6 +115,7 @@ def read_io(file: OnnxFile) -> OnnxIO:
     if (shape[1] if layout == "NCHW" else shape[3]) is None:
         raise UnsupportedModel(f"{what}: input {x.name!r} has a dynamic channel count; edgerev needs it fixed")
     batch_name = dims[0].dim_param or "batch"
+    fixed_batch = dims[0].dim_value if dims[0].HasField("dim_value") else None
     shape = (None,) + shape[1:]  # the batch is dynamic in the import, whatever the file fixed
     out = graph.output[0]
     out_shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in out.type.tensor_type.shape.dim)
@@ -125,7 +126,7 @@ def read_io(file: OnnxFile) -> OnnxIO:
     return OnnxIO(input_name=x.name, input_shape=shape, layout=layout, dtype="float32", output_names=(out.name,),
                   output_shape=out_shape, batch_name=batch_name, opset=file.opset,
                   classes=tuple(str(c) for c in classes or ()), mean=tuple(float(m) for m in mean or ()),
-                  std=tuple(float(s) for s in std or ()), resize=side.get("resize"))
+                  std=tuple(float(s) for s in std or ()), resize=side.get("resize"), fixed_batch=fixed_batch)
 
 
 def sidecar_path(path: str | Path) -> Path:
@@ -178,8 +179,22 @@ def _load_external(proto: onnx.ModelProto, path: Path) -> None:
 
 
 def _infer(file: OnnxFile) -> None:
+    """Shapes and types of every value, with the batch dynamic even where the file fixed it."""
+    proto = file.proto
+    inputs = graph_inputs(proto)
+    if len(inputs) == 1 and len(inputs[0].type.tensor_type.shape.dim) > 0:
+        first = inputs[0].type.tensor_type.shape.dim[0]
+        if first.HasField("dim_value"):  # infer on a copy whose batch is a symbol
+            proto = onnx.ModelProto()
+            proto.CopyFrom(file.proto)
+            del proto.graph.value_info[:]
+            fixed = first.dim_value
+            for v in [graph_inputs(proto)[0], *proto.graph.output]:
+                dims = v.type.tensor_type.shape.dim
+                if dims and dims[0].HasField("dim_value") and dims[0].dim_value == fixed:
+                    dims[0].dim_param = "batch"
     try:
-        inferred = onnx.shape_inference.infer_shapes(file.proto, strict_mode=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
     except Exception as e:  # InferenceError, and C++ errors as others
         raise UnsupportedModel(f"{file.what}: shapes cannot be inferred: {_line(e)}") from None
     g = inferred.graph

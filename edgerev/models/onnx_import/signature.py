@@ -30,6 +30,8 @@ class OnnxIO:
         classes: class names from the file's metadata or the sidecar, in output order, or ``()``.
         mean, std: per-channel normalization ``(pixels / 255 - mean) / std`` the model expects, or ``()``.
         resize: the side images are resized to before a center crop to ``input_shape``, or None.
+        fixed_batch: the batch size the file fixed (exporters without a dynamic batch write 1), or None. The
+            import makes the batch dynamic; the export keeps the file's input shape.
     """
 
     input_name: str
@@ -45,6 +47,7 @@ class OnnxIO:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     resize: int | None = None
+    fixed_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
