@@ -2,11 +2,11 @@
 
 A *stored* segment runs under ordinary autograd; a *checkpoint* segment keeps only its input and is
 re-run with autograd in the backward (``torch.utils.checkpoint``, non-reentrant, without updating
-batch-norm running statistics a second time); a *store8*/*store4* segment runs once under ordinary
-autograd, which keeps an 8- or 4-bit copy of each activation it saves (per-layer approximate
-activations, :mod:`edgerev.approximate`): nothing is re-run, so running statistics move once. A
-segment is anything with ``start``, ``end`` and ``mode`` (:class:`edgerev.memory.costs.Segment`); this
-module imports nothing from the planner.
+batch-norm running statistics a second time, drawing a dropout's mask again as the forward drew it); a
+*store8*/*store4* segment runs once under ordinary autograd, which keeps an 8- or 4-bit copy of each
+activation it saves (per-layer approximate activations, :mod:`edgerev.approximate`): nothing is re-run,
+so running statistics move once. A segment is anything with ``start``, ``end`` and ``mode``
+(:class:`edgerev.memory.costs.Segment`); this module imports nothing from the planner.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def _replaying_all(modules: Sequence[nn.Module]):
         yield
 
 
+def _random(modules: Sequence[nn.Module]) -> bool:
+    """True when a re-run must draw the forward's random numbers again (a dropout's mask)."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) or getattr(m, "random", False)
+               for module in modules for m in module.modules())
+
+
 def run_segments(stages: Sequence[nn.Module], segments: Sequence, x: Tensor) -> Tensor:
     """Forward through ``stages`` as ``segments`` say (under autograd: the backward follows the plan)."""
     for seg in segments:
@@ -45,7 +51,7 @@ def run_segments(stages: Sequence[nn.Module], segments: Sequence, x: Tensor) -> 
             x = fn(x)
         elif seg.mode == "checkpoint":
             # the re-run must not update batch-norm running statistics a second time
-            x = checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False,
+            x = checkpoint(fn, x, use_reentrant=False, preserve_rng_state=_random(part),
                            context_fn=lambda part=part: (contextlib.nullcontext(), _replaying_all(part)))
         else:
             # an input that needs no gradient is the image, which the caller holds anyway: saved exact

@@ -1,15 +1,17 @@
-"""A plan fitted to the CUDA allocator: what the step's accounting cannot see on the device.
+"""A plan fitted to the CUDA allocator: a real step under the cap, since the accounting cannot see all of it.
 
 The accounting (:mod:`edgerev.memory.account`) predicts a step from fake tensors on the CPU. Under a CUDA
-cap the allocator holds more than those tensors: cuDNN's and cuBLAS's workspaces, kernels that save other
-tensors than the CPU's (cuDNN's batch norm keeps a reserve buffer), and the allocator's own rounding and
-fragmentation, since ``set_per_process_memory_fraction`` limits the bytes *reserved*. On an H100 the
-allocator held 95 to 300 MiB more than the tracker counted in one step at 240x240, batch 32; under the
-GTX 750 recipe's 400 MiB cap the planned micro-batch peaked at 388 MiB allocated (335 MiB predicted) and ran
-out of memory once. Those sizes depend on the GPU, cuDNN's version and every shape, so they are measured,
-not modelled: with the cap set, one real step of the planned micro-batch shows the allocator's peak; while it
-runs out of memory or leaves less than :data:`HEADROOM` of the cap free, the plan is made again under a
-smaller budget. The trainer's out-of-memory recovery (halving the micro-batch) stays as the last guard.
+cap (``set_per_process_memory_fraction``, which limits the bytes *reserved*) a step also needs what CUDA
+kernels save beyond the CPU's and room left by the allocator's fragments. cuDNN's convolution workspaces
+need no planning: with the cap set, cuDNN takes the largest workspace that fits and falls back to slimmer
+algorithms when none does. Measured on an H100 with the GTX 750 recipe, a plan predicted at 314 MiB peaked
+at 562 MiB allocated without a cap (298 MiB with cuDNN off), and at 335 MiB under the 400 MiB cap with no
+out-of-memory error in 30 steps. An allocated peak near the cap therefore says nothing; an out-of-memory
+error does: in the CUDA campaign the plan from the measured profile (predicted 335 MiB) ran out once under
+the cap, and fits made again under less ran out twice before one fitted. So the plan is tried: with the cap
+set, two real steps of the planned micro-batch, with the bytes a step holds besides (the optimizer's state)
+allocated beside them; while they run out of memory, the plan is made again under an eighth less. The
+trainer's out-of-memory recovery (halving the micro-batch) stays as the last guard.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from edgerev.memory.autoplan import TrainingPlan
 from edgerev.memory.cap import _restore, _state, accumulate, split_batch
 from edgerev.memory.costs import BudgetTooSmall
 
-HEADROOM = 0.05  # of the cap left free at the measured peak: steps differ a little (cuDNN's choices, fragments)
-OOM_SHRINK = 1 / 8  # of the cap taken off the planning budget when the measured step ran out of memory
+OOM_SHRINK = 1 / 8  # of the cap taken off the planning budget when the tried step ran out of memory
 ROUNDS = 6
 
 
@@ -48,39 +49,35 @@ class Fit:
 
 @dataclass(frozen=True)
 class DeviceFit:
-    """The plan that fits the device, and each plan measured on the way (the last is the one returned)."""
+    """The plan that fits the device, and each plan tried on the way (the last is the one returned)."""
 
     plan: TrainingPlan
     fits: tuple[Fit, ...]
-    limit: int  # the measured peak a plan must stay under: the cap less the headroom
 
     @property
     def fitted(self) -> bool:
-        m = self.fits[-1].measured_bytes
-        return m is not None and m <= self.limit
+        return self.fits[-1].measured_bytes is not None
 
     def summary(self) -> dict:
-        return {"device_fit": [f.as_dict() for f in self.fits], "device_limit_bytes": self.limit,
-                "device_fitted": self.fitted}
+        return {"device_fit": [f.as_dict() for f in self.fits], "device_fitted": self.fitted}
 
 
 def fit_to_device(plan_at: Callable[[int], TrainingPlan], measure: Callable[[TrainingPlan], int | None],
-                  budget: int, headroom: float = HEADROOM, rounds: int = ROUNDS) -> DeviceFit:
-    """Plan under ``budget``, measure the plan's real step, and plan again under less until it fits.
+                  budget: int, rounds: int = ROUNDS) -> DeviceFit:
+    """Plan under ``budget``, try the plan's real step, and plan again under less while it runs out of memory.
 
     Args:
         plan_at: the planner at a budget in bytes (raises :class:`BudgetTooSmall` below its floor).
-        measure: the peak bytes of one real step of a plan under the cap, or ``None`` if it ran out of memory.
+        measure: the allocator's peak through real steps of a plan under the cap, ``None`` if they ran out.
         budget: the cap.
 
-    Returns the first plan whose measured peak stays under ``budget * (1 - headroom)``; when none did in
-    ``rounds`` measurements, the last one measured (the trainer's halving then guards it).
+    Returns the first plan whose steps ran; when none did in ``rounds`` tries, the last one tried (the
+    trainer's halving then guards it).
 
     Raises:
-        BudgetTooSmall: the planner's floor does not fit once the device's excess is taken off; it names
-            the budget that would fit, the floor plus the excess measured.
+        BudgetTooSmall: the planner's floor is reached before a plan ran; it names the floor plus what was
+            taken off the budget on the way, a budget under which the floor's plan would be tried.
     """
-    limit = int(budget * (1 - headroom))
     target, fits = budget, []
     for _ in range(rounds):
         try:
@@ -91,27 +88,21 @@ def fit_to_device(plan_at: Callable[[int], TrainingPlan], measure: Callable[[Tra
             raise BudgetTooSmall(budget, e.smallest + (budget - target)) from None
         measured = measure(tp)
         fits.append(Fit(target, tp.batch, tp.predicted_peak_bytes, measured))
-        if measured is not None and measured <= limit:
+        if measured is not None:
             break
-        # the next plan must hold the allocator's excess over its prediction beside it: it is planned under the
-        # limit less the excess measured (an excess that grows with the micro-batch only shrinks with it); a
-        # step that ran out of memory says only that the plan was too large. Always below the last plan.
-        below = min(target, tp.predicted_peak_bytes)
-        if measured is None:
-            target = below - int(budget * OOM_SHRINK)
-        else:
-            target = min(below - budget // 200, limit - (measured - tp.predicted_peak_bytes))
-    return DeviceFit(tp, tuple(fits), limit)
+        # below the plan that ran out, not only below the budget it was planned under
+        target = min(target, tp.predicted_peak_bytes) - int(budget * OOM_SHRINK)
+    return DeviceFit(tp, tuple(fits))
 
 
 def cuda_step_peak(model: nn.Module, plan: TrainingPlan, shape: StepShape, loss_fn: Callable[..., Tensor],
-                   device: torch.device, teacher_on_device: bool = True) -> int | None:
-    """The allocator's peak in bytes through one real step of ``plan`` (None: out of memory under the cap).
+                   device: torch.device, teacher_on_device: bool = True, steps: int = 2) -> int | None:
+    """The allocator's peak in bytes through ``steps`` real steps of ``plan`` (None: out of memory under the cap).
 
-    The step is the trainer's micro-batch loop (its first two micro-batches, as the accounting runs it) on
-    random data of the step's shape; what it does not allocate itself but a training step holds (the
-    optimizer's momentum, a teacher's logits, the teacher when it is not on the device yet) is added from the
-    accounting. The model's gradients and batch-norm statistics are left as they were.
+    Each step is the trainer's micro-batch loop (its first two micro-batches, as the accounting runs it) on
+    random data of the step's shape. What a training step holds that this one would not (the optimizer's
+    momentum, a teacher's logits, the teacher when it is not on the device yet) is allocated beside it for
+    the steps' length. The model's gradients and batch-norm statistics are left as they were.
     """
     plan.apply(model)
     model.train()
@@ -124,17 +115,21 @@ def cuda_step_peak(model: nn.Module, plan: TrainingPlan, shape: StepShape, loss_
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
+        held_beside = torch.empty(outside, dtype=torch.uint8, device=device)  # noqa: F841 (holds the bytes)
         x = torch.randn(batch, model.in_channels, shape.size, shape.size, device=device)
         targets: tuple[Tensor, ...] = (torch.randint(0, model.num_classes, (batch,), device=device),)
         if shape.teacher_bytes:
             targets += (torch.randn(batch, max(1, shape.teacher_classes), device=device),)
-        accumulate(model, x, targets, split_batch(batch, math.ceil(batch / plan.batch))[:2], loss_fn)
+        parts = split_batch(batch, math.ceil(batch / plan.batch))[:2]
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            accumulate(model, x, targets, parts, loss_fn)
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) + outside
+        peak = torch.cuda.max_memory_allocated(device)
     except torch.cuda.OutOfMemoryError:
         pass
     finally:
-        x = targets = None  # noqa: F841 (the batch goes before the cache is emptied)
+        held_beside = x = targets = None  # noqa: F841 (gone before the cache is emptied)
         model.zero_grad(set_to_none=True)
         _restore(model, buffers)
         torch.cuda.empty_cache()

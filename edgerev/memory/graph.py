@@ -1,0 +1,506 @@
+"""Any classifier's graph as a chain of segments: Re-forwarding's reduction of a graph to a chain.
+
+Feng and Huang (Re-forwarding, section 5) plan an arbitrary computation graph by first finding the
+vertices every path from the input to the output passes through: between two of them the graph may
+branch and join (a residual block, a squeeze-and-excitation gate), but nothing crosses them. A tensor
+there is the only activation alive, so the network is a *chain* of pieces between such vertices, and
+the linear-graph planner of :mod:`edgerev.memory.segments` applies to it unchanged: each segment of
+pieces is stored, checkpointed (re-run in the backward) or kept as an 8- or 4-bit copy.
+
+:func:`capture` traces a module with ``torch.fx`` (the ops it calls, its submodules as leaves), or with
+``torch.export`` where ``torch.fx`` cannot follow its Python (control flow on shapes). In-place ops
+become out-of-place ones first: a re-run segment must find its input as the forward did.
+:func:`cut_points` walks the graph in its (topological) order and cuts after node ``n`` where ``n`` is
+the only activation still needed later. Parameters and constants are not activations: each piece
+reads the ones it uses.
+
+:class:`ChainModel` runs the pieces. It shares every module, parameter and buffer with the model it
+was made from, so training it trains that model, which stays what is saved and exported. Its
+leading pieces with no trainable parameter (a frozen backbone) run under ``no_grad``: they keep no
+activation and no gradient. The rest is an :class:`~edgerev.engine.InvertibleSequence` run as
+checkpoint segments, which the planner (:func:`edgerev.memory.autoplan.plan_training`) chooses
+exactly as for :class:`~edgerev.models.base.SequentialModel`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import operator
+import weakref
+
+import torch
+from torch import Tensor, fx, nn
+
+from edgerev.engine import Execution, InvertibleSequence
+from edgerev.errors import EdgerevError, UnsupportedModel
+from edgerev.layers.base import replaying
+from edgerev.memory.costs import Segment
+
+#: out-of-place twins of in-place functions that a traced graph may call
+_OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                 operator.itruediv: operator.truediv}
+#: ops whose result may share its input's storage: an in-place op on it would also change the input
+_VIEWS = {"view", "view_as", "narrow", "transpose", "permute", "unsqueeze", "squeeze", "reshape", "expand",
+          "expand_as", "select", "chunk", "split", "flatten", "unflatten", "t", "unbind", "__getitem__",
+          "getitem", "as_strided", "diagonal", "movedim", "unfold", "contiguous", "detach"}
+
+
+class GraphError(UnsupportedModel):
+    """A model's graph cannot be captured or cut into a chain; the message names the node."""
+
+
+# ---- capture ------------------------------------------------------------------------------------------------------
+
+
+def capture(model: nn.Module, example: Tensor) -> fx.GraphModule:
+    """``model`` as a graph of ops whose modules, parameters and buffers are ``model``'s own.
+
+    ``torch.fx`` first; where it cannot follow the forward's Python, ``torch.export`` on ``example``
+    (its shapes are then fixed but for nothing the chain needs: every piece is a function of its input).
+    """
+    try:
+        gm = fx.symbolic_trace(model)
+    except Exception as fx_error:  # noqa: BLE001 - any failure of the tracer means: try export
+        try:
+            gm = _export(model, example)
+        except Exception as export_error:  # noqa: BLE001
+            raise GraphError(f"cannot capture {type(model).__name__} as a graph: torch.fx failed "
+                             f"({_first_line(fx_error)}) and torch.export failed ({_first_line(export_error)})"
+                             ) from None
+    _out_of_place(gm)
+    return gm
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _export(model: nn.Module, example: Tensor) -> fx.GraphModule:
+    """A graph from ``torch.export``, its parameters and buffers rebound to ``model``'s own tensors, each
+    training-mode batch norm a module again (so a re-run leaves its running statistics alone)."""
+    was_training = model.training
+    export = getattr(torch.export, "export_for_training", None) or torch.export.export  # torch 2.6: training IR
+    state = {k: v.clone() for k, v in model.named_buffers()}
+    try:
+        model.train()
+        batch = torch.export.Dim("batch")  # a batch of two: export specializes a dimension of size one
+        exported = export(model, (example.expand(2, *example.shape[1:]).contiguous(),),
+                          dynamic_shapes=({0: batch},), strict=False).module()
+        graph = exported.graph
+        graph._codegen = fx.graph.CodeGen()  # plain arguments and result instead of export's flattened ones
+        out = next(n for n in graph.nodes if n.op == "output")
+        if isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1:
+            out.args = (out.args[0][0],)
+        gm = fx.GraphModule(exported, graph)  # a plain module again (the exported one refuses train())
+    finally:
+        model.train(was_training)
+        with torch.no_grad():  # tracing ran the batch norms: their statistics must not move
+            for k, v in model.named_buffers():
+                v.copy_(state[k])
+    owned = dict(model.named_parameters(remove_duplicate=False))
+    owned.update(dict(model.named_buffers(remove_duplicate=False)))
+    for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        if name in owned:
+            parent, _, leaf = name.rpartition(".")
+            holder = gm.get_submodule(parent) if parent else gm
+            if isinstance(owned[name], nn.Parameter):
+                holder._parameters[leaf] = owned[name]
+            else:
+                holder._buffers[leaf] = owned[name]
+    _batch_norms_as_modules(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+class _SharedBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """A batch norm over tensors another module owns (any rank: the exported op did not say)."""
+
+    def __init__(self, weight, bias, mean, var, momentum: float, eps: float) -> None:
+        nn.Module.__init__(self)
+        self.affine, self.track_running_stats = weight is not None, True
+        self.momentum, self.eps, self.num_features = momentum, eps, mean.shape[0]
+        self.weight, self.bias = weight, bias
+        self.register_buffer("running_mean", mean)
+        self.register_buffer("running_var", var)
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        pass
+
+
+def _batch_norms_as_modules(gm: fx.GraphModule) -> None:
+    ops = {torch.ops.aten.batch_norm.default}
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in ops:
+            continue
+        x, w, b, mean, var, training, momentum, eps = (list(n.args) + [None] * 8)[:8]
+        if not training or any(a is not None and a.op != "get_attr" for a in (w, b, mean, var)):
+            continue
+        def attr(a):
+            return None if a is None else _fetch(gm, a.target)
+
+        name = f"_batch_norm_{len(list(gm.named_modules()))}"
+        gm.add_submodule(name, _SharedBatchNorm(attr(w), attr(b), attr(mean), attr(var), momentum, eps))
+        with gm.graph.inserting_after(n):
+            m = gm.graph.call_module(name, (x,))
+        n.replace_all_uses_with(m)
+        gm.graph.erase_node(n)
+
+
+def _fetch(gm: nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _mutated(n: fx.Node, gm: fx.GraphModule) -> bool:
+    """True when ``n`` writes into its first argument (and the graph reads that tensor through ``n``)."""
+    if n.op == "call_module":
+        return bool(getattr(gm.get_submodule(n.target), "inplace", False))
+    if n.op == "call_method":
+        return n.target.endswith("_") and not n.target.startswith("_")
+    if n.op == "call_function":
+        name = getattr(n.target, "__name__", "")
+        return n.target in _OUT_OF_PLACE or n.kwargs.get("inplace", False) is True or n.target is operator.setitem \
+            or (name.endswith("_") and not name.startswith("_") and getattr(n.target, "__module__", "") in
+                ("torch", "torch._C._VariableFunctions"))
+    return False
+
+
+def _is_view(n: fx.Node) -> bool:
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return n.op in ("call_method", "call_function") and name in _VIEWS
+
+
+def _out_of_place(gm: fx.GraphModule) -> None:
+    """Rewrite every in-place op as its out-of-place twin, its later readers reading the result instead.
+
+    A checkpointed segment is re-run from its input in the backward: an op that wrote into the input
+    would have changed what the re-run sees. An in-place write into a view (a slice of a tensor read
+    again later) has no such rewrite and is refused, naming the node.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        if not _mutated(n, gm):
+            continue
+        target = n.args[0] if n.args else None
+        if not isinstance(target, fx.Node) or n.target is operator.setitem or _is_view(target):
+            raise GraphError(f"cannot plan node {n.name} ({n.op} {_target_name(n)}): it writes in place into "
+                             f"{'a view of another tensor' if _is_view(target) else 'a tensor'}; "
+                             "write it out of place (x = x + y, inplace=False)")
+        if n.op == "call_module":
+            twin = copy.copy(gm.get_submodule(n.target))
+            twin.inplace = False
+            name = f"{n.target.replace('.', '_')}_out_of_place_{n.name}"
+            gm.add_submodule(name, twin)
+            n.meta["edgerev_module"] = n.target  # the piece is named after the module the model calls
+            n.target = name
+        elif n.op == "call_method":
+            if not hasattr(torch.Tensor, n.target[:-1]):
+                raise GraphError(f"cannot plan node {n.name} (method {n.target}): it writes in place and has no "
+                                 "out-of-place form")
+            n.target = n.target[:-1]
+        elif n.target in _OUT_OF_PLACE:
+            n.target = _OUT_OF_PLACE[n.target]
+        elif "inplace" in n.kwargs:
+            n.kwargs = {**n.kwargs, "inplace": False}
+        else:
+            twin = getattr(torch, n.target.__name__[:-1], None)
+            if twin is None:
+                raise GraphError(f"cannot plan node {n.name} ({_target_name(n)}): it writes in place and has no "
+                                 "out-of-place form")
+            n.target = twin
+        for user in list(target.users):  # those reading the tensor after the write read the result
+            if user is not n and order[user] > order[n]:
+                user.replace_input_with(target, n)
+    gm.recompile()
+
+
+def _target_name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+
+
+# ---- cut points ---------------------------------------------------------------------------------------------------
+
+
+def _constants(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computable without the input: parameters, buffers and what is computed from them alone."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "get_attr" or (n.op in ("call_function", "call_method")
+                                  and all(a in out for a in n.all_input_nodes)):
+            out.add(n)
+    return out
+
+
+def _output(graph: fx.Graph) -> fx.Node:
+    out = next(n for n in graph.nodes if n.op == "output")
+    value = out.args[0]
+    if not isinstance(value, fx.Node) or value.op == "placeholder":
+        raise GraphError("a classifier's forward must return one tensor computed from its input (the logits), "
+                         f"got {type(value).__name__}")
+    return value
+
+
+def cut_points(gm: fx.GraphModule, tensors: set[fx.Node] | None = None) -> list[fx.Node]:
+    """The nodes after which the node itself is the only activation the rest of the graph reads.
+
+    The input is the first; the logits the last. ``tensors``: the nodes known to produce a tensor (a
+    cut must be a tensor; None: every node).
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise GraphError(f"a classifier takes one input tensor; this graph takes {len(placeholders)} "
+                         f"({', '.join(n.name for n in placeholders)})")
+    const = _constants(graph)
+    order = {n: i for i, n in enumerate(nodes)}
+    last = {n: max((order[u] for u in n.users), default=order[n]) for n in nodes}
+    out = _output(graph)
+    cuts, live = [], set()
+    for n in nodes:
+        if n.op == "output":
+            break
+        if n not in const:
+            live.add(n)
+        live = {v for v in live if last[v] > order[n]}
+        if live == {n} and (tensors is None or n in tensors):
+            cuts.append(n)
+    if not cuts or cuts[0] is not placeholders[0]:
+        cuts.insert(0, placeholders[0])
+    if cuts[-1] is not out:
+        raise GraphError(f"the logits ({out.name}) are not the last value of the graph")
+    return cuts
+
+
+def _tensor_nodes(gm: fx.GraphModule, example: Tensor) -> set[fx.Node]:
+    """The nodes that produce a tensor, from one eval-mode forward of ``example`` (nothing moves)."""
+    found: set[fx.Node] = set()
+
+    class Probe(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            value = super().run_node(n)
+            if isinstance(value, Tensor):
+                found.add(n)
+            return value
+
+    was_training = gm.training
+    try:
+        gm.eval()
+        with torch.no_grad():
+            Probe(gm).run(example)
+    finally:
+        gm.train(was_training)
+    return found
+
+
+def _piece(gm: fx.GraphModule, nodes: list[fx.Node], start: fx.Node, end: fx.Node) -> fx.GraphModule:
+    """The nodes after ``start`` up to ``end`` as a module of one input; constants copied where read."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {start: g.placeholder("x")}
+
+    def get(a: fx.Node) -> fx.Node:
+        if a not in env:
+            env[a] = g.node_copy(a, get)  # a constant (parameter, buffer, or computed from them)
+        return env[a]
+
+    for n in nodes:
+        env[n] = g.node_copy(n, get)
+    g.output(env[end])
+    return fx.GraphModule(gm, g)
+
+
+class Piece(nn.Module):
+    """Nodes of a captured graph between two cut points: one tensor in, one tensor out.
+
+    Its printed form names the modules it calls and a digest of its code, so two pieces that wire the
+    same modules differently are told apart (profiles and accounts are keyed by the printed model).
+    """
+
+    def __init__(self, gm: fx.GraphModule, name: str) -> None:
+        super().__init__()
+        self.gm = gm
+        self.name = name
+        self.digest = hashlib.sha256(gm.code.encode()).hexdigest()[:12]
+        # a checkpointed re-run draws the forward's random numbers again (edgerev.checkpointing)
+        self.random = any(word in _target_name(n) for n in gm.graph.nodes if n.op != "call_module"
+                          for word in ("dropout", "bernoulli", "rand"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.gm(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, code {self.digest}"
+
+
+def pieces(gm: fx.GraphModule, example: Tensor) -> list[Piece]:
+    """The captured graph ``gm`` cut at every :func:`cut_points` into pieces that run one after another."""
+    cuts = cut_points(gm, _tensor_nodes(gm, example))
+    const = _constants(gm.graph)
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and n not in const]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        inside = [n for n in nodes if order[a] < order[n] <= order[b]]
+        modules = [n.meta.get("edgerev_module", n.target) for n in inside if n.op == "call_module"]
+        out.append(Piece(_piece(gm, inside, a, b), _common_name(modules) or b.name))
+    return out
+
+
+def _common_name(modules: list[str]) -> str:
+    """The dotted prefix the modules of a piece share (``layers.0`` for a block), else the last one's name."""
+    if not modules:
+        return ""
+    parts = [m.split(".") for m in modules]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common) or modules[-1]
+
+
+# ---- the chain ----------------------------------------------------------------------------------------------------
+
+
+def _spec(model: nn.Module) -> tuple[int, int]:
+    """(input channels, classes): the model's attributes, else its first convolution's or linear layer's input
+    and its last linear layer's outputs."""
+    try:
+        from edgerev.models.spec import model_spec
+    except ImportError:  # helper "resolve"'s spec not in this tree yet: the same rule, read here
+        pass
+    else:
+        spec = model_spec(model)
+        return spec.in_channels, spec.num_classes
+    modules = list(model.modules())
+    cin = getattr(model, "in_channels", None)
+    if cin is None:
+        first = next((m for m in modules if isinstance(m, (nn.Conv2d, nn.Linear))), None)
+        cin = first.in_channels if isinstance(first, nn.Conv2d) else getattr(first, "in_features", None)
+    classes = getattr(model, "num_classes", None)
+    if classes is None:
+        lin = [m for m in modules if isinstance(m, nn.Linear)]
+        classes = lin[-1].out_features if lin else None
+    if cin is None or classes is None:
+        raise GraphError(f"cannot tell the input channels and the classes of {type(model).__name__}: give it the "
+                         "attributes in_channels and num_classes")
+    return int(cin), int(classes)
+
+
+def _default_plan(n: int) -> Execution:
+    return Execution(segments=(Segment(0, n, "store"),) if n else None)
+
+
+class ChainModel(nn.Module):
+    """A captured model run as a chain of pieces (see the module docstring).
+
+    Attributes:
+        prefix: the leading pieces without a trainable parameter, run under ``no_grad``.
+        body: the rest, planned as checkpoint segments (default: one stored segment, plain autograd).
+        in_channels, num_classes, image_size: what the planner and the step's accounting read.
+        bn_stats: ``"updated"`` (batch norms in training mode move their running statistics) or
+            ``"frozen"`` (every batch norm normalizes with its running statistics and never moves them).
+    """
+
+    def __init__(self, chain: list[Piece], in_channels: int, num_classes: int, image_size: int) -> None:
+        super().__init__()
+        self.in_channels, self.num_classes, self.image_size = in_channels, num_classes, image_size
+        self.arch = "graph"
+        self.bn_stats = "updated"
+        self.__dict__["_chain"] = list(chain)  # every piece, in order; each is registered in prefix or body
+        self.__dict__["_split"] = None
+        self.prefix = nn.ModuleList()
+        self.body = InvertibleSequence([], pool=None)
+        self.resplit()
+
+    @property
+    def chain(self) -> list[Piece]:
+        return list(self._chain)
+
+    def _trainable_key(self) -> tuple[bool, ...]:
+        return tuple(any(p.requires_grad for p in piece.parameters()) for piece in self._chain)
+
+    def resplit(self) -> None:
+        """Put the leading pieces without a trainable parameter into ``prefix``; the plan goes back to plain."""
+        key = self._trainable_key()
+        k = next((i for i, t in enumerate(key) if t), len(key))
+        self.prefix = nn.ModuleList(self._chain[:k])
+        self.body = InvertibleSequence(self._chain[k:], pool=None)
+        self.body.set_execution(_default_plan(len(self._chain) - k))
+        self.__dict__["_split"] = key
+
+    def train(self, mode: bool = True) -> ChainModel:
+        super().train(mode)
+        if self.bn_stats == "frozen":
+            for m in self.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._trainable_key() != self._split:
+            planned = self.body.execution != _default_plan(len(self.body.stages))
+            if planned and torch.is_grad_enabled():
+                raise EdgerevError("the trainable parameters changed after the model was planned: plan it again "
+                                   "(edgerev.memory.autoplan.plan_training)")
+            self.resplit()
+        if len(self.prefix):
+            with torch.no_grad():  # a frozen prefix keeps no activation and no gradient
+                for piece in self.prefix:
+                    x = piece(x)
+        return self.body(x)
+
+    def body_input(self, x: Tensor) -> Tensor:
+        """The body's input for an image batch ``x`` (the frozen prefix run without moving any statistic)."""
+        with torch.no_grad():
+            for piece in self.prefix:
+                with replaying(piece):
+                    x = piece(x)
+        return x
+
+
+def chain(model: nn.Module, size: int, in_channels: int | None = None, num_classes: int | None = None) -> ChainModel:
+    """``model`` captured and cut into a :class:`ChainModel` that shares its weights.
+
+    Args:
+        size: the input's height and width (the example traced on where ``torch.export`` is needed).
+        in_channels, num_classes: what the model takes and gives (default: read from the model).
+    """
+    if isinstance(model, ChainModel):
+        return model
+    cin, classes = _spec(model)
+    cin, classes = in_channels or cin, num_classes or classes
+    like = next(iter([*model.parameters(), *model.buffers()]), torch.zeros(()))
+    example = torch.zeros(1, cin, size, size, device=like.device,
+                          dtype=like.dtype if like.is_floating_point() else torch.float32)
+    gm = capture(model, example)
+    cm = ChainModel(pieces(gm, example), cin, classes, size)
+    cm.train(model.training)
+    return cm
+
+
+_CHAINS: weakref.WeakKeyDictionary[nn.Module, ChainModel] = weakref.WeakKeyDictionary()
+
+
+def has_engine_body(model: nn.Module) -> bool:
+    """True for a model the planner runs as it is (an edgerev model: its body is an engine sequence)."""
+    return isinstance(getattr(model, "body", None), InvertibleSequence)
+
+
+def planned(model: nn.Module, size: int | None = None) -> nn.Module:
+    """What the planner plans and the trainer runs for ``model``: the model itself when it has an engine body,
+    else its :class:`ChainModel` (made once per model object and kept while the model lives)."""
+    if has_engine_body(model):
+        return model
+    cm = _CHAINS.get(model)
+    if cm is None:
+        if size is None:
+            raise EdgerevError(f"{type(model).__name__} has not been captured yet: give the input size")
+        cm = _CHAINS[model] = chain(model, size)
+    return cm

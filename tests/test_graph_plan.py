@@ -1,0 +1,506 @@
+"""The planner on an arbitrary classifier's graph, and trainable sets, over a grid of three architectures.
+
+Built here, small (32x32) and outside the registry: a residual CNN with batch norm and in-place ReLUs,
+a MobileNetV2-like net (inverted residuals, ReLU6, depthwise convolutions, dropout before the head) and
+a squeeze-and-excitation net with HardSwish. For each:
+
+- the chain of pieces between the graph's cut points computes the model's forward exactly, and no cut
+  falls inside a residual or gated block;
+- gradients under every plan (stored, checkpointed, one segment, 8- and 4-bit copies, a mix) equal
+  plain autograd's (the copies approximately), and batch-norm statistics move once;
+- the step's accounting on fake tensors equals the tracker's count of the real step, byte for byte,
+  for every plan and trainable set;
+- the cap's invariants: below the floor is refused before anything is profiled, naming the floor; the
+  floor trains; an accepted budget never needs a retry;
+- each trainable set trains exactly the parameters it names, a frozen prefix keeps nothing, frozen
+  batch-norm statistics do not move, and ``auto`` picks the most parameters that fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgerev.config import ConfigError
+from edgerev.memory import profile as profile_mod
+from edgerev.memory.account import StepShape, account_step
+from edgerev.memory.autoplan import floor_plan, plan_training
+from edgerev.memory.cap import CpuCap, train_step
+from edgerev.memory.costs import BudgetTooSmall, Segment
+from edgerev.memory.graph import ChainModel, GraphError, chain, planned
+from edgerev.memory.measure import apply_plan
+from edgerev.memory.trainable import (
+    NothingFits,
+    Trainable,
+    TrainableError,
+    choose_trainable,
+    parse_trainable,
+    selected,
+    set_trainable,
+    trainable_count,
+)
+from edgerev.train.config import TrainConfig
+
+SIZE, CLASSES = 32, 5
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.b1 = nn.BatchNorm2d(cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.b2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)  # used twice, in place: the capture rewrites both out of place
+        self.short = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = self.b2(self.c2(self.relu(self.b1(self.c1(x)))))
+        out += self.short(x)
+        return self.relu(out)
+
+
+class ResCNN(nn.Module):
+    def __init__(self, w: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True))
+        self.layer1 = ResBlock(w, w, 1)
+        self.layer2 = ResBlock(w, 2 * w, 2)
+        self.fc = nn.Linear(2 * w, CLASSES)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def cba(cin, cout, k, stride=1, groups=1, act=nn.ReLU6):
+    layers = [nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+    return nn.Sequential(*layers, *([act()] if act else []))
+
+
+class Inverted(nn.Module):
+    def __init__(self, cin, cout, stride, expand=4):
+        super().__init__()
+        hidden = cin * expand
+        self.conv = nn.Sequential(cba(cin, hidden, 1), cba(hidden, hidden, 3, stride, groups=hidden),
+                                  cba(hidden, cout, 1, act=None))
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+        return x + self.conv(x) if self.residual else self.conv(x)
+
+
+class MobileLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(cba(3, 8, 3, 2), Inverted(8, 8, 1), Inverted(8, 16, 2), Inverted(16, 16, 1))
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(16, CLASSES))
+
+    def forward(self, x):
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
+class SE(nn.Module):
+    def __init__(self, c, r=4):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(c, c // r, 1), nn.Conv2d(c // r, c, 1)
+
+    def forward(self, x):
+        s = F.adaptive_avg_pool2d(x, 1)
+        return x * F.hardsigmoid(self.fc2(F.relu(self.fc1(s))))
+
+
+class SENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = cba(3, 8, 3, act=nn.Hardswish)
+        self.block1 = nn.Sequential(cba(8, 16, 3, 2, act=nn.Hardswish), SE(16))
+        self.block2 = nn.Sequential(cba(16, 16, 3, groups=16, act=nn.Hardswish), SE(16), cba(16, 16, 1, act=None))
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = self.block1(x)
+        x = x + self.block2(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+NETS = {"rescnn": ResCNN, "mobile": MobileLike, "senet": SENet}
+
+
+def grid(sets, fast) -> list:
+    """Every net with every one of ``sets``; the pairs in ``fast`` run always, the rest only with the slow tests
+    (each pair takes seconds: a fake and a real step per plan)."""
+    return [pytest.param(n, t, marks=() if (n, t) in fast else pytest.mark.slow) for n in sorted(NETS) for t in sets]
+
+
+def by_net(fast) -> list:
+    return [pytest.param(n, marks=() if n in fast else pytest.mark.slow) for n in sorted(NETS)]
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return NETS[name]()
+
+
+def batch(n: int = 6, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, SIZE, SIZE, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+# ---- cut points: the chain computes the forward -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_the_chain_computes_the_models_forward_exactly(name):
+    model = build(name)
+    reference = copy.deepcopy(model)
+    cm = chain(model, SIZE)
+    x, _ = batch()
+    for mode in (False, True):  # eval, then train: batch norm statistics move the same way
+        model.train(mode), reference.train(mode), cm.train(mode)
+        with torch.no_grad():
+            torch.manual_seed(3)
+            got = cm(x)
+            torch.manual_seed(3)
+            want = reference(x)
+        assert torch.equal(got, want), f"{name}: the chain differs from the forward (train={mode})"
+    for (k, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), f"{name}: {k} moved differently through the chain"
+    # the chain shares the model's weights: nothing was copied
+    assert {id(p) for p in cm.parameters()} == {id(p) for p in model.parameters()}
+
+
+EXPECTED_PIECES = {
+    "rescnn": ["stem.0", "stem.1", "stem.2", "layer1", "layer1.relu", "layer2", "layer2.relu", "adaptive_avg_pool2d",
+               "flatten", "fc"],
+    "mobile": ["features.0.0", "features.0.1", "features.0.2", "features.1.conv", "features.2.conv.0.0",
+               "features.2.conv.0.1", "features.2.conv.0.2", "features.2.conv.1.0", "features.2.conv.1.1",
+               "features.2.conv.1.2", "features.2.conv.2.0", "features.2.conv.2.1", "features.3.conv", "mean",
+               "classifier.0", "classifier.1"],
+    "senet": ["stem.0", "stem.1", "stem.2", "block1.0.0", "block1.0.1", "block1.0.2", "block1.1", "block2", "mean",
+              "head"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_cut_points_fall_between_blocks_never_inside_one(name):
+    """A residual or gated block has two tensors alive inside it: it is one piece; a chain is cut at every op."""
+    assert [p.name for p in chain(build(name), SIZE).chain] == EXPECTED_PIECES[name]
+
+
+def test_a_model_fx_cannot_follow_is_captured_with_torch_export():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, CLASSES)
+
+        def forward(self, x):
+            if x.shape[-1] > 8:  # control flow on a shape: torch.fx cannot trace it, torch.export specializes it
+                x = F.max_pool2d(x, 2)
+            return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+    with pytest.raises(torch.fx.proxy.TraceError):
+        torch.fx.symbolic_trace(Branchy())
+    torch.manual_seed(0)
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    cm = chain(model, SIZE)
+    x, y = batch()
+    assert torch.equal(cm(x), reference(x))  # training mode: batch statistics, running ones moved once
+    assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+    assert {id(p) for p in cm.parameters()} == {id(p) for p in model.parameters()}
+    # a checkpointed re-run leaves the running statistics where the forward put them
+    apply_plan(cm, None, (Segment(0, len(cm.body.stages), "checkpoint"),))
+    F.cross_entropy(cm(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()
+    assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+    assert torch.allclose(model.conv.weight.grad, reference.conv.weight.grad, atol=1e-6)
+
+
+def test_in_place_writes_are_rewritten_and_writes_into_views_refused():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, CLASSES)
+
+        def forward(self, x):
+            h = self.conv(x)
+            h.add_(1.0)  # written in place, read again through its old name
+            h = torch.relu_(h)
+            return self.fc(h.mean((2, 3)))
+
+    class IntoView(InPlace):
+        def forward(self, x):
+            h = self.conv(x)
+            h[:, :2].mul_(2.0)
+            return self.fc(h.mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = InPlace()
+    x, _ = batch()
+    assert torch.equal(chain(model, SIZE)(x), model(x))
+    with pytest.raises(GraphError, match=r"writes in place into a view"):
+        chain(IntoView(), SIZE)
+
+
+def test_a_forward_that_returns_no_single_tensor_is_refused_in_one_line():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, CLASSES)
+
+        def forward(self, x):
+            y = self.fc(self.conv(x).mean((2, 3)))
+            return y, y
+
+    with pytest.raises(GraphError) as info:
+        chain(Two(), SIZE)
+    assert "\n" not in str(info.value)
+
+
+# ---- gradients under every plan ---------------------------------------------------------------------------------
+
+
+def plans(n: int) -> dict[str, tuple[Segment, ...]]:
+    return {
+        "store": (Segment(0, n, "store"),),
+        "checkpoint-each": tuple(Segment(i, i + 1, "checkpoint") for i in range(n)),
+        "checkpoint-one": (Segment(0, n, "checkpoint"),),
+        "mixed": (Segment(0, n // 3, "checkpoint"), Segment(n // 3, 2 * n // 3, "store8"),
+                  Segment(2 * n // 3, n, "store")),
+        "store8": tuple(Segment(i, i + 1, "store8") for i in range(n)),
+        "store4": (Segment(0, n, "store4"),),
+    }
+
+
+def grads(model: nn.Module, run: nn.Module, x, y, seed: int = 5) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout mask in the forward (and in a checkpointed re-run)
+    F.cross_entropy(run(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("plan", list(plans(3)))
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_gradients_under_every_plan_equal_plain_autograds(name, plan):
+    model = build(name).double()
+    reference = copy.deepcopy(model)
+    cm = chain(model, SIZE)
+    x, y = batch()
+    x = x.double()
+    apply_plan(cm, None, plans(len(cm.body.stages))[plan])
+    got, want = grads(model, cm, x, y), grads(reference, reference, x, y)
+    assert got.keys() == want.keys() == {n for n, _ in model.named_parameters()}
+    whole = torch.cat([g.flatten() for g in want.values()])
+    if plan in ("store8", "store4", "mixed"):  # approximate: the whole gradient's direction, each part's error
+        cos = F.cosine_similarity(torch.cat([got[k].flatten() for k in want]), whole, dim=0)
+        assert cos > (0.99 if plan == "store4" else 0.999), f"{name} {plan}: cosine {cos:.5f}"
+    for k in want:
+        if plan in ("store8", "store4", "mixed"):
+            # against the whole gradient's norm: a batch norm's scale before another batch norm has a true
+            # gradient near zero (the second one normalizes it away), whose direction is noise
+            err = (got[k] - want[k]).norm() / whole.norm()
+            assert err < (0.2 if plan == "store4" else 0.05), f"{name} {plan}: {k} off by {err:.4f} of the whole"
+        else:
+            assert torch.allclose(got[k], want[k], rtol=1e-9, atol=1e-12), f"{name} {plan}: {k}"
+    for (k, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), f"{name} {plan}: {k} moved other than once"
+
+
+# ---- one accounting: the prediction is the tracker's count ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,trainable", grid(["all", "head", "bias", "last:2"],
+                                                 {("rescnn", "all"), ("senet", "bias"), ("mobile", "last:2")}))
+def test_the_accounting_predicts_the_tracked_step_exactly(name, trainable):
+    model = build(name)
+    cm = set_trainable(model, trainable, size=SIZE)
+    step = StepShape(SIZE, 6, momentum=True)
+    for plan in ("store", "checkpoint-each", "mixed", "store4"):
+        segs = plans(len(cm.body.stages))[plan]
+
+        def apply(m, segs=segs):
+            apply_plan(m, None, segs)
+
+        fake = account_step(cm, step, 3, apply)
+        real = account_step(cm, step, 3, apply, real=True)
+        assert fake == real, f"{name} {trainable} {plan}: predicted {fake.total}, tracked {real.total}"
+
+
+# ---- the cap's invariants ---------------------------------------------------------------------------------------
+
+FLOOR = re.compile(r"the smallest budget that fits is ([0-9,]+) bytes")
+
+
+def capped_steps(model: nn.Module, run: nn.Module, micro: int, cap: CpuCap, n: int = 6, steps: int = 2) -> None:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+    for s in range(steps):
+        x, y = batch(n, seed=10 + s)
+        result = train_step(run, optimizer, x, y, micro, cap=cap)
+        assert result.retries == 0, "a budget accepted at start needed a smaller micro-batch"
+    assert cap.verified_steps >= 1 and cap.peak <= cap.budget
+
+
+@pytest.mark.parametrize("name,trainable", grid(["all", "bias"], {("rescnn", "all"), ("senet", "bias")}))
+def test_below_the_floor_is_refused_at_once_and_the_floor_trains(name, trainable, monkeypatch):
+    model = build(name)
+    cm = set_trainable(model, trainable, size=SIZE)
+    step = StepShape(SIZE, 6, momentum=True)
+
+    def no_profiling(*a, **k):
+        raise AssertionError("a budget below the floor must be refused before anything is profiled")
+
+    with monkeypatch.context() as m:
+        m.setattr(profile_mod, "stage_stats", no_profiling)
+        with pytest.raises(BudgetTooSmall) as info:
+            plan_training(model, SIZE, 1, max_batch=6, step=step)
+        floor = int(FLOOR.search(str(info.value)).group(1).replace(",", ""))
+        with pytest.raises(BudgetTooSmall, match=f"smallest budget that fits is {floor:,} bytes"):
+            plan_training(model, SIZE, floor - 1, max_batch=6, step=step)
+    proposal, account = floor_plan(model, step)
+    assert account.total == floor and account.micro_batch == 1
+    proposal.apply(cm)
+    capped_steps(model, cm, 6, CpuCap(floor, account.baseline))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_an_accepted_budget_never_fails_later(name):
+    """The whole planner (profile, solve, check, shrink) at budgets from the floor up; the trainer's steps fit."""
+    model = build(name)
+    cm = planned(model, SIZE)
+    step = StepShape(SIZE, 6, momentum=True)
+    floor = floor_plan(model, step)[1].total
+    for factor in (1.0, 1.3, 2.0, 4.0):
+        budget = int(floor * factor)
+        tp = plan_training(model, SIZE, budget, max_batch=6, step=step)
+        assert tp.predicted_peak_bytes <= budget
+        tp.apply(model)
+        capped_steps(model, cm, -(-6 // tp.batch), CpuCap(budget, tp.account.baseline))
+
+
+def test_the_planner_plans_a_model_without_an_engine_body():
+    """The registry's attributes are not needed: plan_training takes the module and plans its chain."""
+    model = build("rescnn")
+    step = StepShape(SIZE, 4)
+    floor = floor_plan(model, step)[1].total
+    tp = plan_training(model, SIZE, 3 * floor, max_batch=4, step=step)
+    assert tp.summary["planner"] == "checkpoint segments"
+    assert [s["name"] for s in tp.summary["stages"]] == [str(i) for i in range(len(planned(model).chain))]
+    assert tp.account.total == tp.predicted_peak_bytes <= 3 * floor
+
+
+# ---- trainable sets ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trainable", ["all", "head", "bias", "last:1", "last:3"])
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_a_trainable_set_trains_exactly_what_it_names(name, trainable):
+    model = build(name)
+    cm = set_trainable(model, trainable, size=SIZE)
+    named = {id(p) for p in selected(cm, trainable)}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = batch()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    F.cross_entropy(cm(x), y).backward()
+    optimizer.step()
+    for n, p in model.named_parameters():
+        if id(p) in named:
+            assert p.grad is not None and not torch.equal(p, before[n]), f"{trainable}: {n} did not train"
+        else:
+            assert p.grad is None and torch.equal(p, before[n]), f"{trainable}: {n} trained"
+    if trainable == "head":
+        assert {id(p) for p in named} == {id(p) for p in list(model.modules())[-1].parameters()} or \
+            len(named) == 2  # the last linear layer: weight and bias
+    if trainable.startswith("last") or trainable == "head":
+        assert len(cm.prefix) > 0 and not any(p.requires_grad for p in cm.prefix.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_a_frozen_prefix_keeps_no_activation_and_no_gradient(name):
+    """Head only: the step holds the head's input, its gradients and little else."""
+    model = build(name)
+    step = StepShape(SIZE, 6)
+    full = account_step(set_trainable(model, "all", size=SIZE), step, 6, lambda m: None)
+    head = account_step(set_trainable(model, "head"), step, 6, lambda m: None)
+    params = sum(p.numel() * 4 for p in selected(planned(model), "head"))
+    assert head.gradients == params
+    # logits, their gradient, the head's input and the prefix's largest activation (freed as it goes)
+    assert head.step_bytes < full.step_bytes / 3, (head.step_bytes, full.step_bytes)
+
+
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_frozen_batch_norm_statistics_do_not_move_and_updated_ones_do(name):
+    model = build(name)
+    x, y = batch()
+    for bn_stats, moves in (("frozen", False), ("updated", True)):
+        cm = set_trainable(model, "all", bn_stats, size=SIZE)
+        cm.train()
+        before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+        F.cross_entropy(cm(x), y).backward()
+        after = {k: v for k, v in model.state_dict().items() if "running" in k}
+        assert before and all(torch.equal(before[k], after[k]) != moves for k in before), bn_stats
+
+
+@pytest.mark.parametrize("name", by_net({"rescnn"}))
+def test_auto_trains_the_most_parameters_that_fit(name):
+    model = build(name)
+    cm = planned(model, SIZE)
+    step = StepShape(SIZE, 6, momentum=True)
+    totals = {}
+    for t in ("all", "last:1", "last:2"):
+        set_trainable(cm, t)
+        totals[t] = min(account_step(cm, step, 6, lambda m, s=s: apply_plan(m, None, s)).total
+                        for s in _floors(cm))
+    chosen, account = choose_trainable(model, step, totals["all"])
+    assert str(chosen) == "all" and account.total == totals["all"]
+    chosen, account = choose_trainable(model, step, totals["last:2"])
+    assert chosen.kind in ("last", "bias") and account.total <= totals["last:2"]
+    assert trainable_count(cm) >= sum(p.numel() for p in selected(cm, "last:2"))
+    with pytest.raises(NothingFits) as info:
+        choose_trainable(model, step, totals["last:1"] - 1)
+    assert info.value.smallest == totals["last:1"] and isinstance(info.value, BudgetTooSmall)
+
+
+def _floors(cm: ChainModel):
+    n = len(cm.body.stages)
+    return [tuple(Segment(i, i + 1, "store4") for i in range(n)), (Segment(0, n, "store4"),),
+            tuple(Segment(i, i + 1, "checkpoint") for i in range(n))]
+
+
+def test_changing_the_trainable_set_after_planning_is_refused():
+    model = build("rescnn")
+    cm = planned(model, SIZE)
+    apply_plan(cm, None, plans(len(cm.body.stages))["checkpoint-each"])
+    model.stem[0].weight.requires_grad_(False)
+    x, y = batch()
+    with pytest.raises(Exception, match="plan it again"):
+        cm(x)
+
+
+@pytest.mark.parametrize("text,expected", [("all", Trainable("all")), ("head", Trainable("head")),
+                                           ("bias", Trainable("bias")), ("last:3", Trainable("last", 3)),
+                                           ("auto", Trainable("auto"))])
+def test_parse_trainable(text, expected):
+    assert parse_trainable(text) == expected and str(expected) == text
+
+
+@pytest.mark.parametrize("text", ["last:0", "last:", "last:x", "some", "", "Head"])
+def test_parse_trainable_refuses(text):
+    with pytest.raises(TrainableError, match="is not a trainable set; use all, head, bias, last:N"):
+        parse_trainable(text)
+
+
+def test_the_recipe_validates_trainable_and_bn_stats():
+    assert TrainConfig(trainable="last:2", bn_stats="frozen").trainable == "last:2"
+    with pytest.raises(ConfigError, match=r"^trainable: 'last:0' is not a trainable set"):
+        TrainConfig(trainable="last:0")
+    with pytest.raises(ConfigError, match=r"^bn_stats: 'moving' is not a batch-norm choice"):
+        TrainConfig(bn_stats="moving")
