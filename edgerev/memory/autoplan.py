@@ -30,6 +30,7 @@ from edgerev.layers.base import Invertible
 from edgerev.memory import profile as profiles
 from edgerev.memory.account import StepAccount, StepShape, account_step, beyond_model
 from edgerev.memory.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
+from edgerev.memory.graph import planned
 from edgerev.memory.knapsack import default_batches, plan, smallest_budget
 from edgerev.memory.measure import apply_plan, fake_step_peak, step_peak
 from edgerev.memory.segments import plan_segments
@@ -121,6 +122,8 @@ class _SegmentsSolver:
     def prepare(self) -> None:
         if self.stats is None:
             x = torch.randn(8, model_spec(self.model).in_channels, self.size, self.size, device=self.device)
+            if hasattr(self.model, "body_input"):  # a captured graph: the body starts after its frozen prefix
+                x = self.model.body_input(x)
             self.stats = profiles.stage_stats(self.model.body.stages, x)
 
     def solve(self, target: int, batches: list[int] | None) -> Proposal:
@@ -154,7 +157,8 @@ class TrainingPlan:
     profile: Profile | None = None
 
     def apply(self, model: nn.Module) -> None:
-        apply_plan(model, self.modes, self.segments)
+        """Set the plan on ``model`` (a model without an engine body: on its chain, see ``planned``)."""
+        apply_plan(planned(model), self.modes, self.segments)
 
     @property
     def samples_per_second(self) -> float:
@@ -179,6 +183,10 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
                   batches: list[int] | None = None, segments: bool | None = None) -> TrainingPlan:
     """The fastest plan for ``model`` at ``size`` whose whole step stays under ``budget`` bytes.
 
+    ``model`` is an edgerev model or any classifier (``nn.Module``): one without an engine body is captured
+    as a graph and planned as its chain (:func:`edgerev.memory.graph.planned`), which is what then trains:
+    it shares the model's weights. Its trainable set (:mod:`edgerev.memory.trainable`) is part of the plan.
+
     Args:
         estimate: estimate the stage costs from FLOPs instead of measuring them (quick, less exact).
         max_batch: consider micro-batches up to this size only (a trainer's batch).
@@ -194,6 +202,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
         BudgetTooSmall: the budget is below the floor (named in the message), checked before anything
             is profiled.
     """
+    model = planned(model, size)  # any nn.Module: a model without an engine body is captured as a chain
     step = step or StepShape(size)
     check = device == "cpu" if check is None else check
     segments = is_plain(model) if segments is None else segments
@@ -242,6 +251,7 @@ def floor_plan(model: nn.Module, step: StepShape,
                loss_fn: Callable[..., Tensor] | None = None) -> tuple[Proposal, StepAccount]:
     """The floor of :func:`plan_training` alone (exact, on fake tensors; nothing is profiled): batch 1
     in the least-memory plan, and its account, whose ``total`` is the smallest budget that trains."""
+    model = planned(model, step.size)
     solver = _SegmentsSolver(model, step.size, "cpu") if is_plain(model) else \
         _ModesSolver(model, step.size, "cpu", None, False)
     return _floor(solver, lambda p: accounted(model, step, p, loss_fn))

@@ -157,7 +157,14 @@ class TrainConfig:
 
     ``anneal_epochs``: once patience runs out, the epochs over which the learning rate falls from where
     the schedule is to 0 before the run stops (a half cosine, see :mod:`edgerev.train.schedule`; within
-    the ``epochs`` maximum; 0: stop at once, wherever the schedule is)."""
+    the ``epochs`` maximum; 0: stop at once, wherever the schedule is).
+
+    ``trainable``: which parameters train (:mod:`edgerev.memory.trainable`): ``all``, ``head`` (the
+    classifier), ``bias`` (every bias and the head), ``last:N`` (the last N pieces of the model's graph
+    that have parameters) or ``auto`` (the most parameters whose step fits ``memory.budget`` at ``batch``);
+    the frozen rest keeps no activation and no gradient. ``bn_stats``: ``updated`` (batch norms move their
+    running statistics in training) or ``frozen`` (they normalize with them and leave them as they are);
+    both apply to models captured as a graph (a model from outside)."""
 
     epochs: int = 10
     patience: int | None = None
@@ -169,8 +176,17 @@ class TrainConfig:
     progress_seconds: float = 60.0
     eval_batch: int = 256
     threads: int | None = None
+    trainable: str = "all"
+    bn_stats: str = "updated"
 
     def __post_init__(self) -> None:
+        from edgerev.memory.trainable import TrainableError, check_bn_stats, parse_trainable  # no torch
+
+        for key, read in (("trainable", parse_trainable), ("bn_stats", check_bn_stats)):
+            try:
+                read(getattr(self, key))
+            except TrainableError as e:
+                check(False, key, str(e))
         for name in ("epochs", "batch", "checkpoint_every", "log_every", "eval_batch"):
             value = getattr(self, name)
             check(value >= 1, name, f"must be at least 1, got {value}")
