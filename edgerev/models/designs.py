@@ -69,11 +69,10 @@ class Classifier(nn.Module):
     """What the three designs share: ``features`` (image to feature map), global average pooling, then
     ``classifier`` (dropout and the linear head, whose rows are the classes).
 
-    Attributes ``in_channels`` and ``num_classes`` say what the model takes and gives; ``image_size`` is
-    the resolution it was designed for (any multiple of 32 runs).
+    Attributes ``in_channels`` and ``num_classes`` say what the model takes and gives. It has no ``image_size``:
+    it was designed at 224x224, but global pooling lets it take any size of at least 32 (see
+    :func:`edgerev.models.spec.model_spec`).
     """
-
-    image_size = 224
 
     def __init__(self, features: nn.Module, channels: int, num_classes: int, dropout: float) -> None:
         super().__init__()
@@ -151,9 +150,8 @@ class BasicBlock(nn.Module):
 
 class ResNet(nn.Module):
     """ResNet for ImageNet (He et al. 2016): 7x7 stride-2 stem, 3x3 stride-2 max pool, four stages of basic
-    blocks, global average pooling and a linear head ``fc``; torchvision's layer names."""
-
-    image_size = 224
+    blocks, global average pooling and a linear head ``fc``; torchvision's layer names. Designed at 224x224,
+    it takes any size of at least 32."""
 
     def __init__(self, blocks: tuple[int, ...], num_classes: int, width: float) -> None:
         super().__init__()
