@@ -180,8 +180,12 @@ def fit_run(model: str | Path | nn.Module | None = None, data=None, *, out: str 
 
             resolve_model(model, weights=weights)
     elif model is not None:
+        from edgerev.models.resolve import resolve_model
+
         cfg = replace(cfg, model=replace(cfg.model, arch=str(model), args=dict(args or {}),
                                          weights=None if weights is None else str(weights)))
+        if not resume:  # resolved once here: its own input size is the default size
+            given = resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args)
     if size is None and given is not None:
         from edgerev.models.spec import model_spec
 

@@ -37,6 +37,7 @@ def test_plan_of_a_registry_model_stays_under_the_budget():
     assert p.summary["arch"] == "resnet18" and p.summary["budget_bytes"] == 64 * 2**20
 
 
+@pytest.mark.slow  # 3-20 s on a loaded machine
 def test_plan_refuses_a_budget_below_the_floor_naming_it():
     with pytest.raises(BudgetTooSmall, match="smallest"):
         edgerev.plan("resnet18", size=16, budget=1000, args={"width": 8})
@@ -122,3 +123,10 @@ def test_plan_takes_a_module_object():
     net = resolve_model("resnet18", args={"width": 8}, num_classes=3)
     p = edgerev.plan(net, size=16, budget="64MiB", batch=4, estimate=True)
     assert p.batch >= 1 and p.summary["arch"] == "resnet18"
+
+
+def test_cli_memory_takes_a_factory(capsys):
+    rc = main(["memory", "--arch", TINY, "--batch", "2", "--size", "16", "--fake", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert rc == 0 and row["arch"] == TINY and row["modes"] == ["plain"] and row["model_bytes_per_pixel"] is None
+    assert row["peak_bytes_2x"] > row["peak_bytes"] > 0

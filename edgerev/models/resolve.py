@@ -91,7 +91,8 @@ def resolve_model(source: str | Path | nn.Module, *, weights: str | Path | None 
         path = Path(text).expanduser()
         if not (path / "model.json").is_file():
             raise ModelSourceError(f"{text} is not a model directory (no model.json in it)")
-        model = load_model(path)[0]
+        model, info, _ = load_model(path)
+        model.mean, model.std = info.mean, info.std  # the normalization its weights were trained with
     else:
         model = _from_onnx(Path(text).expanduser())
     return _finish(model, weights, num_classes)
