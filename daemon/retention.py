@@ -62,48 +62,75 @@ def reservoir_key(sha256: str) -> float:
     return int(sha256[8:16], 16) / _HASH_SPAN
 
 
-def victim_order(samples: Sequence[Sample], keep_newest: int, reservoir: float) -> list[Sample]:
-    """A class's removable samples in the order they go: ``samples`` (one class and split, in arrival
-    order) without the newest ``keep_newest``; those outside the reservoir oldest first, then the
-    reservoir's from the largest hash key down."""
-    older = list(samples[: max(0, len(samples) - keep_newest)])
-    outside = [s for s in older if reservoir_key(s.sha256) >= reservoir]
-    inside = sorted((s for s in older if reservoir_key(s.sha256) < reservoir),
-                    key=lambda s: reservoir_key(s.sha256), reverse=True)
+def victim_order(hashes: Sequence[str], keep_newest: int, reservoir: float) -> list[str]:
+    """A class's removable samples in the order they go: ``hashes`` (one class and split, in arrival order)
+    without the newest ``keep_newest``; those outside the reservoir oldest first, then the reservoir's from
+    the largest hash key down."""
+    older = hashes[: max(0, len(hashes) - keep_newest)]
+    outside = [h for h in older if reservoir_key(h) >= reservoir]
+    inside = sorted((h for h in older if reservoir_key(h) < reservoir), key=reservoir_key, reverse=True)
     return outside + inside
 
 
-def water_fill(by_label: dict[str, list[Sample]], count: int, keep_newest: int, reservoir: float) -> list[Sample]:
-    """Up to ``count`` samples of one split, each from the label that holds the most samples then."""
-    queues = {label: victim_order(s, keep_newest, reservoir) for label, s in by_label.items()}
-    order = {label: i for i, label in enumerate(by_label)}
-    heap = [(-len(s), order[label], label) for label, s in by_label.items() if queues[label]]
+Group = tuple[Split, str]  # (split, label)
+
+
+def water_fill(totals: dict[Group, int], groups: Sequence[Group], count: int, keep_newest: int) -> dict[Group, int]:
+    """How many of ``count`` removals each group of ``groups`` gives: each from the group that holds the most
+    samples then (ties: the order of ``totals``), none below its newest ``keep_newest``."""
+    order = {g: i for i, g in enumerate(totals)}
+    heap = [(-totals[g], order[g], g) for g in groups if totals[g] > keep_newest]
     heapq.heapify(heap)
-    taken: dict[str, int] = {label: 0 for label in by_label}
-    out: list[Sample] = []
-    while heap and len(out) < count:
-        held, i, label = heapq.heappop(heap)
-        out.append(queues[label][taken[label]])
-        taken[label] += 1
-        if taken[label] < len(queues[label]):
-            heapq.heappush(heap, (held + 1, i, label))
-    return out
+    taken = {g: 0 for g in groups}
+    left = count
+    while heap and left > 0:
+        held, i, g = heapq.heappop(heap)
+        taken[g] += 1
+        left -= 1
+        if -held - 1 > keep_newest:
+            heapq.heappush(heap, (held + 1, i, g))
+    return taken
+
+
+def plan(totals: dict[Group, int], count: int, heldout_fraction: float, keep_newest: int) -> dict[Group, int]:
+    """How many samples each (split, label) gives to remove ``count`` (fewer when only protected ones remain):
+    the held-out split as many as keep its share of what is kept, the train split the rest, and a split that
+    runs out leaves the rest to the other."""
+    held = [g for g in totals if g[0] == Split.HELDOUT]
+    train = [g for g in totals if g[0] == Split.TRAIN]
+    n_held = sum(totals[g] for g in held)
+    kept = sum(totals.values()) - count
+    from_heldout = min(count, max(0, n_held - round(heldout_fraction * kept)))
+    out = water_fill(totals, held, from_heldout, keep_newest)
+    got_held = sum(out.values())
+    out |= water_fill(totals, train, count - got_held, keep_newest)
+    short = count - sum(out.values())
+    if short > 0 and got_held == from_heldout:  # the train split ran out: the held-out one gives the rest
+        out |= water_fill(totals, held, from_heldout + short, keep_newest)
+    return {g: n for g, n in out.items() if n}
 
 
 def choose(samples: Sequence[Sample], count: int, heldout_fraction: float, keep_newest: int,
            reservoir: float) -> list[Sample]:
-    """The ``count`` samples the policy removes first (fewer when only protected ones remain)."""
-    splits: dict[Split, dict[str, list[Sample]]] = {Split.TRAIN: {}, Split.HELDOUT: {}}
-    for s in samples:  # in arrival order: each class's list ends with its newest
-        splits[s.split].setdefault(s.label, []).append(s)
-    held = sum(len(v) for v in splits[Split.HELDOUT].values())
-    kept = len(samples) - count
-    from_heldout = min(count, max(0, held - round(heldout_fraction * kept)))
-    heldout = water_fill(splits[Split.HELDOUT], from_heldout, keep_newest, reservoir)
-    train = water_fill(splits[Split.TRAIN], count - len(heldout), keep_newest, reservoir)
-    if len(heldout) + len(train) < count:  # the train split ran out of removable samples
-        heldout = water_fill(splits[Split.HELDOUT], count - len(train), keep_newest, reservoir)
-    return heldout + train
+    """The ``count`` samples (in arrival order) the policy removes first; fewer when only protected ones remain.
+    :func:`enforce` makes the same choice from the store's counts, reading one class's hashes at a time."""
+    groups: dict[Group, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.split, s.label), []).append(s)
+    counts = plan({g: len(v) for g, v in groups.items()}, count, heldout_fraction, keep_newest)
+    by_hash = {s.sha256: s for s in samples}
+    return [by_hash[h] for g, n in counts.items()
+            for h in victim_order([s.sha256 for s in groups[g]], keep_newest, reservoir)[:n]]
+
+
+def _choose_in_store(store: Store, count: int, heldout_fraction: float, keep_newest: int,
+                     reservoir: float) -> list[str]:
+    """:func:`choose` on the store: counts by split and label, then the hashes of only the classes that give
+    (memory bounded by the largest class, not by the store: a year of samples is never loaded at once)."""
+    totals = store.split_label_counts()
+    counts = plan(totals, count, heldout_fraction, keep_newest)
+    return [h for (split, label), n in counts.items()
+            for h in victim_order(store.hashes(label, split), keep_newest, reservoir)[:n]]
 
 
 @dataclass
@@ -170,17 +197,16 @@ def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsa
         if _over(config, report.usage, report.samples) is None:
             break
         count, why = _to_remove(config, report.usage, report.samples)
-        victims = choose(store.samples(), count, config.heldout_fraction, st.keep_newest_per_class, st.reservoir)
+        victims = _choose_in_store(store, count, config.heldout_fraction, st.keep_newest_per_class, st.reservoir)
         short = len(victims) < count
         if not victims:
             break
         before = report.usage.total
-        freed = sum(_blob_bytes(blobs, s.sha256) for s in victims)
-        store.remove_samples([s.sha256 for s in victims], why.value,
-                             {"bytes_before": before, "blob_bytes": freed, "max_bytes": st.max_bytes_int,
-                              "max_samples": st.max_samples})
-        for s in victims:  # after the commit: a crash here leaves orphans, removed at the next start
-            blobs.remove(s.sha256)
+        freed = sum(_blob_bytes(blobs, sha) for sha in victims)
+        store.remove_samples(victims, why.value, {"bytes_before": before, "blob_bytes": freed,
+                                                  "max_bytes": st.max_bytes_int, "max_samples": st.max_samples})
+        for sha in victims:  # after the commit: a crash here leaves orphans, removed at the next start
+            blobs.remove(sha)
         report.removed += len(victims)
         report.removed_bytes += freed
         log.info("storage: removed %d samples (%d bytes of blobs) by the retention policy: %s", len(victims),

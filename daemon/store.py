@@ -355,6 +355,19 @@ class Store:
         rows = self._conn.execute(self._SAMPLE + where + " ORDER BY s.batch_id, s.sha256", args)
         return [self._sample(r) for r in rows]
 
+    def split_label_counts(self) -> dict[tuple[Split, str], int]:
+        """Samples per (split, label), labels in arrival order (only pairs that hold samples)."""
+        rows = self._conn.execute("SELECT s.split, l.name, COUNT(*) FROM samples s JOIN labels l ON l.id = s.label_id "
+                                  "GROUP BY l.id, s.split ORDER BY l.id, s.split DESC")
+        return {(Split(split), name): n for split, name, n in rows}
+
+    def hashes(self, label: str, split: Split) -> list[str]:
+        """The hashes of one label's samples in ``split``, in arrival order (the retention policy's reading)."""
+        rows = self._conn.execute("SELECT s.sha256 FROM samples s JOIN labels l ON l.id = s.label_id "
+                                  "WHERE l.name = ? AND s.split = ? ORDER BY s.batch_id, s.sha256",
+                                  (label, Split(split).value))
+        return [r[0] for r in rows]
+
     def blob_hashes(self) -> dict[str, str]:
         """``{sample sha256: blob sha256}`` of every sample (for the consistency check)."""
         return dict(self._conn.execute("SELECT sha256, blob_sha256 FROM samples"))

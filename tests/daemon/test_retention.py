@@ -173,8 +173,11 @@ def test_a_budget_removes_down_to_its_target_counted_explained_and_consistent(tm
     d = open_data_dir(config)
     try:
         fill(d, {"cat": 250, "dog": 120, "owl": 10})
+        before = stored(d)
+        expected = {s.sha256 for s in choose(d.store.samples(), 140, config.heldout_fraction, 5, 0.5)}
         report = enforce(config, d.store, d.blobs, DiskUsage(config.layout))
         assert report.removed == 380 - 240 and d.store.count_samples() == 240 and report.over is None
+        assert before - stored(d) == expected  # the store's reading, one class at a time, chooses the same
         counts = d.store.label_counts()
         assert counts["owl"] == 10 and counts["cat"] >= counts["dog"] - 1  # the rare class untouched
         assert d.store.removal_counts() == {"max_samples": 140}
