@@ -18,7 +18,6 @@ way it is trained.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -62,6 +61,24 @@ def _with_trainable(cfg, trainable: str):
     return cfg
 
 
+def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int, loss_fn) -> nn.Module:
+    """``net`` training only ``trainable`` (:mod:`edgerev.memory.trainable`): what the planner then plans."""
+    try:
+        from edgerev.memory import trainable as sets
+    except ImportError:
+        raise ConfigError(f"trainable: {trainable!r} is not supported by this edgerev; it plans all parameters") \
+            from None
+    try:
+        if trainable == "auto":  # leaves the chosen set applied
+            from edgerev.memory.graph import planned
+
+            sets.choose_trainable(net, step, budget, loss_fn=loss_fn)
+            return planned(net, size)
+        return sets.set_trainable(net, sets.parse_trainable(trainable), size=size)
+    except sets.TrainableError as e:
+        raise ConfigError(f"trainable: {e}") from None
+
+
 def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: int | None = None,
          device: str = "cpu", momentum: bool = True, estimate: bool = False, verify: bool = False,
          trainable: str = "all", weights: str | Path | None = None, args: dict | None = None) -> PlanResult:
@@ -94,9 +111,6 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     from edgerev.train.memory import loss_of, step_shape
 
     budget = _budget(budget)
-    if trainable != "all" and "trainable" not in inspect.signature(plan_training).parameters:
-        raise ConfigError(f"trainable: {trainable!r} is not supported by this edgerev's planner; it plans all "
-                          "parameters")
     net = resolve_model(model, weights=weights, args=args).to(device)
     check_size(net, size)
     # the trainer's default recipe at this size and batch: the same step the trainer accounts and plans
@@ -104,9 +118,9 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     cfg = RunConfig(data=DataConfig(size=size), train=TrainConfig(batch=batch or TrainConfig().batch),
                     optim=OptimConfig(momentum=mom, nesterov=mom > 0))
     step = step_shape(cfg, net, None, batch)
-    extra = {} if trainable == "all" else {"trainable": trainable}
-    tp = plan_training(net, size, budget, device, estimate=estimate, max_batch=batch, step=step, loss_fn=loss_of(cfg),
-                       **extra)
+    if trainable != "all":
+        net = _trainable_set(net, trainable, size, step, budget, loss_of(cfg))
+    tp = plan_training(net, size, budget, device, estimate=estimate, max_batch=batch, step=step, loss_fn=loss_of(cfg))
     arch = model if isinstance(model, (str, Path)) else getattr(net, "arch", type(net).__name__)
     summary = {"arch": str(arch), "size": size, "device": device, "budget_bytes": budget, "step_batch": batch,
                **tp.summary}

@@ -130,3 +130,13 @@ def test_cli_memory_takes_a_factory(capsys):
     row = json.loads(capsys.readouterr().out)
     assert rc == 0 and row["arch"] == TINY and row["modes"] == ["plain"] and row["model_bytes_per_pixel"] is None
     assert row["peak_bytes_2x"] > row["peak_bytes"] > 0
+
+
+@pytest.mark.slow  # captures the graph and profiles its pieces: ~8 s on a loaded machine
+def test_plan_of_a_factory_with_a_trainable_set():
+    pytest.importorskip("edgerev.memory.trainable")  # the planner's trainable sets (issue 21, part 4)
+    every = edgerev.plan(TINY, size=16, budget="8MiB", batch=8, estimate=True)
+    head = edgerev.plan(TINY, size=16, budget="8MiB", batch=8, estimate=True, trainable="head")
+    assert head.predicted_peak_bytes < every.predicted_peak_bytes <= 8 * 2**20
+    with pytest.raises(ConfigError, match="^trainable: "):
+        edgerev.plan(TINY, size=16, budget="8MiB", trainable="some")
