@@ -241,3 +241,32 @@ def test_a_batch_fixed_in_the_file_becomes_dynamic(tmp_path):
     out = tmp_path / "out.onnx"
     export_imported(imported, out)
     assert onnx.load(str(out)).graph.input[0].type == onnx.load(str(path)).graph.input[0].type
+
+
+def test_unfolded_batch_norm_trains_and_exports(tmp_path):
+    torch.manual_seed(0)
+    net = SmallCnn().eval()
+    path = tmp_path / "bn.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without constant folding: BatchNormalization kept, weights via Identity
+        torch.onnx.export(net, (torch.randn(2, 3, 16, 16),), path, dynamo=False, input_names=["image"],
+                          output_names=["scores"], dynamic_axes={"image": {0: "N"}, "scores": {0: "N"}},
+                          opset_version=17, do_constant_folding=False)
+    assert "BatchNormalization" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    imported = load_onnx(path).train()
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in imported.modules()) == 2
+    opt = torch.optim.SGD(imported.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(imported(torch.randn(8, 3, 16, 16)), torch.randint(0, 5, (8,))).backward()
+        opt.step()
+    out = tmp_path / "out.onnx"
+    export_imported(imported.eval(), out)
+    x = np.random.default_rng(0).standard_normal((3, 3, 16, 16)).astype(np.float32)
+    np.testing.assert_allclose(ort_run(out, x), probabilities(imported, x), atol=1e-5)
+    # the exporter shared one initializer between the two fresh batch norms (equal values); trained apart, each
+    # gets its own, the Identity nodes that fed them go, and nothing unread is left
+    graph = onnx.load(str(out)).graph
+    read = {i for n in graph.node for i in n.input}
+    assert all(t.name in read for t in graph.initializer)
+    assert len(graph.node) < len(onnx.load(str(path)).graph.node)

@@ -66,13 +66,15 @@ class Builder:
         self.graph = fx.Graph()
         self.root = nn.Module()
         self.env: dict[str, object] = {}
-        self.links: dict[str, tuple[str, str, str]] = {}
+        self.links: dict[str, tuple[int, int, str]] = {}
         self.heads: list[str] = []
         self.fused: dict[str, fx.Node] = {}  # output of an Add folded into a Linear's bias -> that Linear's output
         self._names: set[str] = set()
         self._buffers: dict[int, fx.Node] = {}
         self._inits = {t.name for t in file.proto.graph.initializer}
         self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        # a node by its first output (unique in SSA form; node names need not be, and protobuf wrappers change)
+        self._index = {n.output[0]: i for i, n in enumerate(file.proto.graph.node)}
         for node in file.proto.graph.node:
             for i in node.input:
                 self.consumers[i].append(node)
@@ -135,8 +137,9 @@ class Builder:
     def call(self, fn, *args, **kwargs) -> fx.Node:
         return self.graph.call_function(fn, args, kwargs)
 
-    def link(self, key: str, initializer: str, how: str, node: onnx.NodeProto) -> None:
-        self.links[key] = (initializer, how, node.name)
+    def link(self, key: str, node: onnx.NodeProto, index: int, how: str) -> None:
+        """Where the export writes state ``key``: input ``index`` of ``node``, transformed by ``how``."""
+        self.links[key] = (self._index[node.output[0]], index, how)
 
     def shape(self, name: str) -> tuple | None:
         return self.file.shapes.get(name)
@@ -185,7 +188,7 @@ class Builder:
             return None, None
         if v.ndim == 2 and v.shape[0] != 1:
             return None, None
-        return (add, other), v.reshape(-1).astype(np.float32)
+        return (add, list(add.input).index(other)), v.reshape(-1).astype(np.float32)
 
     # ------------------------------------------------------------ the import
 

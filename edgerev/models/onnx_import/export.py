@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,23 +41,71 @@ class ImportedExport:
 
 
 def updated_proto(model: ImportedModel) -> onnx.ModelProto:
-    """The original ModelProto with the model's current weights and statistics in its initializers."""
+    """The original ModelProto with the model's current weights and statistics as the initializers its nodes read.
+
+    A weight whose initializer only its node reads is replaced in place (same name); one that reached the node
+    another way (through an Identity, a folded Transpose, an initializer two nodes share) goes into a new
+    initializer that this node input now names. Initializers nothing reads any more are dropped.
+    """
     proto = onnx.load_from_string(model.onnx_source)
+    graph = proto.graph
     state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    inits = {t.name: t for t in proto.graph.initializer}
-    nodes = {n.name: n for n in proto.graph.node}
-    for key, (name, how, node_name) in model.onnx_links.items():
-        value, old = state[key], numpy_helper.to_array(inits[name])
+    inits = {t.name: t for t in graph.initializer}
+    readers = Counter(i for n in graph.node for i in n.input)
+    readers.update(o.name for o in graph.output)
+    taken = set(inits) | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    producer = {o: n for n in graph.node for o in n.output}
+    for key, (node_index, input_index, how) in model.onnx_links.items():
+        node = graph.node[node_index]
+        name = node.input[input_index]
+        value = state[key]
+        old_shape = tuple(inits[name].dims) if name in inits else tuple(state[key].shape)
         if how in ("transpose", "gemm_weight_t"):
             value = value.T
-        elif how in ("bias", "gemm_bias"):  # the original's rank, with the (possibly grown) class count last
-            value = value.reshape((*old.shape[:-1], value.size) if old.ndim else (value.size,))
-        elif value.size == old.size:
-            value = value.reshape(old.shape)
-        inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value).astype(old.dtype), name))
+        elif how in ("bias", "gemm_bias") and old_shape is not None:  # the original rank, the class count last
+            value = value.reshape((*old_shape[:-1], value.size) if old_shape else (value.size,))
+        elif old_shape is not None and value.size == int(np.prod(old_shape)):
+            value = value.reshape(old_shape)
+        root = name
+        while root not in inits and root in producer and producer[root].op_type == "Identity" and readers[root] == 1:
+            root = producer[root].input[0]  # exporters without constant folding read weights through Identity
+        if root in inits and readers[root] == 1:
+            inits[root].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value, np.float32), root))
+        else:
+            new = _fresh(f"{name or key}.trained", taken)
+            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value, np.float32), new))
+            node.input[input_index] = new
         if how.startswith("gemm"):  # the Linear holds alpha * B and beta * C
-            _set_float(nodes[node_name], "alpha" if how != "gemm_bias" else "beta", 1.0)
+            _set_float(node, "alpha" if how != "gemm_bias" else "beta", 1.0)
+    _drop_dead_nodes(graph)
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in used]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        inputs = [i for i in graph.input if i.name in used or i.name not in inits]
+        del graph.input[:]
+        graph.input.extend(inputs)
     return proto
+
+
+def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Remove nodes whose outputs nothing reads (an Identity that fed a weight now held by a new initializer)."""
+    while True:
+        used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        alive = [n for n in graph.node if any(o in used for o in n.output)]
+        if len(alive) == len(graph.node):
+            return
+        del graph.node[:]
+        graph.node.extend(alive)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    out, k = name, 1
+    while out in taken:
+        out, k = f"{name}{k}", k + 1
+    taken.add(out)
+    return out
 
 
 def export_imported(model: ImportedModel, out_path: str | Path, *, batches: tuple[int, ...] = (4, 1),

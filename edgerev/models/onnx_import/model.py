@@ -21,13 +21,13 @@ class ImportedModel(fx.GraphModule):
 
     Attributes:
         io: the original's interface (input and output names, shapes, layout, classes, normalization).
-        onnx_links: state-dict key -> ``(initializer, how, node)``: where each weight goes back in the file.
+        onnx_links: state-dict key -> ``(node index, input index, how)``: where each weight goes back in the file.
         onnx_source: the original model, serialized (external data inlined); the export writes weights into it.
         head_name: the module name of the last linear layer (the classifier head), or None.
     """
 
     io: OnnxIO
-    onnx_links: dict[str, tuple[str, str, str]]
+    onnx_links: dict[str, tuple[int, int, str]]
     onnx_source: bytes
     head_name: str | None
 

@@ -83,9 +83,9 @@ def conv(b, node):
         if bias is not None:
             m.bias.copy_(_t(bias))
     name = b.add_module(node, m)
-    b.link(f"{name}.weight", node.input[1], "same", node)
+    b.link(f"{name}.weight", node, 1, "same")
     if bias is not None:
-        b.link(f"{name}.bias", node.input[2], "same", node)
+        b.link(f"{name}.bias", node, 2, "same")
     return [b.call_module(name, x)]
 
 
@@ -110,9 +110,9 @@ def conv_transpose(b, node):
         if bias is not None:
             m.bias.copy_(_t(bias))
     name = b.add_module(node, m)
-    b.link(f"{name}.weight", node.input[1], "same", node)
+    b.link(f"{name}.weight", node, 1, "same")
     if bias is not None:
-        b.link(f"{name}.bias", node.input[2], "same", node)
+        b.link(f"{name}.bias", node, 2, "same")
     y = b.call_module(name, b.tensor(node.input[0]))
     if not symmetric:  # ONNX pads of a transposed convolution crop its output
         y = b.call(crop, y, tuple(pads[:2]), tuple(pads[2:]))
@@ -209,7 +209,7 @@ def batch_norm(b, node):
         m.running_var.copy_(_t(var))
     name = b.add_module(node, m)
     for key, i in (("weight", 1), ("bias", 2), ("running_mean", 3), ("running_var", 4)):
-        b.link(f"{name}.{key}", node.input[i], "same", node)
+        b.link(f"{name}.{key}", node, i, "same")
     return [b.call_module(name, b.tensor(node.input[0]))]
 
 
@@ -243,7 +243,7 @@ def clip(b, node):
 def prelu(b, node):
     slope = b.const(node, 1, "slope")
     name = b.add_module(node, PRelu(_t(slope)))
-    b.link(f"{name}.weight", node.input[1], "same", node)
+    b.link(f"{name}.weight", node, 1, "same")
     return [b.call_module(name, b.tensor(node.input[0]))]
 
 
@@ -306,9 +306,9 @@ def gemm(b, node):
     as_bias = c is not None and c.size in (1, n) and (c.ndim < 2 or c.shape[0] == 1)
     bias = (np.broadcast_to(c.reshape(-1), (n,)) * beta).astype(np.float32) if as_bias else None
     name, y = _linear(b, node, weight.astype(np.float32), bias, x)
-    b.link(f"{name}.weight", node.input[1], "gemm_weight" if trans_b else "gemm_weight_t", node)
+    b.link(f"{name}.weight", node, 1, "gemm_weight" if trans_b else "gemm_weight_t")
     if as_bias:
-        b.link(f"{name}.bias", node.input[2], "gemm_bias", node)
+        b.link(f"{name}.bias", node, 2, "gemm_bias")
     elif c is not None:  # a bias per row: a constant added as it is
         y = b.call(operator.add, y, b.buffer(c * beta))
     return [y]
@@ -320,9 +320,9 @@ def matmul(b, node):
         return [b.call(torch.matmul, b.tensor(node.input[0]), b.tensor(node.input[1]))]
     add, bias = b.bias_after(node, w.shape[1])
     name, y = _linear(b, node, w.T.astype(np.float32), bias, b.tensor(node.input[0]))
-    b.link(f"{name}.weight", node.input[1], "transpose", node)
+    b.link(f"{name}.weight", node, 1, "transpose")
     if add is not None:  # the Add that follows is this layer's bias: it trains with it
-        b.link(f"{name}.bias", add[1], "bias", add[0])
+        b.link(f"{name}.bias", add[0], add[1], "bias")
         b.fused[add[0].output[0]] = y
     return [y]
 
