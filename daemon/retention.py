@@ -7,7 +7,8 @@ until it is at most ``storage.target`` of the bound, by this policy:
 1. **Nothing a job reads.** While a job is queued or running (interrupted, to be resumed) it reads every
    sample up to its data, and its evaluation the held-out ones: no sample is removed until it is done.
    The version in service and the one a rollback goes back to are version directories, never samples;
-   ``promotion.keep_last`` bounds those.
+   ``promotion.keep_last`` bounds those, and when only protected samples remain and the bytes are still
+   over, the other version directories go too (:func:`prune_versions`), never those two.
 2. **The held-out share stays fixed.** Of the samples removed, as many come from the held-out split as
    keep it at ``heldout_fraction`` of what is kept (a split with nothing left to remove gives the rest).
 3. **Every class stays, with its newest samples.** The newest ``storage.keep_newest_per_class`` samples
@@ -47,6 +48,7 @@ from edgerev_daemon.faults import free_bytes
 from edgerev_daemon.journal import JournalContents, Removal
 from edgerev_daemon.quarantine import SIDECAR
 from edgerev_daemon.records import EventKind, RemovalReason, Sample, Split
+from edgerev_daemon.registry import Registry
 from edgerev_daemon.store import Store
 from edgerev_daemon.usage import DiskUsage, Usage
 
@@ -144,13 +146,14 @@ class BudgetReport:
     removed: int = 0
     removed_bytes: int = 0
     quarantine_removed: int = 0
+    versions_removed: list[str] = field(default_factory=list)
     compacted: tuple[int, int] | None = None
     over: str | None = None  # why the data directory is still over its bounds (ingest waits), or None
 
     def to_json(self) -> dict:
         return {"usage": self.usage.to_json(), "max_bytes": self.max_bytes, "samples": self.samples,
                 "max_samples": self.max_samples, "removed": self.removed, "removed_bytes": self.removed_bytes,
-                "quarantine_removed": self.quarantine_removed,
+                "quarantine_removed": self.quarantine_removed, "versions_removed": self.versions_removed,
                 "compacted": list(self.compacted) if self.compacted else None, "over": self.over}
 
 
@@ -217,6 +220,11 @@ def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsa
     if report.removed:
         report.compacted = compact_journal(store)
         report.usage = usage.measure()
+    budget = st.max_bytes_int
+    if budget is not None and report.usage.total > budget:
+        report.versions_removed = prune_versions(config, store)
+        if report.versions_removed:
+            report.usage = usage.measure()
     if _over(config, report.usage, report.samples) is not None:
         report.over = _over(config, report.usage, report.samples) + (": only protected samples remain" if short
                                                                      else "")
@@ -277,6 +285,28 @@ def compact_journal(store: Store, min_removed: int = 256, force: bool = False) -
     before, after = store.journal.compact(contents)
     log.info("journal compacted: %d -> %d bytes (%d removed samples' lines dropped)", before, after, removals)
     return before, after
+
+
+def prune_versions(config: DaemonConfig, store: Store) -> list[str]:
+    """Over the byte budget with only protected samples left: delete the version directories a rollback does
+    not need (all but the one in service and its parent, what a rollback goes back to), oldest first, below
+    ``promotion.keep_last``; returns their names. Their rows stay (the history), marked pruned on disk."""
+    registry = Registry(config.layout.root)
+    current = registry.current()
+    if current is None:
+        return []
+    version = store.get_version(current)
+    protect = {current} | ({version.parent_id} if version is not None and version.parent_id else set())
+    doomed = [n for n in registry.versions() if n not in protect]
+    if not doomed:
+        return []
+    pruned = registry.prune(keep=len(protect), protect=protect)
+    if pruned:
+        store.add_event(EventKind.REMOVED, {"why": "max_bytes", "versions": pruned,
+                                            "kept": sorted(protect), "max_bytes": config.storage.max_bytes_int})
+        log.warning("storage: over storage.max_bytes with only protected samples left: removed versions %s "
+                    "(kept %s for service and rollback)", ", ".join(pruned), ", ".join(sorted(protect)))
+    return pruned
 
 
 def prune_quarantine(config: DaemonConfig, store: Store, used: int) -> int:

@@ -256,6 +256,32 @@ def test_quarantine_has_its_own_bound_oldest_first(tmp_path):
         d.lock.release()
 
 
+def test_over_bytes_with_only_protected_samples_the_versions_a_rollback_does_not_need_go(tmp_path):
+    from edgerev_daemon.registry import Registry
+
+    config = budget_config(tmp_path, max_bytes="1200KiB", keep_newest_per_class=20, max_quarantine_bytes="4KiB")
+    d = open_data_dir(config)
+    try:
+        fill(d, {"cat": 20, "dog": 20}, batches=1)
+        registry = Registry(config.layout.root)
+        parent = None
+        for i in range(1, 5):
+            v = d.store.add_version(None, parent, promoted=True)
+            files = {n: os.urandom(60_000) for n in ("model.safetensors", "model.json", "model.onnx")}
+            registry.write(v.id, files)
+            registry.switch(v.id)
+            parent = v.id
+        report = enforce(config, d.store, d.blobs, DiskUsage(config.layout))
+        assert report.removed == 0 and report.versions_removed == ["v0001", "v0002"]
+        assert registry.versions() == ["v0003", "v0004"] and registry.current() == "v0004"  # in service, its parent
+        assert report.over is None, report.to_json()
+        event = d.store.events(kind=EventKind.REMOVED)[-1].message
+        assert event["versions"] == ["v0001", "v0002"] and event["kept"] == ["v0003", "v0004"]
+    finally:
+        d.store.close()
+        d.lock.release()
+
+
 def test_a_budget_the_disk_cannot_hold_is_named(tmp_path):
     config = budget_config(tmp_path, max_bytes="1000TiB")
     config.layout.root.mkdir(parents=True)
