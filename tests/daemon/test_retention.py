@@ -265,7 +265,7 @@ def test_over_bytes_with_only_protected_samples_the_versions_a_rollback_does_not
         fill(d, {"cat": 20, "dog": 20}, batches=1)
         registry = Registry(config.layout.root)
         parent = None
-        for i in range(1, 5):
+        for _ in range(4):
             v = d.store.add_version(None, parent, promoted=True)
             files = {n: os.urandom(60_000) for n in ("model.safetensors", "model.json", "model.onnx")}
             registry.write(v.id, files)
