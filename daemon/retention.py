@@ -50,7 +50,7 @@ from edgerev_daemon.quarantine import SIDECAR
 from edgerev_daemon.records import EventKind, RemovalReason, Sample, Split
 from edgerev_daemon.registry import Registry
 from edgerev_daemon.store import Store
-from edgerev_daemon.usage import DiskUsage, Usage
+from edgerev_daemon.usage import DiskUsage, Usage, shared
 
 log = logging.getLogger("edgerev.daemon")
 
@@ -363,7 +363,7 @@ def fits_disk(config: DaemonConfig, usage: Usage) -> str | None:
 
 def budget_status(config: DaemonConfig, store: Store, measure: Callable[[], Usage] | None = None) -> dict:
     """The budget's lines for ``status``, the HTTP page and ``/metrics``."""
-    usage = (measure or DiskUsage(config.layout).measure)()
+    usage = (measure or shared(config.layout).measure)()
     samples = store.count_samples()
     return {"usage": usage.to_json(), "max_bytes": config.storage.max_bytes_int, "samples": samples,
             "max_samples": config.storage.max_samples, "max_quarantine_bytes": config.storage.quarantine_bytes,

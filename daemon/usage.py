@@ -15,6 +15,7 @@ the last :data:`SETTLE_SECONDS` is therefore scanned again at the next measure.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,6 +81,7 @@ class DiskUsage:
         self.layout = layout
         self._wall = wall  # the file system's times are wall-clock times, whatever clock the daemon runs on
         self._folders: dict[str, tuple[int, int]] = {}  # name -> (mtime_ns, bytes)
+        self._lock = threading.Lock()  # the HTTP page's threads share one (see :func:`shared`)
 
     def blobs(self) -> int:
         root = self.layout.blobs
@@ -110,9 +112,27 @@ class DiskUsage:
         return total
 
     def measure(self) -> Usage:
+        with self._lock:
+            return self._measure()
+
+    def _measure(self) -> Usage:
         layout = self.layout
         db = layout.database
         store = sum(file_bytes(db.with_name(db.name + s)) for s in ("", "-wal", "-shm"))
         return Usage(blobs=self.blobs(), store=store, journal=file_bytes(layout.journal),
                      versions=tree_bytes(layout.root / "versions"), jobs=tree_bytes(layout.root / "jobs"),
                      quarantine=tree_bytes(layout.quarantine))
+
+
+_SHARED: dict[Path, DiskUsage] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(layout: Layout) -> DiskUsage:
+    """One :class:`DiskUsage` per data directory and process: ``status`` asked again (the HTTP page, a
+    Prometheus scrape every few seconds) walks only the blob folders that changed since."""
+    with _SHARED_LOCK:
+        usage = _SHARED.get(layout.root)
+        if usage is None:
+            usage = _SHARED[layout.root] = DiskUsage(layout)
+        return usage
