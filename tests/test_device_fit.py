@@ -100,6 +100,7 @@ def test_a_floor_beyond_the_device_names_the_budget_that_would_fit():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # the estimated profile runs the tracker over fake stages: over a minute for this model
 def test_the_planned_batch_trains_under_a_400_mib_cap_without_running_out_of_memory():
     """The GTX 750 recipe (RevNeXt width 32, 32x32, steps of 256) planned as the trainer does, then 20 steps at
     the planned micro-batch: not one out-of-memory retry, and the allocator's peak under the cap."""
