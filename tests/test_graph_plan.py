@@ -504,3 +504,24 @@ def test_the_recipe_validates_trainable_and_bn_stats():
         TrainConfig(trainable="last:0")
     with pytest.raises(ConfigError, match=r"^bn_stats: 'moving' is not a batch-norm choice"):
         TrainConfig(bn_stats="moving")
+
+
+# ---- the trainer: a recipe's trainable set and batch-norm choice on a model from outside -------------------------
+
+
+def test_the_trainer_trains_a_models_head_under_a_budget_with_frozen_statistics(tmp_path):
+    from edgerev.api import fit_run
+    from edgerev.train.config import SourceConfig
+    from edgerev.train.labeled import load_source
+
+    images = load_source(SourceConfig(kind="synthetic", samples=24, num_classes=CLASSES, seed=1), SIZE)
+    model = build("rescnn")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = {"train": {"trainable": "head", "bn_stats": "frozen"}}
+    result = fit_run(model, images, out=tmp_path / "run", size=SIZE, epochs=1, batch=8, lr=0.1, budget=4 * 2**20,
+                     config=cfg)
+    moved = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved == {"fc.weight", "fc.bias"}, moved
+    plan = result.summary["plan"]
+    assert plan["mode"] == "planned" and plan["account"]["total"] <= plan["budget_bytes"]
+    assert plan["account"]["optimizer"] == sum(p.numel() * 4 for p in model.fc.parameters())

@@ -444,6 +444,10 @@ class ChainModel(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.bn_stats == "frozen":  # a model.train() on the source module may have switched them back
+            for m in self.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
         if self._trainable_key() != self._split:
             planned = self.body.execution != _default_plan(len(self.body.stages))
             if planned and torch.is_grad_enabled():

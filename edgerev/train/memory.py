@@ -42,6 +42,42 @@ def floor(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: in
     return floor_plan(model, shape, loss_of(cfg))[1]
 
 
+def training_model(cfg: RunConfig, model: nn.Module) -> nn.Module:
+    """What the trainer's steps run for ``model``, with ``train.trainable`` and ``train.bn_stats`` applied.
+
+    An edgerev model runs itself. Any other classifier runs as its chain (:mod:`edgerev.memory.graph`),
+    which shares its weights: its frozen prefix keeps nothing and a plan under ``memory.budget`` can
+    checkpoint its segments. ``auto`` is chosen under the budget by :func:`plan_memory`; until then every
+    parameter trains.
+
+    Raises:
+        ConfigError: a trainable set or batch-norm choice the model cannot take (naming the key).
+    """
+    from edgerev.config import ConfigError
+    from edgerev.memory.graph import GraphError, has_engine_body
+    from edgerev.memory.trainable import TrainableError, parse_trainable, set_trainable
+
+    t = parse_trainable(cfg.train.trainable)
+    if t.kind == "auto" and cfg.memory.budget is None:
+        raise ConfigError("train.trainable: auto chooses the set that fits memory.budget; set a budget or a set")
+    try:
+        if has_engine_body(model):
+            if cfg.train.bn_stats == "frozen":
+                raise TrainableError("frozen applies to models from outside; edgerev's own models freeze their batch "
+                                     "norms with train.freeze_norm")
+            if t.kind not in ("all", "auto"):
+                set_trainable(model, t)
+            return model
+        return set_trainable(model, "all" if t.kind == "auto" else t, cfg.train.bn_stats, size=cfg.data.size)
+    except GraphError:
+        if t.kind == "all" and cfg.train.bn_stats == "updated" and cfg.memory.budget is None:
+            return model  # nothing to plan and nothing frozen: plain autograd on the model as it is
+        raise
+    except TrainableError as e:
+        key = "train.bn_stats" if "frozen" in str(e) and cfg.train.bn_stats == "frozen" else "train.trainable"
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int,
                 device: torch.device) -> tuple[int, CpuCap | None, dict]:
     """Micro-batches per step, the CPU cap (None: none), and the plan's summary for ``cfg``.
@@ -70,6 +106,11 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
             for (n, s), m in zip(model.body.stages.named_children(), model.body.modes)]}
     budget = int(mem.budget)
     shape, loss_fn = step_shape(cfg, model, teacher, batch), loss_of(cfg)
+    trainable = {}
+    if cfg.train.trainable == "auto":  # the most parameters whose step fits the budget at the recipe's batch
+        from edgerev.memory.trainable import choose_trainable
+
+        trainable = {"trainable": str(choose_trainable(model, shape, budget, cfg.train.bn_stats, loss_fn)[0])}
 
     def plan_at(b: int) -> TrainingPlan:
         return plan_training(model, cfg.data.size, b, str(device.type), estimate=mem.profile == "estimate",
@@ -86,6 +127,6 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     tp.apply(model)
     micro = math.ceil(batch / tp.batch)
     summary = {"mode": "planned", "budget_bytes": budget, "micro_batch": tp.batch, "micro_batches": micro,
-               **tp.summary, **fitted}
+               **trainable, **tp.summary, **fitted}
     cap = CpuCap(budget, tp.account.baseline) if device.type == "cpu" and tp.account is not None else None
     return micro, cap, summary

@@ -42,7 +42,7 @@ from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
-from edgerev.train.memory import loss_of, plan_memory
+from edgerev.train.memory import loss_of, plan_memory, training_model
 from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
 from edgerev.train.schedule import Tail, lr_at, tail_after
 from edgerev.train.state import has_checkpoint, load_checkpoint, save_checkpoint
@@ -295,8 +295,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     s = _prepare(cfg, device, data, given)
     model, info = s.model, s.info
     batch = min(cfg.train.batch, len(s.train))
+    run = training_model(cfg, model)  # the model itself, or a model from outside as its chain (sharing its weights)
     # the budget is checked (and the step planned) before anything is written: a refused run leaves nothing
-    micro, cap, plan_summary = plan_memory(cfg, model, s.teacher, batch, device)
+    micro, cap, plan_summary = plan_memory(cfg, run, s.teacher, batch, device)
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         dump_yaml(out / CONFIG, cfg)
@@ -361,8 +362,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                 group["lr"] = lr
             t0 = time.perf_counter()
             try:
-                with plain(model, cfg.memory.mode == "plain"):
-                    res = train_step(model, optimizer, x, target, micro, None, loss_fn, cfg.optim.clip_grad_norm,
+                with plain(run, cfg.memory.mode == "plain"):
+                    res = train_step(run, optimizer, x, target, micro, None, loss_fn, cfg.optim.clip_grad_norm,
                                      cap=cap)
             except NonFiniteError as e:
                 raise _diverged(step, lr, str(e)) from None
