@@ -1,36 +1,27 @@
 """A candidate's ONNX export in a process of its own, which a stop ends at once.
 
 The export (``torch.onnx.export``'s dynamo exporter, then the check with ONNX Runtime) is one call of
-several seconds that no stop flag can reach: 6-10 s for the CPU preset's model on one thread, more on a
-slower device, beyond the few seconds a SIGTERM may take. So the daemon runs it in a child process
-(``python -m edgerev_daemon.exporting``) and waits on it, asking its stop flag meanwhile; a stop kills the
-child and raises :class:`~edgerev_daemon.errors.Stopped`. Nothing of the export is lost that matters:
-the file is written atomically by the child (a killed child leaves no ``model.onnx``), the decision to
-promote is recorded before, and the next start exports again.
-
-The price is the child's start: importing torch, ONNX and ONNX Runtime, about 3 s on this machine per
-promotion (the child is spawned, not forked: a fork of a process whose OpenMP pool and other threads
-have run is not safe). The child also ends by itself when the daemon dies (kill -9, power aside): it
-reads its standard input, which reaches its end when the parent's side closes.
+several seconds that no stop flag can reach: 6-10 s for the CPU preset's model on one thread here, more
+on a slower device, beyond the few seconds a SIGTERM may take. So it runs in a child process
+(:mod:`edgerev_daemon.children`), ``python -m edgerev_daemon.exporting RUN_DIR OUT``. Nothing is lost that
+matters when it is killed: the decision to promote is recorded before, the file is written atomically,
+and the next start exports again. The price is the child's start: importing torch, ONNX and ONNX Runtime,
+about 3 s per promotion here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from edgerev.errors import ExportError
-from edgerev_daemon.errors import Stopped
+from edgerev_daemon import children
 
 RESULT = "export.json"  # beside the ONNX file: the child's result
 LOG = "export.log"  # the child's standard error, read back when it fails
-POLL_SECONDS = 0.2  # how often the wait asks the stop flag (and pings the watchdog through it)
 
 
 def command(run_dir: Path, out: Path, threads: int | None) -> list[str]:
@@ -43,7 +34,7 @@ def export(run_dir: Path, out: Path, stop: Callable[[], bool], threads: int | No
     """Export the model directory ``run_dir`` to ``out`` in a child process, verified with ONNX Runtime.
 
     Args:
-        stop: asked every :data:`POLL_SECONDS` while the child runs; True kills the child.
+        stop: asked while the child runs; True kills the child.
         threads: torch's CPU threads in the child (None: its default).
 
     Returns:
@@ -53,36 +44,12 @@ def export(run_dir: Path, out: Path, stop: Callable[[], bool], threads: int | No
         Stopped: ``stop()`` said so before the export finished; no ``out`` was written.
         ExportError: the export or its verification failed (the child's last lines of error output).
     """
-    if stop():
-        raise Stopped("the ONNX export")
-    result, log_path = out.parent / RESULT, out.parent / LOG
+    result, log = out.parent / RESULT, out.parent / LOG
     result.unlink(missing_ok=True)
-    with open(log_path, "wb") as err:
-        child = subprocess.Popen(command(run_dir, out, threads), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                 stderr=err)
-    try:
-        while True:
-            try:
-                code = child.wait(POLL_SECONDS)
-                break
-            except subprocess.TimeoutExpired:
-                if stop():
-                    raise Stopped("the ONNX export") from None
-    finally:
-        if child.poll() is None:  # stopped (or anything else raised here): the child goes with it
-            child.kill()
-            child.wait()
-        child.stdin.close()
+    code = children.run(command(run_dir, out, threads), log, stop, "the ONNX export")
     if code != 0 or not result.is_file():
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
-        raise ExportError(f"the ONNX export failed (exit status {code}): " + " | ".join(tail))
+        raise ExportError(f"the ONNX export failed (exit status {code}): {children.tail(log)}")
     return json.loads(result.read_text())
-
-
-def _orphaned() -> None:
-    """End the process when the parent's end of standard input closes (the daemon died)."""
-    sys.stdin.buffer.read()
-    os._exit(3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--threads", type=int)
     args = p.parse_args(argv)
-    threading.Thread(target=_orphaned, daemon=True).start()
+    children.end_with_parent()
     import torch
 
     from edgerev.atomic import atomic_write
@@ -112,6 +79,4 @@ if __name__ == "__main__":
     except ExportError as e:
         print(f"edgerev: {e}", file=sys.stderr)
         status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # not sys.exit: the thread blocked on standard input cannot be joined at shutdown
+    children.finish(status)

@@ -50,6 +50,7 @@ from edgerev_daemon.jobs import JobOutcome, check_training, job_dir, run_job
 from edgerev_daemon.layout import prepare
 from edgerev_daemon.lock import DataDirLock
 from edgerev_daemon.notify import Notifier
+from edgerev_daemon.profiling import ensure_profile
 from edgerev_daemon.promote import decide, held_out, version_files
 from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
@@ -435,8 +436,18 @@ class Daemon:
             config: the daemon's config with another model or recipe (a fleet's); default: the daemon's.
         """
         extra = stop or (lambda: False)
-        outcome = run_job(config or self.config, self.store, self.blobs, job, start, base_batch,
-                          lambda: self._alive() or extra(), report=lambda p: self._progress(job.id, p))
+
+        def halt() -> bool:
+            return self._alive() or extra()
+
+        config = config or self.config
+        try:  # a model's first job measures its stage profile, in a child process that a stop ends
+            if ensure_profile(config, job_dir(self.config, job), halt):
+                log.info("job %d: measured the stage profile of %s", job.id, config.training.model.arch)
+        except Stopped as e:
+            return JobOutcome("stopped", job_dir(self.config, job), f"stopped in {e}")
+        outcome = run_job(config, self.store, self.blobs, job, start, base_batch, halt,
+                          report=lambda p: self._progress(job.id, p))
         if outcome.held_back:
             self._report_held_back(job.id, outcome.held_back)
         return outcome

@@ -8,11 +8,14 @@ SIGTERM, then goes on as if the signal had landed at that instant. A test waits 
 signal from its own process, and checks that the daemon left the phase at once and what it left behind.
 
 - ``ingest``: the third file of a batch is being examined (decoded, checked, stored);
+- ``plan``: the child process measuring the model's stage profile runs (a job's first, for a model with a
+  memory budget and no profile cached);
 - ``training``: inside the third training step;
 - ``final``: the trainer's final evaluation, before the model directory is written;
 - ``evaluation``: the candidate being scored on the held-out samples (the model in service next);
-- ``export``: the ONNX export's child process runs, and never ends by itself (it waits on its standard
-  input; it writes ``parked in export <pid>`` to the daemon's standard error): only a kill ends it;
+- ``export``: the ONNX export's child process runs;
+- ``export-forever``: an export's child process that never ends by itself (it waits on its standard input,
+  and writes ``parked in export-forever <pid>`` to the daemon's standard error): only a kill ends it;
 - ``promotion``: the version's files are written and fsynced, the directory not yet renamed into place.
 """
 
@@ -24,15 +27,35 @@ import sys
 PARK_EXPORT = """
 import os, sys
 with open(f"/proc/{os.getppid()}/fd/2", "w") as daemon_stderr:
-    print(f"parked in export {os.getpid()}", file=daemon_stderr, flush=True)
+    print(f"parked in export-forever {os.getpid()}", file=daemon_stderr, flush=True)
 sys.stdin.read()
 """
+
+
+def in_child(children, what: str, park) -> None:
+    """Park while the child process of ``what`` runs (the wait's second look at the stop flag)."""
+    real = children.run
+
+    def run(command, log, stop, phase):
+        if phase != what:
+            return real(command, log, stop, phase)
+        asked = [0]
+
+        def parked_stop() -> bool:
+            asked[0] += 1
+            if asked[0] == 2:  # the first is before the child starts
+                park()
+            return stop()
+
+        return real(command, log, parked_stop, phase)
+
+    children.run = run
 
 
 def main() -> None:
     import edgerev.train.trainer as trainer
     from edgerev.cli import main as cli
-    from edgerev_daemon import exporting, ingest, promote, registry, signals
+    from edgerev_daemon import children, exporting, ingest, promote, registry, signals
 
     config, phase = sys.argv[1], sys.argv[2]
     made = []
@@ -67,13 +90,15 @@ def main() -> None:
     promote.judge = lambda *a, **k: Decision(True, "promoted by the test", real_judge(*a, **k).metrics)
     if phase == "ingest":
         at(ingest._Ingest, "examine", 3)
+    elif phase in ("plan", "export"):
+        in_child(children, "the stage profile's measurement" if phase == "plan" else "the ONNX export", park)
     elif phase == "training":
         at(trainer, "train_step", 3)
     elif phase == "final":
         at(trainer, "_finish")
     elif phase == "evaluation":
         at(promote, "score")
-    elif phase == "export":
+    elif phase == "export-forever":
         exporting.command = lambda run_dir, out, threads: [sys.executable, "-c", PARK_EXPORT]
     elif phase == "promotion":
         at(registry, "fsync_dir")  # its first call in a promotion: the partial directory's files are synced

@@ -24,7 +24,7 @@ from edgerev_daemon.records import JobState
 from edgerev_daemon.service import Daemon
 from tests.daemon.conftest import Clock
 from tests.daemon.running import Running
-from tests.daemon.test_service import assert_current_complete, drop, make_config
+from tests.daemon.test_service import SMALL, assert_current_complete, drop, make_config
 
 CHILD = Path(__file__).with_name("stop_child.py")
 
@@ -120,9 +120,9 @@ def test_a_stop_in_the_held_out_evaluation_decides_nothing(served, tmp_path):
 @pytest.mark.slow
 def test_a_stop_in_the_export_kills_it_and_keeps_the_current_version(served, tmp_path):
     config, path = _second_job(served, tmp_path)
-    log = _stop_in("export", config, path)
+    log = _stop_in("export-forever", config, path)
     assert "job 2 stopped in the ONNX export; it resumes at the next start" in log, log[-2000:]
-    pid = int(next(line for line in log.splitlines() if line.startswith("parked in export")).split()[-1])
+    pid = int(next(line for line in log.splitlines() if line.startswith("parked in export-forever")).split()[-1])
     assert not Path(f"/proc/{pid}").exists(), "the export's child outlived the daemon"
     assert assert_current_complete(config) == "v0001"
     assert not (Path(config.data_dir) / "versions" / "v0002").exists()
@@ -139,6 +139,20 @@ def test_a_stop_in_the_promotion_finishes_it_and_current_is_whole(served, tmp_pa
     assert assert_current_complete(config) == "v0002"
     with Daemon(config, clock=Clock()) as d:
         assert d.store.in_service() == "v0002" and d.store.active_job() is None
+
+
+@pytest.mark.slow
+def test_a_stop_in_the_stage_profile_measurement_kills_it(tmp_path, monkeypatch):
+    """A model's first job under a memory budget measures its stage profile (minutes on a small CPU) in a
+    child process: a stop kills it and nothing is cached."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EDGEREV_CACHE", str(cache))  # no profile yet, whatever this machine measured before
+    training = {**SMALL["training"], "memory": {"budget": "64MiB"}}
+    config, path = make_config(tmp_path, training=training)
+    drop(config, 120, range(2))
+    log = _stop_in("plan", config, path)
+    assert "job 1 stopped in the stage profile's measurement; it resumes at the next start" in log, log[-2000:]
+    assert not list(cache.rglob("*.json")), "a profile was cached from a measurement that was stopped"
 
 
 # the export's child process, without a model: cheap ----------------------------------------------------

@@ -1,0 +1,103 @@
+"""A model's stage profile, measured in a process of its own before the first job that needs it.
+
+The planner of a job under ``training.memory.budget`` needs the model's stage profile: what each stage
+keeps and costs in each mode, measured on this machine (or estimated) the first time and cached
+(:func:`edgerev.memory.profile.load_or_measure`). The measurement runs every stage in every mode: minutes
+on a small CPU (6.5 min for the CPU preset's model on this loaded 2-core machine), and nothing in it asks
+a stop flag. So the daemon measures it in a child process (:mod:`edgerev_daemon.children`) that a stop
+kills, before the job's training, whenever the cache lacks it; the trainer's plan then finds it cached.
+A killed measurement writes nothing (the cache file is renamed into place) and runs again at the next job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from edgerev.errors import EdgerevError
+from edgerev_daemon import children
+from edgerev_daemon.config import DaemonConfig
+
+LOG = "profile.log"
+
+
+def _target(config: DaemonConfig):
+    """(model, device type, estimate) the trainer's plan will look up, or None when it plans no stage modes."""
+    t = config.training
+    if t.memory.budget is None or t.memory.mode == "plain":
+        return None
+    import torch
+
+    from edgerev.models.resolve import resolve_model
+
+    model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2)
+    if not hasattr(model, "body"):  # a model from outside: checkpoint segments, no stage profile
+        return None
+    device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return model, device, t.memory.profile == "estimate"
+
+
+def ensure_profile(config: DaemonConfig, folder: Path, stop: Callable[[], bool]) -> bool:
+    """Measure the configured model's stage profile in a child process if the cache lacks it.
+
+    Args:
+        folder: where the child's error output goes (the job's folder).
+
+    Returns:
+        True when it was measured now.
+
+    Raises:
+        Stopped: ``stop()`` said so before the measurement ended.
+        EdgerevError: the measurement failed (the child's last lines of error output).
+    """
+    from edgerev.memory.profile import cached_profile
+
+    target = _target(config)
+    if target is None:
+        return False
+    model, device, estimate = target
+    if cached_profile(model, config.image_size, device, estimate=estimate) is not None:
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    t = config.training
+    spec = {"arch": t.model.arch, "weights": t.model.weights, "args": dict(t.model.args), "size": config.image_size,
+            "device": device, "estimate": estimate, "threads": t.train.threads}
+    log = folder / LOG
+    code = children.run(command(spec), log, stop, "the stage profile's measurement")
+    if code != 0:
+        raise EdgerevError(f"the stage profile's measurement failed (exit status {code}): {children.tail(log)}")
+    return True
+
+
+def command(spec: dict) -> list[str]:
+    """The child's command line: what to measure, as JSON."""
+    return [sys.executable, "-m", "edgerev_daemon.profiling", json.dumps(spec)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edgerev_daemon.profiling", description=__doc__.splitlines()[0])
+    p.add_argument("spec", help="JSON: arch, weights, args, size, device, estimate, threads")
+    spec = json.loads(p.parse_args(argv).spec)
+    children.end_with_parent()
+    import torch
+
+    from edgerev.memory.profile import load_or_measure
+    from edgerev.models.resolve import resolve_model
+    from edgerev.train.config import default_threads
+
+    torch.set_num_threads(spec.get("threads") or default_threads())  # the trainer's: the profile times steps
+    model = resolve_model(spec["arch"], weights=spec["weights"], args=spec["args"], num_classes=2)
+    load_or_measure(model, spec["size"], spec["device"], estimate=spec["estimate"])
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        status = main()
+    except EdgerevError as e:
+        print(f"edgerev: {e}", file=sys.stderr)
+        status = 1
+    children.finish(status)
