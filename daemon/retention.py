@@ -312,7 +312,7 @@ def prune_versions(config: DaemonConfig, store: Store) -> list[str]:
 def prune_quarantine(config: DaemonConfig, store: Store, used: int) -> int:
     """Delete the oldest quarantined files (each with its reason file) until the quarantine is under its
     bound; returns how many files went. The file goes before its reason: a crash between leaves a reason
-    alone, which goes at the next prune (a reason without its file is the oldest entry of all)."""
+    alone (as a file rejected across file systems has: it stayed in the inbox), which goes in its turn."""
     folder = config.layout.quarantine
     bound = config.storage.quarantine_bytes
     entries: dict[str, list[os.DirEntry]] = {}
@@ -321,10 +321,8 @@ def prune_quarantine(config: DaemonConfig, store: Store, used: int) -> int:
             base = e.name[: -len(SIDECAR)] if e.name.endswith(SIDECAR) else e.name
             entries.setdefault(base, []).append(e)
 
-    def age(item: tuple[str, list[os.DirEntry]]) -> tuple[int, float]:
-        files = item[1]
-        alone = all(f.name.endswith(SIDECAR) for f in files)
-        return (0 if alone else 1, min(f.stat(follow_symlinks=False).st_mtime for f in files))
+    def age(item: tuple[str, list[os.DirEntry]]) -> float:
+        return min(f.stat(follow_symlinks=False).st_mtime for f in item[1])
 
     removed = freed = 0
     for _, files in sorted(entries.items(), key=age):

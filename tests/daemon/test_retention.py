@@ -244,6 +244,7 @@ def test_quarantine_has_its_own_bound_oldest_first(tmp_path):
             os.utime(q / f"f{i}.png", (1000 + i, 1000 + i))
             os.utime(q / f"f{i}.png.reason.json", (1000 + i, 1000 + i))
         (q / "lone.png.reason.json").write_text("{}")  # a crash between a file's removal and its reason's
+        os.utime(q / "lone.png.reason.json", (900, 900))
         report = enforce(config, d.store, d.blobs, DiskUsage(config.layout))
         assert report.quarantine_removed > 0 and not (q / "lone.png.reason.json").exists()
         left = sorted(int(p.name[1:-4]) for p in q.glob("f*.png"))
