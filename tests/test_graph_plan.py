@@ -525,3 +525,36 @@ def test_the_trainer_trains_a_models_head_under_a_budget_with_frozen_statistics(
     plan = result.summary["plan"]
     assert plan["mode"] == "planned" and plan["account"]["total"] <= plan["budget_bytes"]
     assert plan["account"]["optimizer"] == sum(p.numel() * 4 for p in model.fc.parameters())
+
+
+# ---- imported: the same nets through ONNX (edgerev.models.onnx_import) -----------------------------------------
+
+
+@pytest.mark.parametrize("name", by_net({"senet"}))
+def test_an_imported_onnx_model_is_cut_planned_and_accounted_exactly(name, tmp_path):
+    """The nets exported by torch with batch norm kept, imported: the chain computes the import's forward,
+    its gradients under checkpoint segments are plain autograd's and its step is accounted to the byte."""
+    from edgerev.models.onnx_import import load_onnx
+
+    model = build(name).eval()
+    path = tmp_path / f"{name}.onnx"
+    torch.onnx.export(model, torch.randn(2, 3, SIZE, SIZE), str(path), input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "batch"}}, dynamo=False, do_constant_folding=False,
+                      training=torch.onnx.TrainingMode.PRESERVE)
+    imported = load_onnx(path).train()
+    reference = copy.deepcopy(imported)
+    cm = chain(imported, SIZE)
+    x, y = batch()
+    with torch.no_grad():
+        assert torch.equal(cm(x), reference(x))
+    apply_plan(cm, None, plans(len(cm.body.stages))["checkpoint-each"])
+    got, want = grads(imported, cm, x, y), grads(reference, reference, x, y)
+    assert got.keys() == want.keys() and len(got) > 0
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
+    step = StepShape(SIZE, 4, momentum=True)
+
+    def apply(m):
+        apply_plan(m, None, plans(len(cm.body.stages))["mixed"])
+
+    assert account_step(cm, step, 2, apply) == account_step(cm, step, 2, apply, real=True)
