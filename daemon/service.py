@@ -279,8 +279,9 @@ class Daemon:
             why = storage_fault(e)
             if why is None:
                 raise
-            self.conditions.begin("storage", f"the storage budget's removal waits: {why}")
+            self.conditions.begin("storage budget removal", f"waits: {why}")
             return None
+        self.conditions.end("storage budget removal")
         report.storage = budget.to_json()
         if budget.over is None:
             self.conditions.end("storage budget")

@@ -126,3 +126,26 @@ def test_check_and_rebuild_say_what_only_the_store_holds(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"copied from the old store: 0 jobs, 0 versions, {events} events" in out
     assert "removed by the retention policy before: 33 (max_samples)" in out
+
+
+def test_a_full_disk_under_a_removal_is_a_condition_that_clears(tmp_path, monkeypatch):
+    import errno
+
+    from edgerev_daemon.journal import Journal
+
+    config = config_for(tmp_path, max_samples=30, keep_newest_per_class=2)
+    write_images(config.inbox_path, 60, range(2), num_classes=2, size=16)
+    with Daemon(config, clock=Clock()) as d:
+        d.cycle()
+        real = Journal.append
+
+        def full(self, records):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(Journal, "append", full)
+        d.cycle()
+        assert "storage budget removal" in d.conditions.active and d.store.count_samples() == 60
+        monkeypatch.setattr(Journal, "append", real)
+        r = d.cycle()
+        assert r.storage["removed"] == 33 and "storage budget removal" not in d.conditions.active
+        assert check_consistency(d.store, d.blobs, inbox=config.inbox_path).clean
