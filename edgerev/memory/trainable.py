@@ -83,11 +83,12 @@ def check_bn_stats(value: str) -> str:
 
 
 class NothingFits(BudgetTooSmall):
-    """No trainable set fits the budget at the recipe's batch; ``smallest`` is the budget the head alone needs."""
+    """No trainable set fits the budget at the recipe's batch; ``smallest`` is the budget that trains the last piece
+    with parameters alone (``last:1``, the head where it stands alone)."""
 
     def __init__(self, budget: int, smallest: int, batch: int) -> None:
         EdgerevError.__init__(self, f"a budget of {budget:,} bytes trains no set of parameters at batch {batch}; "
-                                    f"the smallest budget that fits is {smallest:,} bytes (the head alone)")
+                                    f"the smallest budget that fits is {smallest:,} bytes (the last piece alone)")
         self.budget, self.smallest = budget, smallest
 
 
