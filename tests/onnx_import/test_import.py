@@ -270,3 +270,16 @@ def test_unfolded_batch_norm_trains_and_exports(tmp_path):
     read = {i for n in graph.node for i in n.input}
     assert all(t.name in read for t in graph.initializer)
     assert len(graph.node) < len(onnx.load(str(path)).graph.node)
+
+
+def test_export_sets_metadata_beside_the_original(tmp_path):
+    from edgerev.export.metadata import get_props
+
+    path = torch_file(tmp_path)
+    m = onnx.load(str(path))
+    helper.set_model_props(m, {"owner": "kept"})
+    onnx.save(m, str(path))
+    out = tmp_path / "out.onnx"
+    export_imported(load_onnx(path), out, props={"classes": '["a", "b", "c", "d", "e"]'})
+    props = get_props(onnx.load(str(out)))
+    assert props == {"owner": "kept", "classes": '["a", "b", "c", "d", "e"]', "outputs": "probabilities"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from onnx import helper, numpy_helper
 
 from edgerev.atomic import atomic_write
 from edgerev.errors import ExportError
+from edgerev.export.metadata import set_props
 from edgerev.export.runtime import first_line, inference_session, logits_apart
 from edgerev.models.onnx_import.model import ImportedModel
 
@@ -38,6 +40,8 @@ class ImportedExport:
     batches: tuple[int, ...]
     size_bytes: int
     seconds: float
+    opset: int
+    ir_version: int
 
 
 def updated_proto(model: ImportedModel) -> onnx.ModelProto:
@@ -109,7 +113,7 @@ def _fresh(name: str, taken: set[str]) -> str:
 
 
 def export_imported(model: ImportedModel, out_path: str | Path, *, batches: tuple[int, ...] = (4, 1),
-                    tolerance: float = 1e-4, seed: int = 0) -> ImportedExport:
+                    tolerance: float = 1e-4, seed: int = 0, props: Mapping[str, str] | None = None) -> ImportedExport:
     """Write ``model``'s weights into its original ONNX graph, verify it with ONNX Runtime, write it atomically.
 
     Args:
@@ -118,6 +122,8 @@ def export_imported(model: ImportedModel, out_path: str | Path, *, batches: tupl
         batches: batch sizes verified (the batch stays dynamic).
         tolerance: largest accepted difference against PyTorch, scaled as in :func:`logits_apart`.
         seed: seed of the random verification inputs.
+        props: metadata to set (edgerev's classes, input size, normalization); the original's other keys stay.
+            ``outputs`` says ``probabilities`` where the file ends in the original's Softmax.
 
     Raises:
         ExportError: the folder is missing, ONNX Runtime fails, or its outputs differ from PyTorch's.
@@ -136,6 +142,9 @@ def export_imported(model: ImportedModel, out_path: str | Path, *, batches: tupl
     inputs = {b: rng.standard_normal((b, *shape)).astype(np.float32) for b in batches}
     expected = {b: _reference(reference, x) for b, x in inputs.items()}
     _fix_output_shape(proto, next(iter(expected.values())).shape)
+    if props is not None:
+        outputs = {"outputs": "probabilities" if io.softmax_axis is not None else "logits"}
+        set_props(proto, {**props, **outputs})
     data = proto.SerializeToString()
     session = inference_session(data, str(out_path))
     worst = 0.0
@@ -152,8 +161,9 @@ def export_imported(model: ImportedModel, out_path: str | Path, *, batches: tupl
                               f"batch {b} exceeds the tolerance {allowed:.3g}; nothing written")
         worst = max(worst, diff)
     atomic_write(out_path, data)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     return ImportedExport(path=out_path, max_abs_diff=worst, batches=tuple(batches), size_bytes=len(data),
-                          seconds=time.perf_counter() - start)
+                          seconds=time.perf_counter() - start, opset=opset, ir_version=proto.ir_version)
 
 
 def _reference(model: ImportedModel, x: np.ndarray) -> np.ndarray:
