@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 from torch import nn
 
+from edgerev.export.onnx import DYNAMO_FROM
 from edgerev.models.onnx_import import export_imported, load_onnx, sidecar_path
+from edgerev.torch_range import release
 from tests.onnx_import.graphs import init, model, node, save
 
 ort = pytest.importorskip("onnxruntime")
@@ -80,6 +82,8 @@ def test_torchscript_export_imports_to_ort_outputs(tmp_path):
 @pytest.mark.slow
 def test_dynamo_export_imports_to_ort_outputs(tmp_path):
     pytest.importorskip("onnxscript")
+    if (release(str(torch.__version__)) or (0, 0)) < DYNAMO_FROM:
+        pytest.skip("torch 2.6's dynamo exporter fails on batch norm beside onnxscript 0.7 (edgerev.export.onnx)")
     path = torch_file(tmp_path, dynamo=True)
     net = load_onnx(path)
     x = np.random.default_rng(1).standard_normal((3, 3, 16, 16)).astype(np.float32)
