@@ -166,7 +166,7 @@ class TrainingPlan:
 
     def stages(self, model: nn.Module) -> list[dict]:
         modes = self.modes if self.modes is not None else SegmentPlan(1, self.segments, 0, 1.0).stage_modes()
-        return [{"name": n, "type": type(s).__name__, "mode": m}
+        return [{"name": getattr(s, "name", n), "type": type(s).__name__, "mode": m}  # a chain's pieces are named
                 for (n, s), m in zip(model.body.stages.named_children(), modes)]
 
 

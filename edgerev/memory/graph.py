@@ -278,15 +278,15 @@ def cut_points(gm: fx.GraphModule, tensors: set[fx.Node] | None = None) -> list[
     return cuts
 
 
-def _tensor_nodes(gm: fx.GraphModule, example: Tensor) -> set[fx.Node]:
-    """The nodes that produce a tensor, from one eval-mode forward of ``example`` (nothing moves)."""
-    found: set[fx.Node] = set()
+def _tensor_nodes(gm: fx.GraphModule, example: Tensor) -> dict[fx.Node, int]:
+    """The nodes that produce a tensor, and its bytes, from one eval-mode forward of ``example`` (nothing moves)."""
+    found: dict[fx.Node, int] = {}
 
     class Probe(fx.Interpreter):
         def run_node(self, n: fx.Node):
             value = super().run_node(n)
             if isinstance(value, Tensor):
-                found.add(n)
+                found[n] = value.numel() * value.element_size()
             return value
 
     was_training = gm.training
@@ -338,9 +338,22 @@ class Piece(nn.Module):
         return f"{self.name!r}, code {self.digest}"
 
 
-def pieces(gm: fx.GraphModule, example: Tensor) -> list[Piece]:
-    """The captured graph ``gm`` cut at every :func:`cut_points` into pieces that run one after another."""
-    cuts = cut_points(gm, _tensor_nodes(gm, example))
+#: at most this many pieces: the segment solver's dynamic program grows with the square of the chain's length
+#: (70 pieces: a minute a solve on a small CPU; 24: about a second)
+MAX_PIECES = 24
+
+
+def pieces(gm: fx.GraphModule, example: Tensor, max_pieces: int = MAX_PIECES) -> list[Piece]:
+    """The captured graph ``gm`` cut at its :func:`cut_points` into pieces that run one after another.
+
+    Where there are more than ``max_pieces``, the cuts at the largest tensors go first (a MobileNet's expanded
+    activations): a checkpoint is worth keeping where the tensor it keeps is small.
+    """
+    sizes = _tensor_nodes(gm, example)
+    cuts = cut_points(gm, set(sizes))
+    inner = sorted(cuts[1:-1], key=lambda n: sizes[n], reverse=True)  # stable: the earlier of equal sizes first
+    drop = set(inner[:max(0, len(cuts) - 1 - max_pieces)])
+    cuts = [c for c in cuts if c not in drop]
     const = _constants(gm.graph)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and n not in const]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -469,12 +482,14 @@ class ChainModel(nn.Module):
         return x
 
 
-def chain(model: nn.Module, size: int, in_channels: int | None = None, num_classes: int | None = None) -> ChainModel:
+def chain(model: nn.Module, size: int, in_channels: int | None = None, num_classes: int | None = None,
+          max_pieces: int = MAX_PIECES) -> ChainModel:
     """``model`` captured and cut into a :class:`ChainModel` that shares its weights.
 
     Args:
         size: the input's height and width (the example traced on where ``torch.export`` is needed).
         in_channels, num_classes: what the model takes and gives (default: read from the model).
+        max_pieces: cut into at most this many pieces (see :func:`pieces`).
     """
     if isinstance(model, ChainModel):
         return model
@@ -484,7 +499,7 @@ def chain(model: nn.Module, size: int, in_channels: int | None = None, num_class
     example = torch.zeros(1, cin, size, size, device=like.device,
                           dtype=like.dtype if like.is_floating_point() else torch.float32)
     gm = capture(model, example)
-    cm = ChainModel(pieces(gm, example), cin, classes, size)
+    cm = ChainModel(pieces(gm, example, max_pieces), cin, classes, size)
     cm.train(model.training)
     return cm
 
