@@ -1,22 +1,26 @@
-"""How long ``edgerev daemon run`` takes to exit after SIGTERM, against the unit's TimeoutStopSec.
+"""How long ``edgerev daemon run`` takes to exit after SIGTERM in each phase, against the unit's TimeoutStopSec.
 
-A daemon preset (``configs/daemon/cpu.yaml`` by default) runs in a fresh data directory with generated
-images, and gets SIGTERM at four kinds of moment: idle between cycles; during ingest; during training
-(at a few checkpoints of the job: each start resumes it); right after the promotion decision (the ONNX
-export and its verification, which no stop check interrupts). Each latency is measured from the signal
-to the exit of the process; the slowest training step of the job (from its metrics) is reported beside
-them, since a stop during training waits for the step under way. A storm run does the same during
-training with another process sending SIGHUP without pause.
+A daemon preset (``configs/daemon/cpu.yaml`` by default) serves a data directory whose first model (v0001,
+trained from ``--images`` generated images) is in service, with a second job's images (a new class among
+them) in its inbox. For each phase, a copy of that directory is served by ``tests/daemon/stop_child.py``,
+which parks the daemon at the start of the phase's slowest piece (the third file of an ingest batch, a
+training step, the trainer's final evaluation, the candidate's scoring on the held-out samples, the ONNX
+export's child process, the version's files written before its rename) and lets it go on the instant
+SIGTERM arrives, so each figure is a stop landing at the worst moment of its phase. The latency runs from
+the signal to the process's exit. ``plan`` is a first job's stage profile measured on an empty profile
+cache (the first job of a device; the other runs use the user's cache); ``idle`` is the plain daemon
+between cycles; ``training_under_sighup_storm`` a training stop while another process sends SIGHUP
+without pause.
 
-    python benchmarks/stop_latency.py --out results/stop_latency.json
+    python benchmarks/stop_latency.py --out benchmarks/results/stop_latency.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,18 +33,17 @@ import yaml
 from _common import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
+CHILD = ROOT / "tests" / "daemon" / "stop_child.py"
+PHASES = ("ingest", "plan", "training", "final", "evaluation", "export", "promotion")
 
 
 class Daemon:
-    """``edgerev daemon run`` with its log lines timed as they arrive."""
+    """A daemon process with its log lines collected as they arrive."""
 
-    def __init__(self, config: Path) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("JOURNAL_STREAM", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "edgerev", "daemon", "run", "--config", str(config),
-                                      "--poll", "0.5"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     text=True, env=env)
-        self.lines: list[str] = []
+    def __init__(self, command: list[str], env: dict) -> None:
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     errors="replace", env=env)
+        self.lines: list[str | None] = []
         self.cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -57,7 +60,7 @@ class Daemon:
         with self.cond:
             while not any(line is not None and text in line for line in self.lines):
                 if None in self.lines:
-                    raise SystemExit(f"the daemon exited before {text!r}:\n{''.join(filter(None, self.lines))}")
+                    raise SystemExit(f"the daemon exited before {text!r}:\n{''.join(filter(None, self.lines))[-4000:]}")
                 self.cond.wait()
 
     def stop(self) -> float:
@@ -69,45 +72,42 @@ class Daemon:
             raise SystemExit(f"exit status {code}:\n{''.join(filter(None, self.lines))[-3000:]}")
         return seconds
 
+    def log(self) -> str:
+        with self.cond:
+            return "".join(filter(None, self.lines))
 
-def _config(preset: Path, data_dir: Path) -> Path:
+
+def _env(cache: Path | None = None) -> dict:
+    """The daemon's environment; ``cache``: a profile cache of its own (None: the user's)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if cache is not None:
+        env["EDGEREV_CACHE"] = str(cache)
+    env.pop("JOURNAL_STREAM", None)
+    return env
+
+
+def _config(preset: Path, data_dir: Path, overrides: dict) -> Path:
     data = yaml.safe_load(preset.read_text())
     data["data_dir"] = str(data_dir)
     data["ingest"] = {**data.get("ingest", {}), "settle_seconds": 0.0}
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     path = data_dir.parent / f"{data_dir.name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-def _drop(config: Path, n: int, start: int) -> None:
+def _drop(config: Path, n: int, classes: range, start: int) -> None:
     from edgerev_daemon.config import load_config
     from edgerev_daemon.demo import write_images
 
     c = load_config(config)
-    write_images(c.inbox_path, n, range(4), start=start, num_classes=4, size=c.image_size)
-
-
-STORM = "import os, signal, sys\nwhile True: os.kill(int(sys.argv[1]), signal.SIGHUP)"
-
-
-def _training_stops(config: Path, stops: int, storm: bool) -> list[float]:
-    latencies = []
-    for _ in range(stops):
-        d = Daemon(config)
-        d.wait_for("job 1: ")  # training (or its resume) is under way
-        sender = subprocess.Popen([sys.executable, "-c", STORM, str(d.proc.pid)]) if storm else None
-        latest = config.parent / config.stem / "jobs" / "job-00001" / "checkpoints" / "latest.json"
-        before = json.loads(latest.read_text())["step"] if latest.exists() else 0
-        while not latest.exists() or json.loads(latest.read_text())["step"] <= before:  # a checkpoint more
-            time.sleep(0.05)  # a benchmark, not a test: polling the checkpoint file is fine here
-        latencies.append(d.stop())
-        if sender is not None:
-            sender.kill()
-            sender.wait()
-    return latencies
+    write_images(c.inbox_path, n, classes, start=start, num_classes=5, size=c.image_size)
 
 
 def _slowest_step(data_dir: Path) -> float | None:
+    import json
+
     rows = []
     for path in (data_dir / "jobs").glob("job-*/metrics.jsonl"):
         rows += [json.loads(line) for line in path.read_text().splitlines()]
@@ -115,41 +115,89 @@ def _slowest_step(data_dir: Path) -> float | None:
     return max(steps) if steps else None
 
 
+STORM = "import os, signal, sys\nwhile True: os.kill(int(sys.argv[1]), signal.SIGHUP)"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", type=Path, default=ROOT / "configs" / "daemon" / "cpu.yaml")
-    p.add_argument("--images", type=int, default=1000, help="images of the training job (default 1000)")
-    p.add_argument("--stops", type=int, default=3, help="SIGTERMs during training (default 3)")
+    p.add_argument("--images", type=int, default=1000, help="images of the first job (default 1000); the "
+                   "second job gets half as many")
+    p.add_argument("--repeat", type=int, default=1, help="stops per phase (default 1)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a preset key (YAML value), e.g. training.train.epochs=3")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    overrides: dict = {}
+    for item in args.set:
+        key, value = item.split("=", 1)
+        *path, last = key.split(".")
+        node = overrides
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
     unit = (ROOT / "deploy" / "edgerev.service").read_text()
     timeout = re.search(r"^TimeoutStopSec=(\d+)s?$", unit, re.M)
-    result: dict = {"preset": str(args.preset.relative_to(ROOT)), "images": args.images,
-                    "timeout_stop_seconds": int(timeout.group(1)) if timeout else None, "cpus": os.cpu_count()}
+    result: dict = {"preset": str(args.preset.resolve().relative_to(ROOT)), "overrides": overrides,
+                    "images": args.images, "timeout_stop_seconds": int(timeout.group(1)) if timeout else None,
+                    "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                    "seconds": {}}
+    seconds = result["seconds"]
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(args.preset, Path(tmp) / "data")
-        d = Daemon(config)
-        d.wait_for("serving")
-        result["idle_seconds"] = round(d.stop(), 3)
+        tmp = Path(tmp)
+        cache = None  # the user's profile cache: measured once (minutes), only the plan's stop needs it empty
+        base = _config(args.preset, tmp / "base", overrides)
+        _drop(base, args.images, range(4), start=0)
+        done = subprocess.run([sys.executable, "-m", "edgerev", "daemon", "once", "--config", str(base)],
+                              env=_env(cache), capture_output=True, text=True)
+        if done.returncode != 0 or not (tmp / "base" / "current").is_symlink():
+            raise SystemExit(f"the first model was not promoted:\n{done.stderr[-3000:]}")
+        result["first_job_seconds"] = round(time.perf_counter() - started, 1)
+        result["slowest_step_seconds"] = _slowest_step(tmp / "base")
 
-        _drop(config, 5 * args.images, start=10**6)  # a long ingest: stopped between two batches
-        d = Daemon(config)
-        d.wait_for("serving")
-        result["ingest_seconds"] = round(d.stop(), 3)
+        def copy(name: str, second_job: bool = True) -> Path:
+            shutil.copytree(tmp / "base", tmp / name, symlinks=True)
+            config = _config(args.preset, tmp / name, overrides)
+            if second_job:
+                _drop(config, args.images // 2, range(5), start=10**6)
+            return config
 
-        _drop(config, args.images, start=0)
-        result["training_seconds"] = [round(s, 3) for s in _training_stops(config, args.stops, storm=False)]
-        result["training_under_sighup_storm_seconds"] = [round(s, 3) for s in _training_stops(config, 1, True)]
-        result["slowest_step_seconds"] = _slowest_step(Path(tmp) / "data")
-
-        d = Daemon(config)
-        d.wait_for("candidate v0001")  # decided: the ONNX export and the switch come next, without a stop check
-        result["promotion_seconds"] = round(d.stop(), 3)
-    worst = max([result["idle_seconds"], result["ingest_seconds"], result["promotion_seconds"],
-                 *result["training_seconds"], *result["training_under_sighup_storm_seconds"]])
+        config = copy("idle", second_job=False)
+        for _ in range(args.repeat):
+            d = Daemon([sys.executable, "-m", "edgerev", "daemon", "run", "--config", str(config), "--poll", "0.5"],
+                       _env(cache))
+            d.wait_for("serving")
+            seconds.setdefault("idle", []).append(round(d.stop(), 3))
+        for phase in PHASES:
+            for k in range(args.repeat):
+                name = f"{phase}-{k}"
+                if phase == "plan":  # the first job of a device: no model, no profile cached
+                    config = _config(args.preset, tmp / name, overrides)
+                    _drop(config, args.images, range(4), start=0)
+                    env = _env(tmp / f"cache-{name}")
+                else:
+                    config, env = copy(name), _env(cache)
+                d = Daemon([sys.executable, str(CHILD), str(config), phase], env)
+                d.wait_for(f"parked in {phase}")
+                seconds.setdefault(phase, []).append(round(d.stop(), 3))
+                print(f"{phase}: {seconds[phase][-1]} s", file=sys.stderr, flush=True)
+                shutil.rmtree(tmp / name)
+        config = copy("storm")
+        d = Daemon([sys.executable, str(CHILD), str(config), "training"], _env(cache))
+        d.wait_for("parked in training")
+        sender = subprocess.Popen([sys.executable, "-c", STORM, str(d.proc.pid)])
+        try:
+            seconds["training_under_sighup_storm"] = [round(d.stop(), 3)]
+        finally:
+            sender.kill()
+            sender.wait()
+    worst = max(s for values in seconds.values() for s in values)
     result["worst_seconds"] = worst
+    result["worst_phase"] = next(k for k, values in seconds.items() if worst in values)
     if result["timeout_stop_seconds"]:
         result["worst_over_timeout"] = round(worst / result["timeout_stop_seconds"], 4)
+    result["wall_seconds"] = round(time.perf_counter() - started, 1)
     write_json(result, args.out)
 
 

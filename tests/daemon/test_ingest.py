@@ -123,14 +123,17 @@ def test_unsettled_and_hidden_files_wait(datadir):
     assert leftover_files(datadir.inbox) == [".staging/x.png", "cat/.partial.png"]
 
 
-def test_stop_between_batches(datadir):
+def test_stop_between_files(datadir):
+    """A stop is asked before every file, not every batch (a batch of large images takes minutes): the files
+    examined are committed as a shorter batch, the rest wait."""
     cfg = replace(datadir.config, ingest=replace(datadir.config.ingest, batch_files=2))
     for i in range(5):
         datadir.drop(f"cat/{i}.png", image_bytes(30 + i))
-    r = ingest_inbox(cfg, datadir.store, clock=datadir.clock, stop=lambda: True)
-    assert (r.accepted, r.batches) == (2, 1) and len(leftover_files(datadir.inbox)) == 3
+    asked = []
+    r = ingest_inbox(cfg, datadir.store, clock=datadir.clock, stop=lambda: asked.append(1) or len(asked) >= 3)
+    assert r.stopped and (r.accepted, r.batches) == (3, 2) and len(leftover_files(datadir.inbox)) == 2
     r = ingest_inbox(cfg, datadir.store, clock=datadir.clock)
-    assert (r.accepted, r.batches) == (3, 2) and leftover_files(datadir.inbox) == []
+    assert (r.accepted, r.batches) == (2, 1) and leftover_files(datadir.inbox) == []
 
 
 def test_a_file_replaced_while_ingested_stays_for_the_next_scan(datadir, monkeypatch):
