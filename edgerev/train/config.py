@@ -159,6 +159,9 @@ class TrainConfig:
     the schedule is to 0 before the run stops (a half cosine, see :mod:`edgerev.train.schedule`; within
     the ``epochs`` maximum; 0: stop at once, wherever the schedule is).
 
+    ``freeze_norm``: every batch norm normalizes with the model's running statistics and leaves them as they
+    are (:mod:`edgerev.train.norms`; a fleet round trains at the statistics the fleet measured).
+
     ``trainable``: which parameters train (:mod:`edgerev.memory.trainable`): ``all``, ``head`` (the
     classifier), ``bias`` (every bias and the head), ``last:N`` (the last N pieces of the model's graph
     that have parameters) or ``auto`` (the most parameters whose step fits ``memory.budget`` at ``batch``);
@@ -176,6 +179,7 @@ class TrainConfig:
     progress_seconds: float = 60.0
     eval_batch: int = 256
     threads: int | None = None
+    freeze_norm: bool = False
     trainable: str = "all"
     bn_stats: str = "updated"
 

@@ -43,6 +43,7 @@ from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev.train.memory import loss_of, plan_memory, training_model
+from edgerev.train.norms import freeze_norms
 from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
 from edgerev.train.schedule import Tail, lr_at, tail_after
 from edgerev.train.state import has_checkpoint, load_checkpoint, save_checkpoint
@@ -360,6 +361,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             lr = lr_at(step, total, cfg.optim, tail())
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            if cfg.train.freeze_norm:  # each step: the evaluation at an epoch's end switched them back
+                freeze_norms(model)
             t0 = time.perf_counter()
             try:
                 with plain(run, cfg.memory.mode == "plain"):

@@ -1,0 +1,65 @@
+"""Batch-norm statistics set from outside (edgerev.train.norms): calibrated layer after layer over images however
+they are batched, the model computes in eval mode what one training batch of all of them computes; a run with
+``train.freeze_norm`` trains at them and leaves them as they are, one without it moves them."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgerev.config import from_dict
+from edgerev.models import create_model
+from edgerev.train.checkpoint import load_model
+from edgerev.train.config import RunConfig
+from edgerev.train.norms import calibrate, norms
+from edgerev.train.trainer import train
+
+from .test_train import recipe
+
+
+def _model():
+    torch.manual_seed(0)
+    return create_model("revnext", width=8, blocks=[1, 1, 1, 1, 1], num_classes=3)
+
+
+@settings(max_examples=3, deadline=None)
+@given(batch=st.integers(3, 24))
+def test_calibrated_layer_after_layer_the_model_computes_in_eval_mode_what_one_training_batch_computes(batch):
+    import copy
+
+    from edgerev.engine import plain
+
+    model = _model()
+    x = torch.randn(24, 3, 16, 16) * 1.5 - 0.3
+    calibrate(model, lambda: (x[k:k + batch] for k in range(0, len(x), batch)))
+    assert len(list(norms(model))) >= 4
+    trained = copy.deepcopy(model).train()  # every layer normalized with the statistics of all 24 images
+    with torch.no_grad(), plain(trained):
+        want = trained(x)
+    model.eval()
+    with torch.no_grad():
+        got = model(x)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def _statistics(folder):
+    model, _, _ = load_model(folder)
+    return {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in norms(model)}
+
+
+@pytest.mark.slow
+def test_a_frozen_run_trains_at_the_statistics_it_started_with(tmp_path):
+    first = train(from_dict(RunConfig, recipe(train__epochs=1)), tmp_path / "first", progress=False)
+    before = _statistics(first.out)
+    frozen = train(from_dict(RunConfig, recipe(train__epochs=1, train__freeze_norm=True,
+                                               model__init=str(first.out))), tmp_path / "frozen", progress=False)
+    moving = train(from_dict(RunConfig, recipe(train__epochs=1, model__init=str(first.out))), tmp_path / "moving",
+                   progress=False)
+    assert frozen.step == moving.step > 0
+    after, moved = _statistics(frozen.out), _statistics(moving.out)
+    for name, (mean, var) in before.items():
+        assert torch.equal(after[name][0], mean) and torch.equal(after[name][1], var)
+    assert any(not torch.equal(moved[n][0], before[n][0]) for n in before)
+    # and it learned: the weights moved
+    w0, w1 = load_model(first.out)[0].state_dict(), load_model(frozen.out)[0].state_dict()
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0 if k.endswith("weight"))
