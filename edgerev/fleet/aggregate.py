@@ -6,6 +6,12 @@ of all fleet classes and answers with the same rows. Averaging (FedAvg, McMahan 
 device by its sample count, and each head row by that device's count *of that class*: a device that never
 saw a class does not pull its row towards its untrained initialization. A row no device had samples of in
 a round keeps its previous value. Every other tensor is weighted by the device's total count.
+
+Batch-norm statistics (when the fleet shares them) travel as *moments*: a ``running_var`` as the mean
+square of the layer's input, ``running_var + running_mean ** 2`` (:func:`as_moments`; :func:`as_variances`
+turns it back). Moments average exactly (the fleet's mean square is the count-weighted mean of the
+devices'), a variance does not: averaged as such it misses the spread of the devices' means, which under
+label skew is most of it. Every average above, and secure aggregation's sums of updates, stay linear.
 """
 
 from __future__ import annotations
@@ -50,6 +56,33 @@ class ClassRegistry:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+
+VAR, MEAN = "running_var", "running_mean"
+
+
+def _paired(arrays: Mapping) -> list[tuple[str, str]]:
+    """(variance name, mean name) of each batch norm in ``arrays`` that carries both."""
+    return [(n, n[:-len(VAR)] + MEAN) for n in arrays if n.endswith(VAR) and n[:-len(VAR)] + MEAN in arrays]
+
+
+def as_moments(arrays: Mapping) -> dict:
+    """``arrays`` (numpy arrays or torch tensors) with each batch norm's ``running_var`` replaced by its mean
+    square, ``var + mean ** 2``: the form in which the fleet averages statistics (see the module docstring)."""
+    out = dict(arrays)
+    for var, mean in _paired(arrays):
+        out[var] = arrays[var] + arrays[mean] * arrays[mean]
+    return out
+
+
+def as_variances(arrays: Mapping, least: float = 1e-5) -> dict:
+    """The inverse of :func:`as_moments`: each mean square back to a variance, at least ``least`` (an
+    average of rounded moments may dip below zero)."""
+    out = dict(arrays)
+    for var, mean in _paired(arrays):
+        v = arrays[var] - arrays[mean] * arrays[mean]
+        out[var] = v.clip(min=least) if isinstance(v, np.ndarray) else v.clamp_min(least)
+    return out
 
 
 def grow_rows(arrays: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:

@@ -9,6 +9,8 @@ from edgerev.fleet.aggregate import (
     ClassRegistry,
     Contribution,
     aggregate,
+    as_moments,
+    as_variances,
     average_from_sums,
     grow_rows,
     term_scales,
@@ -94,3 +96,44 @@ def test_sums_of_another_layout_are_refused():
         average_from_sums(good[:-1], sent)
     with pytest.raises(ValueError, match="shape"):
         average_from_sums([*good[:2], np.ones(4), np.ones((2, 2))], sent)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5), seed=st.integers(0, 10_000),
+       spread=st.floats(0.0, 5.0))
+def test_statistics_averaged_as_moments_are_those_of_all_the_devices_samples_together(sizes, seed, spread):
+    """Each device's batch norm measured its input's mean and variance over its own samples (means apart by up
+    to ``spread``: label skew); the fleet's statistics, averaged as moments by sample count, in clear or from
+    secure aggregation's sums of updates, are the mean and variance of every device's samples pooled."""
+    rng = np.random.default_rng(seed)
+    data = [rng.normal(rng.uniform(-spread, spread, 3), rng.uniform(0.5, 2.0, 3), (n, 3)) for n in sizes]
+    prev = as_moments({"bn.running_mean": np.zeros(3), "bn.running_var": np.ones(3)})
+    sent = [as_moments({"bn.running_mean": x.mean(0), "bn.running_var": x.var(0)}) for x in data]
+    pooled = np.concatenate(data)
+    clear = as_variances(aggregate([Contribution(s, len(x), []) for s, x in zip(sent, data)], prev))
+    scales = term_scales(sizes, [[] for _ in sizes])
+    sums = [sum(parts) for parts in zip(*(weighted_terms({k: s[k] - prev[k] for k in s}, len(x), [], scales)
+                                          for s, x in zip(sent, data)))]
+    secure = as_variances(average_from_sums(sums, prev))
+    for out in (clear, secure):
+        np.testing.assert_allclose(out["bn.running_mean"], pooled.mean(0), atol=1e-9)
+        # (at least the floor of 1e-5: one sample has no spread)
+        np.testing.assert_allclose(out["bn.running_var"], np.maximum(pooled.var(0), 1e-5), rtol=1e-9, atol=1e-9)
+    # a variance averaged as such would miss the spread of the means
+    if spread > 1 and len(sizes) > 1 and np.ptp([x.mean(0) for x in data], axis=0).max() > 1:
+        plain = sum(len(x) * x.var(0) for x in data) / len(pooled)
+        assert (pooled.var(0) - plain).max() > 0.1
+
+
+def test_moments_turn_back_into_variances_and_leave_other_tensors_alone():
+    import torch
+
+    arrays = {"a.running_mean": np.array([1.0, -2.0]), "a.running_var": np.array([0.5, 3.0]),
+              "b.running_var": np.array([4.0]), "head.weight": np.ones((2, 2))}
+    m = as_moments(arrays)
+    np.testing.assert_allclose(m["a.running_var"], [1.5, 7.0])
+    assert m["b.running_var"] is arrays["b.running_var"] and m["head.weight"] is arrays["head.weight"]
+    np.testing.assert_allclose(as_variances(m)["a.running_var"], arrays["a.running_var"])
+    # an average of rounded moments may dip below the mean's square: the variance stays positive
+    low = as_variances({"a.running_mean": torch.tensor([2.0]), "a.running_var": torch.tensor([3.9999])})
+    assert float(low["a.running_var"][0]) == pytest.approx(1e-5)
