@@ -221,3 +221,54 @@ def test_pool_attributes(kind, k, s, pads, ceil, include, size, tmp_path):
         spans = [size + pads[i] + pads[2 + i] - k for i in range(2)]
         assert any(span % s and (kind == "AveragePool" or (span // s + 1) * s >= size + pads[i]) for i, span in
                    enumerate(spans))
+
+
+@settings(max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mode=st.sampled_from(["nearest", "linear", "cubic"]), sh=st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]),
+       sw=st.sampled_from([0.5, 1.25, 2.0]), align=st.booleans())
+def test_resize_scales(mode, sh, sw, align, tmp_path):
+    if mode == "nearest":
+        attrs = ({"coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"} if align
+                 else {"nearest_mode": "round_prefer_ceil"})
+    else:
+        attrs = {"coordinate_transformation_mode": "align_corners" if align else "half_pixel"}
+    if mode == "nearest" and align and (sh < 1 or sw < 1):
+        return  # torch's "nearest" maps with the scale it was given, ONNX Runtime's asymmetric one too; tested up
+    m = model([node("Resize", ["X", "", "s"], mode=mode, **attrs)], X.shape,
+              inits=[init("s", np.array([1, 1, sh, sw], np.float32))])
+    assert_matches(m, tmp_path, X, atol=1e-4)
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pads=st.lists(st.integers(0, 3), min_size=4, max_size=4), mode=st.sampled_from(["constant", "reflect", "edge"]))
+def test_pad_spatial(pads, mode, tmp_path):
+    full = np.array([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]], np.int64)
+    m = model([node("Pad", ["X", "p"], mode=mode)], X.shape, inits=[init("p", full)])
+    assert_matches(m, tmp_path, X)
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(start=st.integers(-10, 10), end=st.integers(-10, 10), step=st.integers(1, 3), axis=st.integers(1, 3))
+def test_slice(start, end, step, axis, tmp_path):
+    m = model([node("Slice", ["X", "s", "e", "a", "t"])], X.shape,
+              inits=[init("s", np.array([start], np.int64)), init("e", np.array([end], np.int64)),
+                     init("a", np.array([axis], np.int64)), init("t", np.array([step], np.int64))])
+    if any(d == 0 for d in onnx_out_shape(m)):
+        return  # an empty slice: nothing to compare
+    assert_matches(m, tmp_path, X)
+
+
+def onnx_out_shape(m) -> list[int]:
+    return [d.dim_value for d in m.graph.output[0].type.tensor_type.shape.dim[1:]]
+
+
+def test_the_docs_list_every_op():
+    from pathlib import Path
+
+    from edgerev.models.onnx_import.ops import OPS
+
+    page = (Path(__file__).parents[2] / "docs" / "reference" / "onnx-ops.md").read_text()
+    table = page.split("## Ops", 1)[1].split("**Folded at import.**", 1)[0]
+    listed = {name.strip() for row in table.splitlines() if row.startswith("| ") and "---" not in row
+              for name in row.split("|")[1].replace(" to float32", "").split(",")}
+    assert set(OPS) | {"Constant", "Shape"} <= listed

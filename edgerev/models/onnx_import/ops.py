@@ -449,6 +449,10 @@ def pad(b, node):
     if torch_mode != "constant" and any(begin[:2] + end[:2]):
         b.refuse(node, f"pads the batch or channel axis in mode {mode!r}; torch pads only spatial axes so")
     first = next((i for i in range(rank) if begin[i] or end[i]), rank)
+    if first == rank:
+        return [b.tensor(node.input[0])]
+    if torch_mode != "constant":  # torch pads all spatial axes of a 4-d input in these modes, never fewer
+        first = min(first, max(rank - 2, 0))
     spec = tuple(v for i in reversed(range(first, rank)) for v in (begin[i], end[i]))
     kwargs = {"value": float(value)} if torch_mode == "constant" and value is not None else {}
     return [b.call(F.pad, b.tensor(node.input[0]), spec, torch_mode, **kwargs)]
