@@ -287,3 +287,19 @@ def test_export_sets_metadata_beside_the_original(tmp_path):
     export_imported(load_onnx(path), out, props={"classes": '["a", "b", "c", "d", "e"]'})
     props = get_props(onnx.load(str(out)))
     assert props == {"owner": "kept", "classes": '["a", "b", "c", "d", "e"]', "outputs": "probabilities"}
+
+
+@pytest.mark.gpu
+def test_trains_on_cuda_and_exports(tmp_path):
+    path = save(bn_graph(), tmp_path / "m.onnx")
+    net = load_onnx(path).cuda().train()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    F.cross_entropy(net(torch.randn(8, 3, 8, 8, device="cuda")), torch.randint(0, 3, (8,), device="cuda")).backward()
+    opt.step()
+    out = tmp_path / "out.onnx"
+    export_imported(net.eval(), out)  # verified against a CPU copy; the model stays on the GPU
+    assert next(net.parameters()).is_cuda
+    x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    with torch.no_grad():
+        expected = net(torch.from_numpy(x).cuda()).cpu().numpy()
+    np.testing.assert_allclose(ort_run(out, x), expected, atol=1e-4)
