@@ -214,6 +214,8 @@ def rebuild(config: DaemonConfig, move_aside: bool = False, clock: Callable[[], 
             store.restore_removal_counts(report.removed)
         if present:
             report.salvaged, report.lost_history = _salvage(database, store)
+        else:
+            report.lost_history = f"{database.name} is missing"
         report.versions = _restore_versions(store, Registry(layout.root), job_history=bool(report.salvaged.get("jobs")))
         store.checkpoint()
     report.unlabeled_blobs = sum(1 for key, _ in blobs.scan() if key is not None and key not in samples)

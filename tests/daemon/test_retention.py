@@ -371,6 +371,12 @@ def test_rebuild_keeps_the_job_history_and_events_of_a_readable_store(tmp_path):
     finally:
         d.store.close()
         d.lock.release()
+    lost = tmp_path / "lost"
+    shutil.copytree(config.layout.root, lost / "data", symlinks=True)
+    for f in (lost / "data").glob("store.sqlite*"):
+        f.unlink()
+    gone = rebuild(make_config(lost, data_dir=str(lost / "data")))
+    assert gone.lost_history == "store.sqlite is missing" and gone.salvaged == {} and gone.samples == 45
     report = rebuild(config, move_aside=True)
     assert report.salvaged == {"jobs": 1, "versions": 0, "events": events} and report.lost_history is None
     assert report.removed == {"max_samples": 35}
