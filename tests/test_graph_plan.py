@@ -582,3 +582,23 @@ def test_an_imported_onnx_model_is_cut_planned_and_accounted_exactly(name, tmp_p
         apply_plan(m, None, plans(len(cm.body.stages))["mixed"])
 
     assert account_step(cm, step, 2, apply) == account_step(cm, step, 2, apply, real=True)
+
+
+@pytest.mark.parametrize("arch,args", [("resnet18", {"width": 8, "blocks": (1, 1, 1, 1)}),
+                                       ("revnext", {"width": 8, "blocks": (1, 1, 1, 1, 1)})])
+def test_an_edgerev_model_trains_its_head_alone(arch, args):
+    """The sets apply to the registry's models too (by requires_grad: their engine runs them as they are)."""
+    from edgerev.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model(arch, **args, num_classes=CLASSES)
+    assert set_trainable(model, "head") is model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = batch()
+    F.cross_entropy(model(x), y).backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    head = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert moved == head and head <= {"head.weight", "head.bias"} and "head.weight" in head, moved
+    with pytest.raises(TrainableError, match="train.freeze_norm"):
+        set_trainable(model, "all", "frozen")
