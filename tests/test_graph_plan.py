@@ -602,3 +602,17 @@ def test_an_edgerev_model_trains_its_head_alone(arch, args):
     assert moved == head and head <= {"head.weight", "head.bias"} and "head.weight" in head, moved
     with pytest.raises(TrainableError, match="train.freeze_norm"):
         set_trainable(model, "all", "frozen")
+
+
+@pytest.mark.slow  # a reversible model's fake steps: ~50 s on a loaded machine
+def test_auto_on_an_edgerev_model_keeps_its_stage_modes():
+    from edgerev.memory.autoplan import floor_plan
+    from edgerev.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1), num_classes=CLASSES)
+    step = StepShape(SIZE, 4, momentum=True)
+    chosen, account = choose_trainable(model, step, 10**9)
+    assert str(chosen) == "all" and account.micro_batch == 4
+    floor = floor_plan(model, StepShape(SIZE, 4, momentum=True))[1]
+    assert account.total >= floor.total

@@ -187,7 +187,7 @@ def choose_trainable(model: nn.Module, step: StepShape, budget: int, bn_stats: s
     """
     from dataclasses import replace
 
-    from edgerev.memory.autoplan import _SegmentsSolver, accounted
+    from edgerev.memory.autoplan import _ModesSolver, _SegmentsSolver, accounted, is_plain
     from edgerev.memory.graph import planned
 
     run = planned(model, step.size)
@@ -195,7 +195,9 @@ def choose_trainable(model: nn.Module, step: StepShape, budget: int, bn_stats: s
 
     def least(t: Trainable) -> tuple[StepAccount, int]:
         set_trainable(run, t, bn_stats)
-        floors = _SegmentsSolver(run, step.size, "cpu").floors()
+        solver = _SegmentsSolver(run, step.size, "cpu") if is_plain(run) else \
+            _ModesSolver(run, step.size, "cpu", None, False)  # the planner's own least-memory candidates
+        floors = solver.floors()
         account = min((accounted(run, step, replace(f, batch=batch), loss_fn) for f in floors),
                       key=lambda a: a.total)
         return account, trainable_count(run)
