@@ -7,17 +7,21 @@ from the daemon to the fleet but weights and per-class sample counts:
   fleet's ``sharing`` setting) and the fleet's class list (the head's rows, in the fleet registry's
   order). The daemon composes a model directory from them and from what it keeps locally (the
   tensors not shared, batch-norm statistics: FedBN), and runs :func:`edgerev_daemon.jobs.run_job` on it
-  as the model to start from: the device's own training samples, the device's ``continual`` settings
-  (``continual.distill`` > 0: distillation from the received model on every fleet class, LwF), under the
-  daemon's memory cap, checkpointed; the job is a row in the store like any other. What keeps the other
-  devices' classes is the averaging; distillation from a fleet model that does not know them yet held
-  a non-IID fleet at chance for its first round (docs/guides/fleet.md), so the presets turn it off. Its output
-  becomes the device's local state and its shared tensors the reply.
+  as the model to start from (at the fleet's ``lr``; when the fleet shares batch-norm statistics, with
+  them frozen at the fleet's, and the device's own measured after the job, layer after layer, go back
+  with the weights: :func:`measure_norms`): the device's own training samples, the device's
+  ``continual`` settings (``continual.distill`` > 0: distillation from the received model on every fleet
+  class, LwF), under the daemon's memory cap, checkpointed; the job is a row in the store like any
+  other. What keeps the other devices' classes is the averaging; distillation from a fleet model that
+  does not know them yet held a non-IID fleet at chance for its first round (docs/guides/fleet.md), so
+  the presets turn it off. Its output becomes the device's local state and its shared tensors the reply.
 - **a candidate** (:func:`consider`): the aggregated fleet model, composed with the local state the
-  same way, goes through the device's own gate (:func:`fleet_judge`): promoted (exported, versioned,
-  ``current`` switched by the daemon's own promotion) only if it is no worse than the model in service
-  on this device's recent held-out samples beyond ``promotion.forgetting_margin``, with the evidence of a
-  paired exact test at ``promotion.alpha``; the reason is recorded on the version either way.
+  same way (and with ``adopt_epochs``, fine-tuned on the device's own samples while distilling from the
+  fleet model: a job like a round's), goes through the device's own gate (:func:`fleet_judge`): promoted
+  (exported, versioned, ``current`` switched by the daemon's own promotion) only if it is no worse than
+  the model in service on this device's recent held-out samples beyond ``promotion.forgetting_margin``,
+  with the evidence of a paired exact test at ``promotion.alpha``; the reason is recorded on the version
+  either way.
 
 A round interrupted (the daemon stopped, the device dropped out) leaves its job with a checkpoint: the
 same round asked again resumes it; a later round supersedes it (the job is marked failed, its folder
@@ -25,7 +29,8 @@ removed). Weights with the wrong names or shapes, or not finite, are refused bef
 each refusal is one log line and one event in the store (``edgerev daemon status`` shows it).
 
 Layout: ``DATA_DIR/fleet/local/`` is the device's local state (a model directory); each round's model to
-start from is written beside its job as ``jobs/job-NNNNN.base/``.
+start from (and with ``adopt_epochs``, each fleet model to fine-tune) is written beside its job as
+``jobs/job-NNNNN.base/``.
 """
 
 from __future__ import annotations
@@ -60,7 +65,11 @@ class FleetModel:
     """What the fleet sends: the model's description, the fleet's classes (head rows) and the shared tensors.
 
     ``round``: a name unique to the run and round (``"<run>/<round>"``); ``seed``: the fleet's
-    initialization seed, so every device builds the same tensors for what is not sent.
+    initialization seed, so every device builds the same tensors for what is not sent. ``share_bn_stats``:
+    the batch-norm statistics are the fleet's (``norms_measured``: the devices have measured them, from the
+    second round on: a round job then trains with its batch norms frozen at them). ``lr``: the round job's
+    peak learning rate (0: the device's); ``adopt_*``: the fine-tuning of the fleet model before the gate
+    (:func:`consider`; ``edgerev.fleet.settings.FleetSettings`` says what each does).
     """
 
     round: str
@@ -73,6 +82,11 @@ class FleetModel:
     share_bn_stats: bool = False
     seed: int = 0
     epochs: int = 1
+    lr: float = 0.0
+    norms_measured: bool = False
+    adopt_epochs: int = 0
+    adopt_distill: float = 1.0
+    adopt_lr: float = 0.0
 
 
 @dataclass
@@ -229,12 +243,37 @@ def refuse(daemon, what: str, error: str) -> FleetError:
     return FleetError(error)
 
 
-def device_config(daemon, fm: FleetModel):
-    """The daemon's config with the fleet's model and round length (every other key: the device's own)."""
+def device_config(daemon, fm: FleetModel, adopt: bool = False):
+    """The daemon's config with the fleet's model, round length and learning rate, batch norms frozen at the
+    fleet's statistics once measured (every other key: the device's own). ``adopt``: for the fine-tuning
+    before the gate (:func:`consider`): its epochs, learning rate and distillation from the fleet model."""
     t = daemon.config.training
+    epochs, lr = (fm.adopt_epochs, fm.adopt_lr or fm.lr) if adopt else (fm.epochs, fm.lr)
     training = replace(t, model=ModelConfig(arch=fm.arch, args=dict(fm.args)),
-                       train=replace(t.train, epochs=fm.epochs))
+                       train=replace(t.train, epochs=epochs, freeze_norm=fm.share_bn_stats and fm.norms_measured),
+                       optim=replace(t.optim, lr=lr or t.optim.lr),
+                       continual=replace(t.continual, distill=fm.adopt_distill) if adopt else t.continual)
     return replace(daemon.config, training=training)
+
+
+def measure_norms(daemon, folder: Path) -> dict[str, torch.Tensor]:
+    """The batch-norm statistics of the model in ``folder`` measured over this device's training samples,
+    layer after layer (:func:`edgerev.train.norms.calibrate`, ``train.eval_batch`` images a forward): this
+    device's part of the fleet's statistics. Returns the running means and variances by tensor name.
+
+    Each layer is measured behind the layers before it at *this device's* statistics, not the fleet's: a
+    layer's input measured behind the fleet's statistics of the round before is a round late, and those
+    lags compound over the depth (measured: a fleet of the preset at chance for six rounds)."""
+    from edgerev.train.checkpoint import load_model, normalize
+    from edgerev.train.norms import calibrate, norms
+    from edgerev_daemon.jobs import load_samples
+
+    model, info, _ = load_model(folder)
+    images = load_samples(daemon.store.samples(Split.TRAIN), daemon.blobs, daemon.store.labels()).images
+    step = daemon.config.training.train.eval_batch
+    calibrate(model, lambda: (normalize(images[k:k + step], info) for k in range(0, len(images), step)))
+    return {f"{n}.{k}": getattr(m, k).detach().clone() for n, m in norms(model) for k in ("running_mean",
+                                                                                           "running_var")}
 
 
 def label_counts(daemon) -> dict[str, int]:
@@ -315,6 +354,8 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
             daemon.store.set_job_state(job.id, JobState.FAILED, error=outcome.reason)
         raise refuse(daemon, "round", f"job {job.id} {outcome.status}: {outcome.reason}")
     trained = load_tensors(out / "model.safetensors", read_info(out)[1].get("weights_sha256"))
+    if fm.share_bn_stats:  # it trained at the fleet's statistics (or its batches', in round 1): send its own
+        trained.update(measure_norms(daemon, out))
     info, _ = read_info(out)
     # a label this device has and the fleet does not know yet was grown by the trainer after the fleet's
     # rows: it is not sent (the registry learns it from the counts, and the next round carries its row)
@@ -369,6 +410,29 @@ def fleet_judge(held, cand, cur, gate) -> tuple[bool, str]:
                   f"p = {p_text(p)}, no evidence of a loss over {100 * gate.forgetting_margin:.1f} points)")
 
 
+def _fine_tune(daemon, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor], out: Path) -> None:
+    """Train ``job``'s candidate into ``out``: the device's copy of the fleet model fine-tuned on the device's
+    own samples, distilling from it (:func:`device_config` with ``adopt``), as a job of the daemon (under
+    its cap, checkpointed: a consideration interrupted resumes here).
+
+    Raises:
+        FleetError: the fine-tuning failed or was stopped (logged and recorded; the job fails or waits).
+    """
+    base = out.with_suffix(".base")
+    if not (base / "model.json").is_file():
+        write_model(base, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
+    try:
+        outcome = daemon.train(job, base, 0, None, device_config(daemon, fm, adopt=True))
+    except (EdgerevError, OSError, RuntimeError) as e:
+        daemon.store.set_job_state(job.id, JobState.FAILED, error=str(e))
+        raise refuse(daemon, "model", f"fine-tuning the fleet model failed: {e}") from None
+    if outcome.status != "trained":
+        if outcome.status == "skipped":
+            daemon.store.set_job_state(job.id, JobState.FAILED, error=outcome.reason)
+        raise refuse(daemon, "model", f"job {job.id} {outcome.status}: {outcome.reason}")
+    shutil.rmtree(base, ignore_errors=True)
+
+
 def consider(daemon, fm: FleetModel) -> Consideration:
     """Put the aggregated model ``fm`` through this device's gate; promote it (the daemon's own promotion:
     export, version directory, ``current`` switched) when it passes. The decision and its reason are
@@ -388,6 +452,8 @@ def consider(daemon, fm: FleetModel) -> Consideration:
             raise refuse(daemon, "model", f"job {active.id} ({active.reason}) is under way; the fleet model waits")
         if active.reason != reason:
             store.set_job_state(active.id, JobState.FAILED, error=f"superseded by {reason}")
+            shutil.rmtree(job_dir(daemon.config, active), ignore_errors=True)
+            shutil.rmtree(job_dir(daemon.config, active).with_suffix(".base"), ignore_errors=True)
             active = None
     job = active or store.create_job(reason)
     out = job_dir(daemon.config, job)
@@ -400,7 +466,10 @@ def consider(daemon, fm: FleetModel) -> Consideration:
         result = daemon.carry_out(job, done, out)
         return Consideration(bool(result.get("promoted")), done.reason, done.id,
                              done.metrics.get("evaluation", {}).get("candidate", {}).get("all"), 0, done.metrics)
-    write_model(out, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
+    if fm.adopt_epochs:
+        _fine_tune(daemon, job, fm, fresh, out)
+    else:
+        write_model(out, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
     gate = daemon.config.promotion.gate
     held = held_out(store, daemon.blobs, job, gate.recent_window_days)
     cand = score(out, held)
@@ -409,6 +478,7 @@ def consider(daemon, fm: FleetModel) -> Consideration:
     old = None if cur is None else set(cur.known)
     samples = {"all": len(held.labels), "recent": sum(held.recent)}
     metrics = {"data_batch_id": job.data_batch_id, "base_batch": 0, "promote": promote, "fleet_round": fm.round,
+               "fine_tuned_epochs": fm.adopt_epochs,
                "evaluation": {"candidate": figures(held, cand, old),
                               **({"current": figures(held, cur, old)} if cur else {}), "heldout_samples": samples},
                "classes": list(fm.classes)}

@@ -32,6 +32,7 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 
 from edgerev.fleet import secagg
+from edgerev.fleet.aggregate import as_moments, as_variances
 from edgerev.fleet.settings import FleetSettings
 from edgerev.fleet.strategy import ARRAYS, CONFIG, METRICS
 from edgerev_daemon.fleet import Consideration, FleetError, FleetModel, RoundResult
@@ -102,14 +103,20 @@ def fleet_model(content: RecordDict, run_id: int, link: DeviceLink, what: str) -
             settings = FleetSettings.from_run_config(config)
         except ValueError as e:
             raise FleetError(f"the fleet's settings: {e}") from None
-        shared = {k: torch.from_numpy(np.array(v.numpy(), copy=True)) for k, v in
-                  content.array_records[ARRAYS].items()}
+        # batch-norm statistics travel as moments (edgerev.fleet.aggregate): the device keeps variances
+        shared = as_variances({k: torch.from_numpy(np.array(v.numpy(), copy=True)) for k, v in
+                               content.array_records[ARRAYS].items()})
     except FleetError as e:
         link.refused(what, str(e))
         raise
-    return FleetModel(f"{run_id}/{config.get('server-round', 0)}", settings.arch, dict(settings.model_args),
+    server_round = config.get("server-round", 0)
+    # the first round's statistics are the fresh model's; the devices measure them from its job on, and a
+    # model to judge comes after a round
+    measured = what == "model" or (isinstance(server_round, int) and server_round > 1)
+    return FleetModel(f"{run_id}/{server_round}", settings.arch, dict(settings.model_args),
                       settings.image_size, tuple(classes), shared, settings.sharing, settings.share_bn_stats,
-                      settings.seed, settings.local_epochs)
+                      settings.seed, settings.local_epochs, settings.lr, measured, settings.adopt_epochs,
+                      settings.adopt_distill, settings.adopt_lr)
 
 
 def _when_clipping(msg: Message, context: Context, call_next) -> Message:
@@ -165,7 +172,8 @@ def make_client_app(link_for: Callable[[Context], DeviceLink]) -> ClientApp:
         link = link_for(context)
         fm = fleet_model(msg.content, context.run_id, link, "round")
         result = link.train_round(fm)
-        arrays = ArrayRecord({k: Array(np.ascontiguousarray(result.shared[k].numpy()))
+        shared = as_moments(result.shared)
+        arrays = ArrayRecord({k: Array(np.ascontiguousarray(shared[k].numpy()))
                               for k in msg.content.array_records[ARRAYS].keys()})
         metrics = {"num-examples": result.examples, "class-counts": list(result.counts),
                    "peak-bytes": int(result.peak_bytes or 0), "cap-bytes": int(result.cap_bytes or 0)}

@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
 
-from edgerev.fleet.aggregate import ClassRegistry, head_rows
+from edgerev.fleet.aggregate import ClassRegistry, as_moments, head_rows
 from edgerev.fleet.secagg import SecAggPlus
 from edgerev.fleet.settings import FleetSettings
 from edgerev.fleet.strategy import FleetAvg, to_record
@@ -31,14 +31,14 @@ def initial_arrays(settings: FleetSettings, classes: tuple[str, ...]) -> ArrayRe
     fm = FleetModel("init", settings.arch, dict(settings.model_args), settings.image_size, classes, {},
                     settings.sharing, settings.share_bn_stats, settings.seed)
     state, names = model_names(fm)
-    return to_record({n: state[n].numpy() for n in names})
+    return to_record(as_moments({n: state[n].numpy() for n in names}))
 
 
 def run_fleet(grid: Grid, settings: FleetSettings, on_round: RoundHook | None = None):
     """Run ``settings.rounds`` rounds on ``grid``; returns Flower's strategy result."""
     registry = ClassRegistry()
     fleet = FleetAvg(registry, settings.min_devices, settings.timeout,
-                     SecAggPlus(settings) if settings.secagg else None)
+                     SecAggPlus(settings) if settings.secagg else None, settings.judge_from)
     fleet.learn_classes(grid)
     if not len(registry):
         raise RuntimeError("no device listed a class: nothing to train")

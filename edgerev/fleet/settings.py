@@ -17,8 +17,18 @@ SHARING = ("head", "head+last", "all")
 @dataclass(frozen=True)
 class FleetSettings:
     """``sharing``: what travels (``head``, ``head+last``: and the last stage with weights, ``all``: every
-    trainable tensor); batch-norm statistics stay on the devices unless ``share_bn_stats`` (FedBN).
-    ``local_epochs``: epochs of each device's round job. ``dp_clipping_norm`` > 0 turns on central DP with
+    trainable tensor); batch-norm statistics stay on the devices (FedBN) unless ``share_bn_stats``: then the
+    fleet's statistics, which every device trains at with its batch norms frozen (from the second round on;
+    the first trains as a device alone does) and measures anew over its own samples after each round job,
+    layer after layer (:mod:`edgerev.train.norms`); the fleet averages them as moments
+    (:mod:`edgerev.fleet.aggregate`).
+    ``local_epochs``: epochs of each device's round job; ``lr``: its peak learning rate (0: the device's
+    ``training.optim.lr``). ``adopt_epochs`` > 0: before its gate judges the fleet model, a device fine-tunes
+    it on its own samples for that many epochs, distilling from it with weight ``adopt_distill`` (so it keeps
+    the classes it does not have) at peak learning rate ``adopt_lr`` (0: ``lr``), and the gate judges that.
+    ``judge_from``: the first round whose fleet model goes to the devices' gates (a fleet that does not know
+    the classes yet gains nothing from a gate's time, nor from a fine-tuning that distills from it).
+    ``dp_clipping_norm`` > 0 turns on central DP with
     client-side fixed clipping (Flower's ``fixedclipping_mod`` and its strategy wrapper) with Gaussian noise
     of ``dp_noise_multiplier`` x the norm / the devices sampled (the Gaussian mechanism's scale for a uniform
     average; the fleet's average weights devices by their sample counts and head rows by per-class counts,
@@ -34,6 +44,11 @@ class FleetSettings:
     sharing: str = "all"
     share_bn_stats: bool = False
     local_epochs: int = 1
+    lr: float = 0.0
+    adopt_epochs: int = 0
+    adopt_distill: float = 1.0
+    adopt_lr: float = 0.0
+    judge_from: int = 1
     seed: int = 0
     arch: str = "revnext"
     model_args: dict = field(default_factory=dict)
@@ -51,6 +66,12 @@ class FleetSettings:
         check(self.rounds >= 1, "rounds", f"must be at least 1, got {self.rounds}")
         check(self.sharing in SHARING, "sharing", f"must be one of {', '.join(SHARING)}, got {self.sharing!r}")
         check(self.local_epochs >= 1, "local_epochs", f"must be at least 1, got {self.local_epochs}")
+        check(self.lr >= 0, "lr", f"must be >= 0 (0: the device's training.optim.lr), got {self.lr}")
+        check(self.adopt_epochs >= 0, "adopt_epochs", f"must be >= 0 (0: the gate judges the fleet model as is), "
+                                                      f"got {self.adopt_epochs}")
+        check(self.adopt_distill >= 0, "adopt_distill", f"must be >= 0, got {self.adopt_distill}")
+        check(self.judge_from >= 1, "judge_from", f"must be at least 1, got {self.judge_from}")
+        check(self.adopt_lr >= 0, "adopt_lr", f"must be >= 0 (0: lr), got {self.adopt_lr}")
         check(self.min_devices >= 1, "min_devices", f"must be at least 1, got {self.min_devices}")
         check(self.timeout > 0, "timeout", f"must be positive, got {self.timeout}")
         check(self.dp_clipping_norm >= 0, "dp_clipping_norm", f"must be >= 0, got {self.dp_clipping_norm}")

@@ -270,10 +270,11 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
         def on_round(server_round: int, arrays, classes: tuple[str, ...]) -> None:
             import torch
 
+            from edgerev.fleet.aggregate import as_variances
             from edgerev_daemon.fleet import FleetModel, check_shared, compose
 
             current_round["n"] = server_round
-            shared = {k: torch.from_numpy(v.numpy().copy()) for k, v in arrays.items()}
+            shared = as_variances({k: torch.from_numpy(v.numpy().copy()) for k, v in arrays.items()})
             f = sim.fleet
             for node, d in devices.items():
                 fm = FleetModel("eval", f.arch, dict(f.model_args), f.image_size, classes, shared, f.sharing,

@@ -55,10 +55,11 @@ class FleetAvg(FedAvg):
         min_devices: devices a round waits for (Flower's ``min_available_nodes`` and sample sizes).
         timeout: seconds to wait for the class query's answers.
         secure: sum the updates by secure aggregation (the replies carry counts only).
+        judge_from: the first round whose fleet model the devices judge (``evaluate`` messages).
     """
 
     def __init__(self, registry: ClassRegistry, min_devices: int = 2, timeout: float = 3600.0,
-                 secure: SecAggPlus | None = None) -> None:
+                 secure: SecAggPlus | None = None, judge_from: int = 1) -> None:
         super().__init__(min_train_nodes=min_devices, min_evaluate_nodes=min_devices,
                          min_available_nodes=min_devices, arrayrecord_key=ARRAYS, configrecord_key=CONFIG)
         self.registry = registry
@@ -66,6 +67,7 @@ class FleetAvg(FedAvg):
         self._sent: dict[str, np.ndarray] = {}
         self._grid: Grid | None = None
         self.secure = secure
+        self.judge_from = judge_from
         self.last_counts: dict[int, list[int]] = {}
 
     def learn_classes(self, grid: Grid, server_round: int = 0) -> list[str]:
@@ -105,6 +107,8 @@ class FleetAvg(FedAvg):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
+        if server_round < self.judge_from:  # the fleet model goes to the devices' gates from this round on
+            return []
         arrays, config = self._with_classes(arrays, config)
         return super().configure_evaluate(server_round, arrays, config, grid)
 

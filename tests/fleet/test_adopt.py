@@ -67,3 +67,41 @@ def test_a_fleet_model_that_keeps_the_devices_classes_is_adopted_and_one_that_fo
     assert refused.reason.startswith("fleet model worse on this device's recent held-out samples by"), refused.reason
     assert "0 gained" in refused.reason and "the model in service stays" in refused.reason
     assert device.registry.current() == adopted.version
+
+
+def _statistics(state) -> dict:
+    return {n: t for n, t in state.items() if n.endswith(("running_mean", "running_var"))}
+
+
+@pytest.mark.slow
+def test_a_round_at_the_fleets_statistics_trains_at_them_and_sends_what_the_device_measures(device):
+    from dataclasses import replace
+
+    from edgerev_daemon.fleet import local_state, measure_norms, train_round
+
+    fm = replace(_fleet_model(device, "2/2", lambda h: torch.cat([h, h.mean(0, keepdim=True)])),
+                 norms_measured=True, lr=0.01)
+    result = train_round(device, fm)
+    root = device.config.layout.root
+    kept, _ = local_state(root)
+    sent = _statistics(fm.shared)
+    assert sent and all(torch.equal(kept[n], t) for n, t in sent.items()), "trained with batch norms frozen"
+    assert any(not torch.equal(kept[n], fm.shared[n]) for n in kept if n.endswith("weight")), "and it trained"
+    measured = measure_norms(device, root / "fleet" / "local")
+    assert set(measured) == set(sent)
+    for n, t in measured.items():
+        torch.testing.assert_close(result.shared[n], t)
+    assert any(not torch.allclose(result.shared[n], sent[n]) for n in sent), "the device's own moments go back"
+
+
+@pytest.mark.slow
+def test_a_fleet_model_fine_tuned_before_the_gate_is_judged_as_a_job(device):
+    from dataclasses import replace
+
+    fm = replace(_fleet_model(device, "3/1", lambda h: torch.cat([h, h.mean(0, keepdim=True)])),
+                 norms_measured=True, adopt_epochs=1, adopt_distill=1.0, lr=0.01)
+    c = consider(device, fm)
+    assert c.metrics["fine_tuned_epochs"] == 1 and c.reason.startswith("fleet model"), c.reason
+    jobs = [j for j in device.store.jobs() if j.reason == "fleet model 3/1"]
+    assert len(jobs) == 1 and device.store.active_job() is None
+    assert not any(p.name.endswith(".base") for p in (device.config.layout.root / "jobs").iterdir())
