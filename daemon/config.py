@@ -209,10 +209,12 @@ class StorageConfig:
     SQLite, the journal and a promotion can finish what they started.
 
     ``max_bytes``: the budget for everything the daemon keeps in its data directory (blobs, store,
-    journal, versions, a job's checkpoints, quarantine); null: no budget. Checked at every cycle: above
-    it, samples are removed by the retention policy until the total is at most ``target`` of it, and
-    while it cannot be brought under, ingest waits. ``max_samples``: an optional bound on the number of
-    samples kept (null: none). ``max_quarantine_bytes``: quarantine's own bound (the oldest rejected
+    journal, versions, a job's checkpoints, quarantine); null: no budget. ``max_samples``: an optional
+    bound on the number of samples kept (null: none). ``target``: the share of each bound the retention
+    policy keeps the data directory under: above it at a cycle's check, samples are removed until it is
+    5 points below; the rest of the bound is headroom for what arrives between two checks (a cycle's
+    ingest, a job's checkpoints and the version it writes). Above a bound itself, ingest waits until
+    the policy brings it under. ``max_quarantine_bytes``: quarantine's own bound (the oldest rejected
     files go first; part of ``max_bytes`` too). ``keep_newest_per_class``: samples of each class and
     split that are never removed, the newest ones. ``reservoir``: the share of samples (chosen by their
     hash, so spread evenly over a class's history) that outlive the others: a class's older samples go
@@ -234,7 +236,7 @@ class StorageConfig:
               f"must be at least 1 (or null: no bound), got {self.max_samples}")
         _bytes(self.max_quarantine_bytes, "max_quarantine_bytes")
         check(0.5 <= self.target < 1.0, "target",
-              f"is the share of the budget removal brings use down to, in [0.5, 1), got {self.target}")
+              f"is the share of each bound the retention policy keeps use under, in [0.5, 1), got {self.target}")
         check(self.keep_newest_per_class >= 1, "keep_newest_per_class",
               f"must be at least 1 (every class stays represented), got {self.keep_newest_per_class}")
         check(0.0 <= self.reservoir <= 1.0, "reservoir", f"is a share in [0, 1], got {self.reservoir}")

@@ -1,8 +1,10 @@
 """The storage budget: what is removed when the data directory reaches ``storage.max_bytes``.
 
 Checked at the start of every cycle (:func:`enforce`), before ingest. When the data directory holds more
-than ``storage.max_bytes`` (or the store more than ``storage.max_samples`` samples), samples are removed
-until it is at most ``storage.target`` of the bound, by this policy:
+than ``storage.target`` (90 %) of ``storage.max_bytes`` (or the store more than that share of
+``storage.max_samples`` samples), samples are removed until it holds :data:`BAND` (5 points) less than
+that share, by the policy below. The rest of the budget is headroom for what arrives between two checks:
+a cycle's ingest, a job's checkpoints and the version it writes; above the budget itself ingest waits.
 
 1. **Nothing a job reads.** While a job is queued or running (interrupted, to be resumed) it reads every
    sample up to its data, and its evaluation the held-out ones: no sample is removed until it is done.
@@ -79,8 +81,9 @@ Group = tuple[Split, str]  # (split, label)
 
 def water_fill(totals: dict[Group, int], groups: Sequence[Group], count: int, keep_newest: int) -> dict[Group, int]:
     """How many of ``count`` removals each group of ``groups`` gives: each from the group that holds the most
-    samples then (ties: the order of ``totals``), none below its newest ``keep_newest``."""
-    order = {g: i for i, g in enumerate(totals)}
+    samples then (ties: by label name, so the choice depends on the samples alone), none below its newest
+    ``keep_newest``."""
+    order = {g: i for i, g in enumerate(sorted(totals, key=lambda g: (g[0].value, g[1])))}
     heap = [(-totals[g], order[g], g) for g in groups if totals[g] > keep_newest]
     heapq.heapify(heap)
     taken = {g: 0 for g in groups}
@@ -157,26 +160,35 @@ class BudgetReport:
                 "compacted": list(self.compacted) if self.compacted else None, "over": self.over}
 
 
-def _over(config: DaemonConfig, usage: Usage, samples: int) -> str | None:
+BAND = 0.05  # below ``target``, the share of a bound a removal goes further, so it is not one at every cycle
+
+
+def _over(config: DaemonConfig, usage: Usage, samples: int, share: float = 1.0) -> str | None:
+    """Why the data directory holds more than ``share`` of a bound, or None."""
     st = config.storage
     budget = st.max_bytes_int
-    if budget is not None and usage.total > budget:
-        return f"{usage.total} bytes kept, over storage.max_bytes ({budget})"
-    if st.max_samples is not None and samples > st.max_samples:
-        return f"{samples} samples kept, over storage.max_samples ({st.max_samples})"
+    if budget is not None and usage.total > share * budget:
+        return f"{usage.total} bytes kept, over {_share(share)}storage.max_bytes ({budget})"
+    if st.max_samples is not None and samples > share * st.max_samples:
+        return f"{samples} samples kept, over {_share(share)}storage.max_samples ({st.max_samples})"
     return None
 
 
+def _share(share: float) -> str:
+    return "" if share >= 1.0 else f"{100 * share:.0f} % of "
+
+
 def _to_remove(config: DaemonConfig, usage: Usage, samples: int) -> tuple[int, RemovalReason]:
-    """How many samples to remove to bring both bounds down to ``target``, and the bound that asks most."""
+    """How many samples to remove to bring both bounds down to ``target - BAND``, and the bound that asks most."""
     st = config.storage
+    low = round(st.target - BAND, 6)
     by_bytes = by_count = 0
     budget = st.max_bytes_int
-    if budget is not None and usage.total > budget and samples:
-        excess = usage.total - math.floor(st.target * budget)
+    if budget is not None and usage.total > st.target * budget and samples:
+        excess = usage.total - math.floor(low * budget)
         by_bytes = min(samples, math.ceil(excess / max(1, usage.blobs / samples)))
-    if st.max_samples is not None and samples > st.max_samples:
-        by_count = samples - math.floor(st.target * st.max_samples)
+    if st.max_samples is not None and samples > st.target * st.max_samples:
+        by_count = samples - math.floor(round(low * st.max_samples, 6))
     return (by_bytes, RemovalReason.BYTES) if by_bytes >= by_count else (by_count, RemovalReason.SAMPLES)
 
 
@@ -189,15 +201,16 @@ def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsa
         report.quarantine_removed = prune_quarantine(config, store, report.usage.quarantine)
         report.usage = usage.measure()
     report.samples = store.count_samples()
-    if _over(config, report.usage, report.samples) is None:
+    if _over(config, report.usage, report.samples, st.target) is None:
         return report
     job = store.active_job()
     if job is not None:
-        report.over = _over(config, report.usage, report.samples) + f"; job {job.id} reads the samples until it ends"
+        over = _over(config, report.usage, report.samples)
+        report.over = None if over is None else over + f"; job {job.id} reads the samples until it ends"
         return report
     short = False
     for _ in range(_PASSES):  # the count is estimated from the mean blob; a pass short of the target goes again
-        if _over(config, report.usage, report.samples) is None:
+        if _over(config, report.usage, report.samples, st.target) is None:
             break
         count, why = _to_remove(config, report.usage, report.samples)
         victims = _choose_in_store(store, count, config.heldout_fraction, st.keep_newest_per_class, st.reservoir)
@@ -213,7 +226,7 @@ def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsa
         report.removed += len(victims)
         report.removed_bytes += freed
         log.info("storage: removed %d samples (%d bytes of blobs) by the retention policy: %s", len(victims),
-                 freed, _over(config, report.usage, report.samples))
+                 freed, _over(config, report.usage, report.samples, st.target))
         store.checkpoint()  # the write-ahead log holds every page the removal touched: fold it back
         report.usage = usage.measure()
         report.samples = store.count_samples()
@@ -221,7 +234,7 @@ def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsa
         report.compacted = compact_journal(store)
         report.usage = usage.measure()
     budget = st.max_bytes_int
-    if budget is not None and report.usage.total > budget:
+    if budget is not None and report.usage.total > st.target * budget and short:
         report.versions_removed = prune_versions(config, store)
         if report.versions_removed:
             report.usage = usage.measure()

@@ -38,20 +38,20 @@ def test_each_cycle_keeps_the_budget_and_status_shows_it(tmp_path):
         first = d.cycle()
         assert first.ingest["accepted"] == 120 and first.storage["removed"] == 0
         second = d.cycle()
-        assert second.storage["removed"] == 66 and second.storage["over"] is None and second.waiting is None
-        assert d.store.count_samples() == 54
+        assert second.storage["removed"] == 69 and second.storage["over"] is None and second.waiting is None
+        assert d.store.count_samples() == 51
         assert check_consistency(d.store, d.blobs, inbox=config.inbox_path).clean
     s = status(config)
-    assert s["storage"]["removed"] == {"max_samples": 66} and s["storage"]["samples"] == 54
+    assert s["storage"]["removed"] == {"max_samples": 69} and s["storage"]["samples"] == 51
     assert s["storage"]["usage"]["blobs"] > 0 and s["storage"]["over"] is None
-    assert "54 of 60 samples; removed by the retention policy: 66 (max_samples)" in format_status(s)
+    assert "51 of 60 samples; removed by the retention policy: 69 (max_samples)" in format_status(s)
     assert "removed by the retention policy" in format_html(s)
     metrics = format_metrics(s)
-    assert 'edgerev_samples_removed_total{why="max_samples"} 66' in metrics
+    assert 'edgerev_samples_removed_total{why="max_samples"} 69' in metrics
     train, held = s["samples"]["train"], s["samples"]["heldout"]
     kept_total = sum(int(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                      if line.startswith("edgerev_samples_total{"))
-    assert kept_total == train + held + 66  # the counter counts what was removed too: it never goes down
+    assert kept_total == train + held + 69  # the counter counts what was removed too: it never goes down
     assert 'edgerev_storage_bytes{part="blobs"}' in metrics and "edgerev_storage_over 0" in metrics
     removed = [e for e in s["events"] if e["kind"] == "removed"]
     assert removed and removed[-1]["message"]["why"] == "max_samples"
@@ -89,7 +89,7 @@ def test_the_start_finishes_a_removal_a_crash_cut_short(tmp_path, monkeypatch):
         monkeypatch.undo()
         assert check_consistency(d.store, d.blobs).removing
     with Daemon(config, clock=Clock()) as d:
-        assert d.store.count_samples() == 27
+        assert d.store.count_samples() == 25
         report = check_consistency(d.store, d.blobs, inbox=config.inbox_path)
         assert report.clean and not report.removing
         assert d.store.events(kind=EventKind.REMOVED)[-1].message["finished"]
@@ -125,7 +125,7 @@ def test_check_and_rebuild_say_what_only_the_store_holds(tmp_path, capsys):
     assert main(["daemon", "rebuild", "--config", str(path), "--move-aside"]) == 0
     out = capsys.readouterr().out
     assert f"copied from the old store: 0 jobs, 0 versions, {events} events" in out
-    assert "removed by the retention policy before: 33 (max_samples)" in out
+    assert "removed by the retention policy before: 35 (max_samples)" in out
 
 
 def test_a_full_disk_under_a_removal_is_a_condition_that_clears(tmp_path, monkeypatch):
@@ -147,5 +147,5 @@ def test_a_full_disk_under_a_removal_is_a_condition_that_clears(tmp_path, monkey
         assert "storage budget removal" in d.conditions.active and d.store.count_samples() == 60
         monkeypatch.setattr(Journal, "append", real)
         r = d.cycle()
-        assert r.storage["removed"] == 33 and "storage budget removal" not in d.conditions.active
+        assert r.storage["removed"] == 35 and "storage budget removal" not in d.conditions.active
         assert check_consistency(d.store, d.blobs, inbox=config.inbox_path).clean
