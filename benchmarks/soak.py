@@ -112,6 +112,7 @@ class Running:
         with open(self.log, "a") as out:
             for line in self.proc.stderr:
                 out.write(line)
+                out.flush()
                 m = re.search(r"\bjob (\d+)\b", line)
                 if m:
                     seen = self.jobs.setdefault(int(m.group(1)), [time.perf_counter()] * 2)

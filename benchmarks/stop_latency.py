@@ -7,10 +7,11 @@ which parks the daemon at the start of the phase's slowest piece (the third file
 training step, the trainer's final evaluation, the candidate's scoring on the held-out samples, the ONNX
 export's child process, the version's files written before its rename) and lets it go on the instant
 SIGTERM arrives, so each figure is a stop landing at the worst moment of its phase. The latency runs from
-the signal to the process's exit. ``plan`` is a first job's stage profile measured on an empty profile
-cache (the first job of a device; the other runs use the user's cache); ``idle`` is the plain daemon
-between cycles; ``training_under_sighup_storm`` a training stop while another process sends SIGHUP
-without pause.
+the signal to the process's exit (wall), beside the CPU seconds the daemon spent after the signal (what
+the stop costs, whatever else loads the machine). ``plan`` is a first job's stage profile measured on an
+empty profile cache (the first job of a device; the other runs use the user's cache); ``idle`` is the
+plain daemon between cycles; ``training_under_sighup_storm`` a training stop while another process sends
+SIGHUP without pause.
 
     python benchmarks/stop_latency.py --out benchmarks/results/stop_latency.json
 """
@@ -64,10 +65,18 @@ class Daemon:
                 self.cond.wait()
 
     def stop(self) -> float:
+        """SIGTERM; the seconds to the exit (wall). The CPU seconds the process spent after the signal (its
+        own, not its children's) go to ``self.cpu_seconds``: on a loaded machine the wall time is mostly
+        waiting for a core, the CPU time is what the stop costs."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        before = (int(fields[11]) + int(fields[12])) / ticks  # utime and stime
         t0 = time.perf_counter()
         self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait()
+        _, status, usage = os.wait4(self.proc.pid, 0)
         seconds = time.perf_counter() - t0
+        self.proc.returncode = code = os.waitstatus_to_exitcode(status)
+        self.cpu_seconds = round(usage.ru_utime + usage.ru_stime - before, 3)
         if code != 0:
             raise SystemExit(f"exit status {code}:\n{''.join(filter(None, self.lines))[-3000:]}")
         return seconds
@@ -141,8 +150,8 @@ def main() -> None:
     result: dict = {"preset": str(args.preset.resolve().relative_to(ROOT)), "overrides": overrides,
                     "images": args.images, "timeout_stop_seconds": int(timeout.group(1)) if timeout else None,
                     "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                    "seconds": {}}
-    seconds = result["seconds"]
+                    "seconds": {}, "cpu_seconds_after_signal": {}, "load_average_at_start": os.getloadavg()}
+    seconds, cpu = result["seconds"], result["cpu_seconds_after_signal"]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -169,6 +178,7 @@ def main() -> None:
                        _env(cache))
             d.wait_for("serving")
             seconds.setdefault("idle", []).append(round(d.stop(), 3))
+            cpu.setdefault("idle", []).append(d.cpu_seconds)
         for phase in PHASES:
             for k in range(args.repeat):
                 name = f"{phase}-{k}"
@@ -181,6 +191,7 @@ def main() -> None:
                 d = Daemon([sys.executable, str(CHILD), str(config), phase], env)
                 d.wait_for(f"parked in {phase}")
                 seconds.setdefault(phase, []).append(round(d.stop(), 3))
+                cpu.setdefault(phase, []).append(d.cpu_seconds)
                 print(f"{phase}: {seconds[phase][-1]} s", file=sys.stderr, flush=True)
                 shutil.rmtree(tmp / name)
         config = copy("storm")
@@ -189,6 +200,7 @@ def main() -> None:
         sender = subprocess.Popen([sys.executable, "-c", STORM, str(d.proc.pid)])
         try:
             seconds["training_under_sighup_storm"] = [round(d.stop(), 3)]
+            cpu["training_under_sighup_storm"] = [d.cpu_seconds]
         finally:
             sender.kill()
             sender.wait()
@@ -197,6 +209,8 @@ def main() -> None:
     result["worst_phase"] = next(k for k, values in seconds.items() if worst in values)
     if result["timeout_stop_seconds"]:
         result["worst_over_timeout"] = round(worst / result["timeout_stop_seconds"], 4)
+    result["worst_cpu_seconds"] = max(s for values in cpu.values() for s in values)
+    result["load_average_at_end"] = os.getloadavg()
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     write_json(result, args.out)
 
