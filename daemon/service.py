@@ -15,6 +15,13 @@ Every step that changes state is safe to interrupt (kill -9, power cut) and to r
   directory is complete before ``current`` switches, and a job is only marked done after that, so a
   restart finishes a promotion it finds half done instead of deciding again.
 
+A stop (SIGTERM) is honoured within a bounded time in every phase: between two inbox files, after the
+training step under way, after the final evaluation and between the two models scored, and at once
+during the ONNX export and a model's first stage profile, which run in child processes the stop kills
+(:mod:`edgerev_daemon.children`); a promotion whose version directory is being written finishes (a
+fraction of a second), so ``current`` is the old version or the new one. ``benchmarks/stop_latency.py``
+measures each phase.
+
 Nothing that cannot be recreated is destroyed: a lost or damaged store next to blobs or a journal is
 refused before it is opened (:func:`edgerev_daemon.rebuild.guard_start`), journal lines the store lacks
 are recorded again at start, and a blob is only removed on the word of an intact store that holds
