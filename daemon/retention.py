@@ -10,7 +10,7 @@ a cycle's ingest, a job's checkpoints and the version it writes; above the budge
    sample up to its data, and its evaluation the held-out ones: no sample is removed until it is done.
    The version in service and the one a rollback goes back to are version directories, never samples;
    ``promotion.keep_last`` bounds those, and when only protected samples remain and the bytes are still
-   over, the other version directories go too (:func:`prune_versions`), never those two.
+   above the target, the other version directories go too (:func:`prune_versions`), never those two.
 2. **The held-out share stays fixed.** Of the samples removed, as many come from the held-out split as
    keep it at ``heldout_fraction`` of what is kept (a split with nothing left to remove gives the rest).
 3. **Every class stays, with its newest samples.** The newest ``storage.keep_newest_per_class`` samples
