@@ -188,25 +188,23 @@ def _export_imported(model: nn.Module, info: ModelInfo, sha: str, out_path: Path
                      seed: int) -> ExportResult:
     """A model imported from ONNX goes back into its own file (:func:`edgerev.models.onnx_import.export.
     export_imported`: the original's graph, input and output names, dynamic batch and opset, verified with ONNX
-    Runtime), then gets edgerev's metadata beside the original's, so ``edgerev predict`` and ``edgerev
-    finetune-head`` read its classes, input size and normalization. Nothing is traced, so no exporter is named."""
-    import onnx
-
+    Runtime), with edgerev's metadata beside the original's, so ``edgerev predict`` and ``edgerev finetune-head``
+    read its classes, input size, normalization and whether it outputs probabilities. Nothing is traced, so no
+    exporter is named."""
     import edgerev
     from edgerev.models.onnx_import.export import export_imported
 
     start = time.perf_counter()
-    done = export_imported(model, out_path, batches=tuple(dict.fromkeys((batch, 1))), tolerance=tolerance, seed=seed)
-    proto = onnx.load(str(out_path))
     meta = ModelMeta(classes=info.classes, input_size=info.input_size, mean=info.mean, std=info.std, arch=info.arch,
                      weights_sha256=sha, edgerev_version=edgerev.__version__)
-    set_props(proto, meta.to_props())
-    data = proto.SerializeToString()
-    atomic_write(out_path, data)  # the same graph and weights, ONNX Runtime checked them; metadata only
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return ExportResult(path=out_path, arch=info.arch, opset=opset, ir_version=proto.ir_version,
+    # one write, the metadata with it: export_imported adds ``outputs`` (probabilities where the original ends in
+    # its Softmax), which tells edgerev predict not to apply a softmax of its own
+    done = export_imported(model, out_path, batches=tuple(dict.fromkeys((batch, 1))), tolerance=tolerance, seed=seed,
+                           props=meta.to_props())
+    opset, ir_version, data_size = done.opset, done.ir_version, done.size_bytes
+    return ExportResult(path=out_path, arch=info.arch, opset=opset, ir_version=ir_version,
                         max_abs_diff=done.max_abs_diff, batches=done.batches, seconds=time.perf_counter() - start,
-                        verify_seconds=0.0, size_bytes=len(data), weights_sha256=sha, exporter="imported")
+                        verify_seconds=0.0, size_bytes=data_size, weights_sha256=sha, exporter="imported")
 
 
 def verify_onnx(onnx_model: str | Path | bytes, model: nn.Module, meta: ModelMeta, batches: tuple[int, ...] = (4, 1),

@@ -82,8 +82,14 @@ class Predictor:
     def classes(self) -> tuple[str, ...]:
         return self.meta.classes
 
+    @property
+    def outputs_probabilities(self) -> bool:
+        """The file outputs probabilities, not logits (an imported model that ended in a Softmax)."""
+        return self.meta.extra.get("outputs") == "probabilities"
+
     def logits(self, pixels: np.ndarray) -> np.ndarray:
-        """Logits of ``uint8 [B, 3, S, S]`` pixels (S the model's input size)."""
+        """The model's outputs for ``uint8 [B, 3, S, S]`` pixels (S the model's input size): logits, or
+        probabilities where :attr:`outputs_probabilities`."""
         x = normalize(pixels, self.meta.mean, self.meta.std)
         try:
             return self.session.run(None, {self.input_name: x})[0]
@@ -94,7 +100,9 @@ class Predictor:
         """Predictions for ``uint8 [B, 3, S, S]`` pixels; ``sources`` name them (default: their index)."""
         if top < 1:
             raise ExportError(f"top must be positive, got {top}")
-        probs = softmax(self.logits(pixels))
+        scores = self.logits(pixels)
+        # a model imported with a Softmax at its end exports it again (metadata outputs=probabilities)
+        probs = scores.astype(np.float64) if self.outputs_probabilities else softmax(scores)
         k = min(top, probs.shape[1])
         out = []
         for i, p in enumerate(probs):
