@@ -7,8 +7,9 @@ the trainer, so that many short rounds are cheap: each round, every device takes
 head row over the devices that have the class). Reported every ``--every`` rounds: each device's copy of the
 fleet model on 400 test images of all ten classes and on 120 of its own classes. ``--stats``:
 
-- ``local``: batch norm as the fleet runs it now (FedBN): training normalizes with each batch's statistics,
-  which on a device are those of its three classes, and each device evaluates with its own running ones;
+- ``local``: batch norm as a fleet without ``share-bn-stats`` runs it (FedBN): training normalizes with each
+  batch's statistics, which on a device are those of its three classes, and each device evaluates with its
+  own running ones;
 - ``fleet``: the fleet's statistics: every device trains with batch norm frozen at the fleet's statistics
   (eval mode), and after each round the fleet averages the devices' per-channel moments of each batch
   norm's input, layer after layer (each layer's moments are taken with the layers before it already set).
