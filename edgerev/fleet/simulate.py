@@ -293,6 +293,8 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
                 cur_acc = _dir_accuracy(d.daemon.registry.current_path(), test) if current else None
                 cur_own = _dir_accuracy(d.daemon.registry.current_path(), own) if current else None
                 gate, promoted = d.decision(f"{run_id}/{server_round}", current)
+                if server_round < f.judge_from:
+                    gate = f"not judged: the devices judge the fleet model from round {f.judge_from} (judge-from)"
                 traffic = grid.traffic[node].by_round
                 d.rounds.append({"round": server_round, "accuracy_federated": round(acc, 4),
                                  "accuracy_federated_own": round(acc_own, 4), "in_service": current,
