@@ -69,3 +69,30 @@ def test_a_model_without_a_classifier_is_refused():
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.Softmax(dim=1), nn.Linear(5, 7))
     with pytest.raises(CheckpointError, match="7 rows, not one per old class"):
         grow_head(model, ("a", "b"), ("a", "b", "c"))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the TorchScript exporter, as many users' files were written
+def test_imported_head_grows(tmp_path):
+    """An ONNX file's last Gemm, imported as the graph's last linear layer, grows like any head."""
+    from edgerev.models.onnx_import import load_onnx
+
+    torch.manual_seed(0)
+    torch.onnx.export(DESIGNS["resnet18"](num_classes=3, width=0.125).eval(), (torch.zeros(1, 3, 32, 32),),
+                      str(tmp_path / "m.onnx"), dynamo=False, input_names=["image"], output_names=["scores"],
+                      dynamic_axes={"image": {0: "n"}, "scores": {0: "n"}})
+    model = load_onnx(tmp_path / "m.onnx")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = model(x)
+    assert head_name(model) == model.head_name
+    grow_head(model, ("a", "b", "c"), ("a", "b", "c", "d"))
+    assert model.num_classes == 4  # the import counts its head's rows
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[:, :3], before)
+
+
+def test_designs_are_factory_sources():
+    from edgerev.models.resolve import resolve_model
+
+    model = resolve_model("edgerev.models.designs:mobilenet_v2", args={"width": 0.25}, num_classes=4)
+    assert head_name(model) == "classifier.1" and model.num_classes == 4
