@@ -32,16 +32,24 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from edgerev.errors import EdgerevError
+from edgerev.models.directory import (
+    ONNX_SOURCE,
+    WEIGHTS,
+    CheckpointError,
+    ModelInfo,
+    load_state,
+    load_tensors,
+    read_info,
+)
 from edgerev.models.names import SourceKind, source_kind
 from edgerev.models.spec import head_name
-
-ONNX_SOURCE = "source.onnx"  # the copy of an imported model's ONNX file in its model directory
 
 
 class ModelSourceError(EdgerevError):
@@ -86,8 +94,6 @@ def resolve_model(source: str | Path | nn.Module, *, weights: str | Path | None 
     elif kind is SourceKind.FACTORY:
         model = _from_factory(text, args, None if weights is not None else num_classes)
     elif kind is SourceKind.DIRECTORY:
-        from edgerev.train.checkpoint import load_model
-
         path = Path(text).expanduser()
         if not (path / "model.json").is_file():
             raise ModelSourceError(f"{text} is not a model directory (no model.json in it)")
@@ -128,8 +134,6 @@ def _finish(model: nn.Module, weights: str | Path | None, num_classes: int | Non
         rows = state.get(f"{head}.weight") if head is not None else None
         if rows is not None and rows.dim() == 2 and rows.shape[0] != model.get_submodule(head).out_features:
             set_head_rows(model, rows.shape[0])
-        from edgerev.train.checkpoint import load_state
-
         load_state(model, state, str(weights))
     if num_classes is not None:
         set_head_rows(model, num_classes)
@@ -251,3 +255,35 @@ def _looks_safetensors(head: bytes, size: int) -> bool:
 def _line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def build_model(info: ModelInfo, folder: str | Path | None = None) -> nn.Module:
+    """The model ``info`` describes, fresh weights, one row per class, through :func:`resolve_model`.
+
+    An ONNX import (``arch`` ``onnx``) is rebuilt from the copy of its file in the model directory ``folder``.
+    """
+    if info.arch == "onnx":
+        if folder is None:
+            raise CheckpointError("an imported ONNX model is rebuilt from its model directory's source.onnx")
+        return resolve_model(str(Path(folder) / ONNX_SOURCE), num_classes=len(info.classes))
+    return resolve_model(info.arch, args=info.model_args, num_classes=len(info.classes))
+
+
+def load_model(folder: str | Path, arch: str | None = None, classes: Sequence[str] | None = None
+               ) -> tuple[nn.Module, ModelInfo, str]:
+    """Rebuild the model saved in ``folder`` with its weights; returns ``(model, info, sha256)``.
+
+    Args:
+        arch: refuse a checkpoint of another architecture.
+        classes: refuse a checkpoint whose classes differ.
+    """
+    info, raw = read_info(folder)
+    if arch is not None and info.arch != arch:
+        raise CheckpointError(f"{folder} holds a {info.arch} model, not {arch}")
+    if classes is not None and tuple(classes) != info.classes:
+        raise CheckpointError(f"{folder} was trained on classes {list(info.classes)}, not {list(classes)}")
+    sha = raw.get("weights_sha256")
+    state = load_tensors(Path(folder) / WEIGHTS, sha)
+    model = build_model(info, folder)
+    load_state(model, state, str(folder))
+    return model, info, sha

@@ -1,219 +1,30 @@
-"""Weights on disk: safetensors for tensors, JSON for everything else, written so a crash never leaves
-a half-written file where a reader would load it.
+"""Model directories for the trainer and the daemon: the format (:mod:`edgerev.models.directory`) and the
+rebuild of the model one holds (:func:`edgerev.models.resolve.load_model`), under the names they have
+always had here.
 
-A *model directory* (a training run's output folder, or a daemon's version directory) holds:
-
-- ``model.safetensors``: the weights and buffers (``state_dict``), no pickle;
-- ``model.json``: :class:`ModelInfo` (architecture, its arguments, class names, input size,
-  normalization) and the SHA-256 of ``model.safetensors``.
-
-Every file is written to a temporary name in the same folder, flushed and fsynced, then renamed over
-its final name (an atomic switch on POSIX), and the folder is fsynced. ``model.json`` is written last
-and names the hash of the weights it belongs to, so a reader that finds the two out of step (a crash
-between the two renames) refuses them instead of loading a mix.
+A *model directory* (a training run's output folder, or a daemon's version directory) holds
+``model.safetensors`` (the weights and buffers, no pickle), ``model.json`` (:class:`ModelInfo` and the
+SHA-256 of the weights, written last) and, for an imported ONNX model, ``source.onnx`` (its graph).
 """
 
-from __future__ import annotations
+from edgerev.models.directory import (
+    INFO,
+    ONNX_SOURCE,
+    WEIGHTS,
+    CheckpointError,
+    ModelInfo,
+    load_state,
+    load_tensors,
+    normalize,
+    read_info,
+    read_json,
+    save_model,
+    save_tensors,
+    sha256_file,
+    write_json,
+)
+from edgerev.models.resolve import build_model, load_model
 
-import hashlib
-import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
-import torch
-from torch import Tensor, nn
-
-from edgerev.atomic import atomic_write
-from edgerev.errors import EdgerevError
-
-WEIGHTS = "model.safetensors"
-INFO = "model.json"
-
-
-class CheckpointError(EdgerevError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the model asked for."""
-
-
-def write_json(path: str | Path, obj) -> None:
-    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def read_json(path: str | Path, what: str) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{what} {path} does not exist")
-    try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{what} {path} does not hold a JSON object")
-    return obj
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def save_tensors(path: str | Path, tensors: dict[str, Tensor]) -> str:
-    """Write ``tensors`` as safetensors atomically; returns the file's SHA-256."""
-    from safetensors.torch import save
-
-    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-    atomic_write(path, data)
-    return hashlib.sha256(data).hexdigest()
-
-
-def load_tensors(path: str | Path, sha256: str | None = None) -> dict[str, Tensor]:
-    """Read a safetensors file, refusing it if its hash is not ``sha256`` (when given)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"weights file {path} does not exist")
-    data = path.read_bytes()
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise CheckpointError(f"{path} does not match the hash recorded beside it: incomplete or changed, not loaded")
-    try:
-        return load(data)
-    except (SafetensorError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from None
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What it takes to rebuild a model and feed it: architecture, arguments, classes, input.
-
-    ``mean`` and ``std`` are per channel, on pixels scaled to 0..1: the model's input is
-    ``(pixels / 255 - mean) / std``.
-    """
-
-    arch: str
-    classes: tuple[str, ...]
-    input_size: int
-    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
-    std: tuple[float, ...] = (0.25, 0.25, 0.25)
-    model_args: dict = field(default_factory=dict)  # create_model overrides, num_classes excluded
-
-    def __post_init__(self) -> None:
-        if len(self.classes) < 1 or len(set(self.classes)) != len(self.classes):
-            raise CheckpointError(f"class names must be non-empty and distinct, got {list(self.classes)}")
-        if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):
-            raise CheckpointError("normalization needs one mean and one positive std per channel")
-
-    def build(self, folder: str | Path | None = None) -> nn.Module:
-        """The model, fresh weights, one row per class, through the one resolver (:mod:`edgerev.models.resolve`).
-
-        An ONNX import (``arch`` ``onnx``) is rebuilt from the copy of its file in ``folder``."""
-        from edgerev.models.resolve import ONNX_SOURCE, resolve_model
-
-        if self.arch == "onnx":
-            if folder is None:
-                raise CheckpointError("an imported ONNX model is rebuilt from its model directory's source.onnx")
-            return resolve_model(str(Path(folder) / ONNX_SOURCE), num_classes=len(self.classes))
-        return resolve_model(self.arch, args=self.model_args, num_classes=len(self.classes))
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["classes"], d["mean"], d["std"] = list(self.classes), list(self.mean), list(self.std)
-        return d
-
-    @staticmethod
-    def from_json(d: dict) -> ModelInfo:
-        try:
-            return ModelInfo(arch=d["arch"], classes=tuple(d["classes"]), input_size=int(d["input_size"]),
-                             mean=tuple(float(v) for v in d["mean"]), std=tuple(float(v) for v in d["std"]),
-                             model_args=dict(d.get("model_args", {})))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"model description lacks or mistypes {e}") from None
-
-
-def normalize(pixels: Tensor, info: ModelInfo) -> Tensor:
-    """``uint8 [B, C, H, W]`` pixels to the model's float input."""
-    mean = torch.tensor(info.mean, device=pixels.device).view(1, -1, 1, 1)
-    std = torch.tensor(info.std, device=pixels.device).view(1, -1, 1, 1)
-    return (pixels.float() / 255 - mean) / std
-
-
-def save_model(folder: str | Path, model: nn.Module, info: ModelInfo, extra: dict | None = None) -> str:
-    """Write ``model.safetensors`` then ``model.json`` into ``folder``; returns the weights' SHA-256."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    _keep_onnx_source(folder, model, info)
-    sha = save_tensors(folder / WEIGHTS, model.state_dict())
-    write_json(folder / INFO, {**info.to_json(), "weights_sha256": sha, **(extra or {})})
-    return sha
-
-
-def _keep_onnx_source(folder: Path, model: nn.Module, info: ModelInfo) -> None:
-    """An imported ONNX model's graph lives in its file: the model directory keeps a copy (``source.onnx``),
-    written before the weights, so the directory rebuilds it alone (a daemon's versions outlive the file)."""
-    from edgerev.models.resolve import ONNX_SOURCE
-
-    if info.arch != "onnx":
-        return
-    source = getattr(model, "onnx_source", None)  # the original file's bytes (edgerev.models.onnx_import)
-    if not isinstance(source, bytes):
-        raise CheckpointError("an imported ONNX model must carry onnx_source (the bytes of the file it came from)")
-    target = folder / ONNX_SOURCE
-    if target.is_file() and target.stat().st_size == len(source) and target.read_bytes() == source:
-        return
-    atomic_write(target, source)
-
-
-def read_info(folder: str | Path) -> tuple[ModelInfo, dict]:
-    """The :class:`ModelInfo` of a model directory, and the raw JSON (hash and extras)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"model directory {folder} does not exist")
-    raw = read_json(folder / INFO, "model description")
-    return ModelInfo.from_json(raw), raw
-
-
-def load_model(folder: str | Path, arch: str | None = None, classes: Sequence[str] | None = None
-               ) -> tuple[nn.Module, ModelInfo, str]:
-    """Rebuild the model saved in ``folder`` with its weights; returns ``(model, info, sha256)``.
-
-    Args:
-        arch: refuse a checkpoint of another architecture.
-        classes: refuse a checkpoint whose classes differ.
-    """
-    info, raw = read_info(folder)
-    if arch is not None and info.arch != arch:
-        raise CheckpointError(f"{folder} holds a {info.arch} model, not {arch}")
-    if classes is not None and tuple(classes) != info.classes:
-        raise CheckpointError(f"{folder} was trained on classes {list(info.classes)}, not {list(classes)}")
-    sha = raw.get("weights_sha256")
-    state = load_tensors(Path(folder) / WEIGHTS, sha)
-    model = info.build(folder)
-    load_state(model, state, str(folder))
-    return model, info, sha
-
-
-def load_state(model: nn.Module, state: dict[str, Tensor], where: str) -> None:
-    """``load_state_dict`` with one clear error when names or shapes do not match."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = [f"{k} ({_shape(state[k])} in the file, {_shape(own[k])} in the model)"
-              for k in own if k in state and own[k].shape != state[k].shape]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:3])}")
-        if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:3])}")
-        if shapes:
-            parts.append(f"shape of {', '.join(shapes[:3])}")
-        raise CheckpointError(f"weights in {where} do not fit the model ({'; '.join(parts)})")
-    model.load_state_dict(state)
-
-
-def _shape(t: Tensor) -> str:
-    return "x".join(map(str, t.shape)) or "scalar"
+__all__ = ["INFO", "ONNX_SOURCE", "WEIGHTS", "CheckpointError", "ModelInfo", "build_model", "load_model", "load_state",
+           "load_tensors", "normalize", "read_info", "read_json", "save_model", "save_tensors", "sha256_file",
+           "write_json"]
