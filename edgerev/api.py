@@ -21,12 +21,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from edgerev.config import ConfigError, from_dict, load_yaml
 from edgerev.errors import EdgerevError
 from edgerev.sizes import parse_bytes
+
+if TYPE_CHECKING:
+    from edgerev.train.config import RunConfig
+    from edgerev.train.labeled import LabeledImages
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,8 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     return PlanResult(tp.batch, summary["predicted_peak_bytes"], summary, tp.account, tp.apply)
 
 
-def fit(model: str | Path | nn.Module | None = None, data=None, *, out: str | Path, budget: int | str | None = None,
-        trainable: str | None = None, **options) -> Path:
+def fit(model: str | Path | nn.Module | None = None, data: str | Path | LabeledImages | tuple | None = None, *,
+        out: str | Path, budget: int | str | None = None, trainable: str | None = None, **options: Any) -> Path:
     """Train (or fine-tune) ``model`` on ``data`` under ``budget``; returns the model directory (``out``).
 
     Args:
@@ -152,18 +157,24 @@ def fit(model: str | Path | nn.Module | None = None, data=None, *, out: str | Pa
     return fit_run(model, data, out=out, budget=budget, trainable=trainable, **options).out
 
 
-def fit_run(model: str | Path | nn.Module | None = None, data=None, *, out: str | Path,
+def fit_run(model: str | Path | nn.Module | None = None, data: str | Path | LabeledImages | tuple | None = None, *,
+            out: str | Path,
             budget: int | str | None = None, trainable: str | None = None, size: int | None = None,
             epochs: int | None = None, batch: int | None = None, lr: float | None = None, device: str | None = None,
-            weights: str | Path | None = None, args: dict | None = None, config=None, resume: bool = False,
+            weights: str | Path | None = None, args: dict | None = None,
+            config: RunConfig | dict | str | Path | None = None, resume: bool = False,
             stop: Callable[[], bool] | None = None, progress: bool | None = False):
     """:func:`fit`, returning the trainer's :class:`~edgerev.train.trainer.RunResult` (status, steps, summary):
     what ``edgerev train`` prints.
 
     Args:
         size: input height and width (default: the model's own size when it has one, else the recipe's).
-        epochs, batch, lr, device: the recipe's ``train.epochs``, ``train.batch``, ``optim.lr``, ``device``.
-        weights, args: the model's pretrained weights and arguments (a registry name or factory).
+        epochs: the recipe's ``train.epochs``.
+        batch: the recipe's ``train.batch``.
+        lr: the recipe's ``optim.lr``.
+        device: the recipe's ``device``.
+        weights: pretrained weights of a registry name or factory (safetensors or a ``state_dict``).
+        args: a registry model's or factory's keyword arguments.
         config: the base recipe (a RunConfig, a dict or a YAML file); None: the defaults.
         resume: continue the run in ``out`` (nothing else may change).
         stop: polled after every step; True stops at a step boundary with a checkpoint.
