@@ -283,3 +283,12 @@ def test_an_onnx_file_resolves_trains_and_rebuilds_from_its_model_directory(tmp_
     (tmp_path / "m.onnx").unlink()
     back, info, _ = load_model(out)
     assert info.arch == "onnx" and model_spec(back).num_classes == 3
+
+
+def test_a_teachers_logits_are_counted_for_a_model_from_outside():
+    """The distillation teacher's logits: its classes come from model_spec (no num_classes attribute here)."""
+    from edgerev.train.memory import step_shape
+
+    teacher = resolve_model(TINY, num_classes=6)
+    assert not hasattr(teacher, "num_classes")
+    assert step_shape(RunConfig(), teacher, teacher, 4).teacher_classes == 6

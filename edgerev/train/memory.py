@@ -16,6 +16,7 @@ from edgerev.memory.account import StepAccount, StepShape
 from edgerev.memory.autoplan import TrainingPlan, floor_plan, plan_training
 from edgerev.memory.cap import CpuCap, apply_cuda_cap
 from edgerev.memory.device_fit import cuda_step_peak, fit_to_device
+from edgerev.models.spec import model_spec
 from edgerev.train.config import RunConfig
 from edgerev.train.continual import ContinualLoss
 
@@ -29,7 +30,7 @@ def step_shape(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batc
     SGD momentum, and the distillation ``teacher`` and its logits."""
     return StepShape(cfg.data.size, batch, momentum=cfg.optim.momentum > 0,
                      teacher_bytes=_bytes(teacher) if teacher is not None else 0,
-                     teacher_classes=getattr(teacher, "num_classes", 0) if teacher is not None else 0)
+                     teacher_classes=model_spec(teacher).num_classes if teacher is not None else 0)
 
 
 def loss_of(cfg: RunConfig) -> ContinualLoss:
