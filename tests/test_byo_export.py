@@ -55,3 +55,30 @@ def test_imported_model_exports_under_its_own_names_and_serves(tmp_path):
     assert tuned.samples == 8 and tuned.max_abs_diff < 1e-4
     session = ort.InferenceSession(str(tmp_path / "tuned.onnx"))
     assert [o.name for o in session.get_outputs()] == ["scores"] and session.get_inputs()[0].name == "image"
+
+
+@pytest.mark.slow  # 4 s of CPU, as above
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_file_that_outputs_probabilities_keeps_doing_so(tmp_path):
+    """The import trains on logits (it leaves a final Softmax out); the export, prediction and head fine-tuning
+    keep the original's probabilities: no second softmax, and the head tuned under the Softmax."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(resnet18(num_classes=3, width=0.125), torch.nn.Softmax(dim=1)).eval()
+    torch.onnx.export(net, (torch.zeros(1, 3, SIZE, SIZE),), str(tmp_path / "original.onnx"), dynamo=False,
+                      input_names=["image"], output_names=["probs"],
+                      dynamic_axes={"image": {0: "n"}, "probs": {0: "n"}})
+    model = load_onnx(tmp_path / "original.onnx")
+    info = ModelInfo(arch="onnx", classes=("a", "b", "c"), input_size=SIZE)
+    save_model(tmp_path / "run", model, info)
+    export_onnx(tmp_path / "run", tmp_path / "updated.onnx")
+    pixels = np.random.default_rng(1).integers(0, 256, (6, 3, SIZE, SIZE), dtype=np.uint8)
+    predictor = Predictor(tmp_path / "updated.onnx")
+    assert predictor.probabilities
+    scores = predictor.logits(pixels)
+    np.testing.assert_allclose(scores.sum(axis=1), 1.0, rtol=1e-5)
+    best = predictor.classify(pixels, top=1)
+    np.testing.assert_allclose([p.probability for p in best], scores.max(axis=1), rtol=1e-5)  # no second softmax
+    tuned = finetune_head(tmp_path / "updated.onnx", (pixels, np.arange(6) % 3), tmp_path / "tuned.onnx", epochs=2)
+    assert tuned.max_abs_diff < 1e-4
+    out = ort.InferenceSession(str(tmp_path / "tuned.onnx")).run(None, {"image": pixels.astype(np.float32)})[0]
+    np.testing.assert_allclose(out.sum(axis=1), 1.0, rtol=1e-5)

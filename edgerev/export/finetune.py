@@ -11,8 +11,9 @@ exported graph cut at the head's input); only the linear head trains, on those f
 3. write the exported model back with the trained head initializers, its metadata kept plus a
    ``fine_tuned`` record, after checking its logits against the head computed in numpy.
 
-Inference-mode batch norms that kept their three outputs are cut to one
-(:func:`graph.drop_extra_bn_outputs`), and a head exported without a bias gets a zero one
+A file that outputs probabilities (a final Softmax over the classes after the head, which an ONNX import's export
+keeps) trains its head on the logits and keeps the Softmax. Inference-mode batch norms that kept their three
+outputs are cut to one (:func:`graph.drop_extra_bn_outputs`), and a head exported without a bias gets a zero one
 (:func:`graph.give_head_a_bias`: the logits do not change), before anything runs. Nothing here imports torch.
 """
 
@@ -31,6 +32,7 @@ from edgerev.errors import ExportError
 from edgerev.export import graph, head_numpy
 from edgerev.export.images import ImageError, load_folder, normalize
 from edgerev.export.metadata import ModelMeta, get_props, set_props
+from edgerev.export.predict import softmax
 from edgerev.export.runtime import first_line, inference_session, logits_apart, training_modules
 
 BACKENDS = ("numpy", "onnxruntime")
@@ -160,7 +162,8 @@ def finetune_head(onnx_path: str | Path, data: Data, out_path: str | Path, *, va
         record["previous"] = meta.fine_tuned
     set_props(tuned, {"fine_tuned": json.dumps(record)})
     data_bytes = tuned.SerializeToString()
-    diff = _check(data_bytes, pixels[:64], feats[:64], w1, b1, meta, tolerance, str(out_path))
+    diff = _check(data_bytes, pixels[:64], feats[:64], w1, b1, meta, tolerance, str(out_path),
+                  probabilities=head.softmax is not None)
     atomic_write(out_path, data_bytes)
 
     val_stats = {}
@@ -201,11 +204,14 @@ def _accuracy(feats: np.ndarray, labels: np.ndarray, w: np.ndarray, b: np.ndarra
 
 
 def _check(model: bytes, pixels: np.ndarray, feats: np.ndarray, w: np.ndarray, b: np.ndarray, meta: ModelMeta,
-           tolerance: float, what: str) -> float:
-    """The written model's logits against backbone features times the trained head, in numpy."""
+           tolerance: float, what: str, probabilities: bool = False) -> float:
+    """The written model's logits (its probabilities, for a file that ends in a Softmax) against backbone
+    features times the trained head, in numpy."""
     session = inference_session(model, what)
     got = session.run(None, {session.get_inputs()[0].name: normalize(pixels, meta.mean, meta.std)})[0]
     expected = _logits(feats, w, b)
+    if probabilities:
+        expected = softmax(expected)
     diff, allowed = logits_apart(got, expected, tolerance)
     if not diff <= allowed:
         raise ExportError(f"the fine-tuned model's logits differ from the trained head by {diff:.3g} "

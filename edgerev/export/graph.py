@@ -31,6 +31,8 @@ class Head:
         weight, bias: names of its initializers.
         trans_b: True when the weight is stored ``[classes, F]`` (``transB=1``, as ``nn.Linear`` keeps it).
         output: name of the logits tensor.
+        softmax: index of a final ``Softmax`` over the classes that the logits feed (a file that outputs
+            probabilities: an ONNX import's export keeps the original's), or None.
     """
 
     node: int
@@ -39,6 +41,7 @@ class Head:
     bias: str
     trans_b: bool
     output: str
+    softmax: int | None = None
 
 
 def lower_ir(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -118,15 +121,28 @@ def find_head(model: onnx.ModelProto) -> Head:
     logits = graph.output[0].name
     inits = {t.name for t in graph.initializer}
     i, node = _logits_node(model)
+    softmax = None
+    if node is not None and node.op_type == "Softmax" and _over_classes(node):
+        # probabilities out: the head is the Gemm that feeds the Softmax, and nothing else reads its logits
+        feeding = [(j, n) for j, n in enumerate(graph.node) if node.input[0] in n.output]
+        readers = [n for n in graph.node if node.input[0] in n.input]
+        if len(feeding) == 1 and len(readers) == 1:
+            softmax, (i, node) = i, feeding[0]
     if node is not None:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         plain_gemm = (node.op_type == "Gemm" and len(node.input) == 3 and attrs.get("transA", 0) == 0
                       and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0)
         if plain_gemm and node.input[1] in inits and node.input[2] in inits:
             return Head(node=i, features=node.input[0], weight=node.input[1], bias=node.input[2],
-                        trans_b=bool(attrs.get("transB", 0)), output=logits)
+                        trans_b=bool(attrs.get("transB", 0)), output=node.output[0], softmax=softmax)
     raise ExportError(f"the logits {logits!r} do not come from a linear head (Gemm with weight and bias): "
                       "not a model written by 'edgerev export'")
+
+
+def _over_classes(node: onnx.NodeProto) -> bool:
+    """A Softmax of ``[B, classes]`` scores over the classes (axis 1 or -1; opsets before 13 default to 1)."""
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), None)
+    return axis in (None, 1, -1)
 
 
 def head_weights(model: onnx.ModelProto, head: Head) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +161,8 @@ def backbone(model: onnx.ModelProto, head: Head) -> onnx.ModelProto:
     cut = onnx.ModelProto()
     cut.CopyFrom(model)
     graph = cut.graph
-    del graph.node[head.node]
+    for index in sorted({head.node, head.softmax} - {None}, reverse=True):  # the later first: indices stay valid
+        del graph.node[index]
     for name in (head.weight, head.bias):
         if not any(name in n.input for n in graph.node):
             keep = [t for t in graph.initializer if t.name != name]
