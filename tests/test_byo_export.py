@@ -73,7 +73,7 @@ def test_a_file_that_outputs_probabilities_keeps_doing_so(tmp_path):
     export_onnx(tmp_path / "run", tmp_path / "updated.onnx")
     pixels = np.random.default_rng(1).integers(0, 256, (6, 3, SIZE, SIZE), dtype=np.uint8)
     predictor = Predictor(tmp_path / "updated.onnx")
-    assert predictor.probabilities
+    assert predictor.outputs_probabilities
     scores = predictor.logits(pixels)
     np.testing.assert_allclose(scores.sum(axis=1), 1.0, rtol=1e-5)
     best = predictor.classify(pixels, top=1)

@@ -74,8 +74,6 @@ class Predictor:
         if len(inp.shape) != 4 or list(inp.shape[1:]) != expected:
             raise ExportError(f"{self.path} takes input {inp.shape}, its metadata says "
                               f"[batch, {expected[0]}, {s}, {s}]")
-        # a model imported from a file that outputs probabilities outputs them too (its export keeps the Softmax)
-        self.probabilities = self.meta.extra.get("outputs") == "probabilities"
         out = self.session.get_outputs()[0].shape
         if len(out) != 2 or out[1] != len(self.meta.classes):
             raise ExportError(f"{self.path} returns logits {out} for {len(self.meta.classes)} classes")
