@@ -166,9 +166,7 @@ def accuracy_text(cur: dict) -> str:
     return text
 
 
-def _size(n: int | None) -> str:
-    if n is None:
-        return "no budget"
+def _size(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
@@ -178,9 +176,10 @@ def _size(n: int | None) -> str:
 def storage_line(st: dict) -> str:
     """One line: what the data directory holds against its budget, what was removed, and why it is over."""
     used = st["usage"]["total"]
-    line = f"storage: {_size(used)} of {_size(st['max_bytes'])}"
     if st["max_bytes"]:
-        line += f" ({100 * used / st['max_bytes']:.0f} %)"
+        line = f"storage: {_size(used)} of {_size(st['max_bytes'])} ({100 * used / st['max_bytes']:.0f} %)"
+    else:
+        line = f"storage: {_size(used)} kept (no storage.max_bytes)"
     if st.get("max_samples"):
         line += f", {st['samples']} of {st['max_samples']} samples"
     removed = st.get("removed") or {}
