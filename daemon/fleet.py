@@ -249,8 +249,9 @@ def device_config(daemon, fm: FleetModel, adopt: bool = False):
     before the gate (:func:`consider`): its epochs, learning rate and distillation from the fleet model."""
     t = daemon.config.training
     epochs, lr = (fm.adopt_epochs, fm.adopt_lr or fm.lr) if adopt else (fm.epochs, fm.lr)
+    bn_stats = "frozen" if fm.share_bn_stats and fm.norms_measured else t.train.bn_stats
     training = replace(t, model=ModelConfig(arch=fm.arch, args=dict(fm.args)),
-                       train=replace(t.train, epochs=epochs, freeze_norm=fm.share_bn_stats and fm.norms_measured),
+                       train=replace(t.train, epochs=epochs, bn_stats=bn_stats),
                        optim=replace(t.optim, lr=lr or t.optim.lr),
                        continual=replace(t.continual, distill=fm.adopt_distill) if adopt else t.continual)
     return replace(daemon.config, training=training)

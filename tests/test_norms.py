@@ -1,6 +1,6 @@
 """Batch-norm statistics set from outside (edgerev.train.norms): calibrated layer after layer over images however
 they are batched, the model computes in eval mode what one training batch of all of them computes; a run with
-``train.freeze_norm`` trains at them and leaves them as they are, one without it moves them."""
+``train.bn_stats: frozen`` trains at them and leaves them as they are, one without it moves them."""
 
 import pytest
 import torch
@@ -51,7 +51,7 @@ def _statistics(folder):
 def test_a_frozen_run_trains_at_the_statistics_it_started_with(tmp_path):
     first = train(from_dict(RunConfig, recipe(train__epochs=1)), tmp_path / "first", progress=False)
     before = _statistics(first.out)
-    frozen = train(from_dict(RunConfig, recipe(train__epochs=1, train__freeze_norm=True,
+    frozen = train(from_dict(RunConfig, recipe(train__epochs=1, train__bn_stats="frozen",
                                                model__init=str(first.out))), tmp_path / "frozen", progress=False)
     moving = train(from_dict(RunConfig, recipe(train__epochs=1, model__init=str(first.out))), tmp_path / "moving",
                    progress=False)

@@ -149,6 +149,7 @@ def set_trainable(model: nn.Module, trainable: str | Trainable = "all", bn_stats
     runs. It shares ``model``'s parameters, whose ``requires_grad`` this sets.
     """
     from edgerev.memory.graph import ChainModel, planned
+    from edgerev.train.norms import freeze_norms
 
     check_bn_stats(bn_stats)
     run = planned(model, size)
@@ -161,9 +162,8 @@ def set_trainable(model: nn.Module, trainable: str | Trainable = "all", bn_stats
         run.bn_stats = bn_stats
         run.resplit()
         run.train(run.training)
-    elif bn_stats == "frozen":
-        raise TrainableError("bn_stats frozen applies to models captured as a graph; edgerev's own models freeze "
-                             "their batch norms with train.freeze_norm")
+    elif bn_stats == "frozen":  # an edgerev model runs itself: its batch norms in eval mode (the trainer keeps them so)
+        freeze_norms(run)
     return run
 
 

@@ -159,15 +159,13 @@ class TrainConfig:
     the schedule is to 0 before the run stops (a half cosine, see :mod:`edgerev.train.schedule`; within
     the ``epochs`` maximum; 0: stop at once, wherever the schedule is).
 
-    ``freeze_norm``: every batch norm normalizes with the model's running statistics and leaves them as they
-    are (:mod:`edgerev.train.norms`; a fleet round trains at the statistics the fleet measured).
-
     ``trainable``: which parameters train (:mod:`edgerev.memory.trainable`): ``all``, ``head`` (the
     classifier), ``bias`` (every bias and the head), ``last:N`` (the last N pieces of the model's graph
     that have parameters) or ``auto`` (the most parameters whose step fits ``memory.budget`` at ``batch``);
     the frozen rest keeps no activation and no gradient. ``bn_stats``: ``updated`` (batch norms move their
-    running statistics in training) or ``frozen`` (they normalize with them and leave them as they are);
-    both apply to models captured as a graph (a model from outside)."""
+    running statistics in training) or ``frozen`` (every batch norm normalizes with the model's running
+    statistics and leaves them as they are: a pretrained model's, or those a fleet measured for its rounds,
+    :mod:`edgerev.train.norms`)."""
 
     epochs: int = 10
     patience: int | None = None
@@ -179,7 +177,6 @@ class TrainConfig:
     progress_seconds: float = 60.0
     eval_batch: int = 256
     threads: int | None = None
-    freeze_norm: bool = False
     trainable: str = "all"
     bn_stats: str = "updated"
 

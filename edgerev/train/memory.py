@@ -63,11 +63,8 @@ def training_model(cfg: RunConfig, model: nn.Module) -> nn.Module:
         raise ConfigError("train.trainable: auto chooses the set that fits memory.budget; set a budget or a set")
     try:
         if has_engine_body(model):
-            if cfg.train.bn_stats == "frozen":
-                raise TrainableError("frozen applies to models from outside; edgerev's own models freeze their batch "
-                                     "norms with train.freeze_norm")
-            if t.kind not in ("all", "auto"):
-                set_trainable(model, t)
+            if t.kind not in ("all", "auto") or cfg.train.bn_stats == "frozen":
+                set_trainable(model, "all" if t.kind == "auto" else t, cfg.train.bn_stats)
             return model
         return set_trainable(model, "all" if t.kind == "auto" else t, cfg.train.bn_stats, size=cfg.data.size)
     except GraphError:

@@ -361,7 +361,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             lr = lr_at(step, total, cfg.optim, tail())
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if cfg.train.freeze_norm:  # each step: the evaluation at an epoch's end switched them back
+            if cfg.train.bn_stats == "frozen":  # each step: the evaluation at an epoch's end switched them back
                 freeze_norms(model)
             t0 = time.perf_counter()
             try:
