@@ -78,6 +78,13 @@ def conv(b, node):
         padding = 0
     m = nn.Conv2d(w.shape[1] * group, w.shape[0], tuple(kernel), stride=tuple(strides), padding=padding,
                   dilation=tuple(dilations), groups=group, bias=bias is not None)
+    name = _convolution(b, node, m, w, bias)
+    return [b.call_module(name, x)]
+
+
+def _convolution(b, node, m: nn.Module, w, bias) -> str:
+    """``m`` (a convolution or a transposed one) with the node's weight (input 1) and bias (input 2): added to the
+    graph and each weight linked to the input it came from, for the export back; its module name."""
     with torch.no_grad():
         m.weight.copy_(_t(w))
         if bias is not None:
@@ -86,7 +93,7 @@ def conv(b, node):
     b.link(f"{name}.weight", node, 1, "same")
     if bias is not None:
         b.link(f"{name}.bias", node, 2, "same")
-    return [b.call_module(name, x)]
+    return name
 
 
 def conv_transpose(b, node):
@@ -105,14 +112,7 @@ def conv_transpose(b, node):
                            padding=tuple(pads[:2]) if symmetric else 0,
                            output_padding=tuple(a.get("output_padding", [0, 0])), groups=group,
                            bias=bias is not None, dilation=tuple(a.get("dilations", [1, 1])))
-    with torch.no_grad():
-        m.weight.copy_(_t(w))
-        if bias is not None:
-            m.bias.copy_(_t(bias))
-    name = b.add_module(node, m)
-    b.link(f"{name}.weight", node, 1, "same")
-    if bias is not None:
-        b.link(f"{name}.bias", node, 2, "same")
+    name = _convolution(b, node, m, w, bias)
     y = b.call_module(name, b.tensor(node.input[0]))
     if not symmetric:  # ONNX pads of a transposed convolution crop its output
         y = b.call(crop, y, tuple(pads[:2]), tuple(pads[2:]))
