@@ -292,3 +292,12 @@ def test_a_teachers_logits_are_counted_for_a_model_from_outside():
     teacher = resolve_model(TINY, num_classes=6)
     assert not hasattr(teacher, "num_classes")
     assert step_shape(RunConfig(), teacher, teacher, 4).teacher_classes == 6
+
+
+def test_a_model_that_flattens_its_images_needs_its_size_to_count_channels():
+    """A first linear layer reads channels x height x width: its input features are not the image's channels."""
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(SpecError, match="flattens its images into a linear layer of 192 features"):
+        model_spec(mlp)
+    mlp.image_size = 8
+    assert (model_spec(mlp).in_channels, model_spec(mlp).num_classes) == (3, 4)

@@ -6,8 +6,8 @@ factory of the user's, any ``nn.Module`` classifier) fits as well as the registr
 
 A model that says it (edgerev's own classes, an ONNX import) is taken at its word: its ``in_channels``,
 ``num_classes`` and ``image_size`` attributes, and the ``mean`` and ``std`` it carries. Anything else is
-read from its layers: the input channels of its first convolution (or the input features of its
-first linear layer, for a model that flattens images itself) and the rows of its last linear layer,
+read from its layers: the input channels of its first convolution (or, for a model that flattens images
+into a linear layer, its input features over its ``image_size`` squared) and the rows of its last linear layer,
 the classifier whose rows are the classes (the head that grows when new classes come).
 """
 
@@ -85,7 +85,14 @@ def model_spec(model: nn.Module) -> ModelSpec:
         if first is None:
             raise SpecError(f"{type(model).__name__} has no convolution or linear layer to read its input channels "
                             "from; give the model an in_channels attribute")
-        in_channels = first.in_channels if isinstance(first, _CONV) else first.in_features
+        if isinstance(first, _CONV):
+            in_channels = first.in_channels
+        else:  # a model that flattens the image first: its features are channels x height x width
+            size = _int_attr(model, "image_size")
+            if size is None or first.in_features % (size * size):
+                raise SpecError(f"{type(model).__name__} flattens its images into a linear layer of "
+                                f"{first.in_features} features; give the model in_channels (or image_size) attributes")
+            in_channels = first.in_features // (size * size)
     num_classes = _int_attr(model, "num_classes")
     if num_classes is None:
         if head is None:
