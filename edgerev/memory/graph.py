@@ -382,28 +382,11 @@ def _common_name(modules: list[str]) -> str:
 
 
 def _spec(model: nn.Module) -> tuple[int, int]:
-    """(input channels, classes): the model's attributes, else its first convolution's or linear layer's input
-    and its last linear layer's outputs."""
-    try:
-        from edgerev.models.spec import model_spec
-    except ImportError:  # helper "resolve"'s spec not in this tree yet: the same rule, read here
-        pass
-    else:
-        spec = model_spec(model)
-        return spec.in_channels, spec.num_classes
-    modules = list(model.modules())
-    cin = getattr(model, "in_channels", None)
-    if cin is None:
-        first = next((m for m in modules if isinstance(m, (nn.Conv2d, nn.Linear))), None)
-        cin = first.in_channels if isinstance(first, nn.Conv2d) else getattr(first, "in_features", None)
-    classes = getattr(model, "num_classes", None)
-    if classes is None:
-        lin = [m for m in modules if isinstance(m, nn.Linear)]
-        classes = lin[-1].out_features if lin else None
-    if cin is None or classes is None:
-        raise GraphError(f"cannot tell the input channels and the classes of {type(model).__name__}: give it the "
-                         "attributes in_channels and num_classes")
-    return int(cin), int(classes)
+    """(input channels, classes), as :func:`edgerev.models.spec.model_spec` reads them."""
+    from edgerev.models.spec import model_spec
+
+    spec = model_spec(model)
+    return spec.in_channels, spec.num_classes
 
 
 def _default_plan(n: int) -> Execution:
