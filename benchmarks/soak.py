@@ -98,14 +98,16 @@ def child(config_path: str, clock_path: str, poll: float) -> int:
 class Running:
     """The daemon's process, its log lines timed as they arrive (for the jobs' wall time)."""
 
-    def __init__(self, config: Path, clock: Path, poll: float, log: Path) -> None:
+    def __init__(self, config: Path, clock: Path, poll: float, log: Path,
+                 jobs: dict[int, list[float]] | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("JOURNAL_STREAM", None)
         self.proc = subprocess.Popen([sys.executable, __file__, "--child", str(config), str(clock), str(poll)],
                                      stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, errors="replace",
                                      env=env)
         self.log = log
-        self.jobs: dict[int, list[float]] = {}  # job id -> [first line, last line] (wall seconds)
+        # job id -> [first line, last line] (wall seconds), carried over a restart (a job resumed after a kill)
+        self.jobs: dict[int, list[float]] = {} if jobs is None else jobs
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -175,12 +177,16 @@ def _labeled(images, labels: list[int]):
     return LabeledImages(images, torch.tensor(labels), tuple(f"class{k}" for k in range(NUM_CLASSES)))
 
 
-def month_eval(month: int, peak: float, size: int, per_class: int):
-    """The month's own distribution: the classes active at its middle, at its drift (images never ingested:
-    another seed)."""
+EVAL_START = 5_000_000  # past every day's images (a day d writes from d * 10_000 on)
+
+
+def month_eval(month: int, peak: float, seed: int, size: int, per_class: int):
+    """The month's own distribution: the classes active at its middle, at its drift; images the daemon never
+    saw (the stream's seed, which fixes the classes, at indices no day reaches)."""
     mid = month * MONTH_DAYS + MONTH_DAYS // 2
     classes = active(mid)
-    images, labels = _images(per_class * len(classes), classes, 0, 10_000 + month, size, drift_at(mid, peak))
+    images, labels = _images(per_class * len(classes), classes, EVAL_START + month * 10_000, seed, size,
+                             drift_at(mid, peak))
     return _labeled(images, labels)
 
 
@@ -337,7 +343,7 @@ def main() -> None:
                 running.kill()
                 kills += 1
                 month["kills"] += 1
-                running = Running(config_path, clock_path, args.poll, log_path)
+                running = Running(config_path, clock_path, args.poll, log_path, running.jobs)
             if not wait_drained(config.inbox_path, running, args.day_limit):
                 raise SystemExit(f"day {day}: the inbox was not taken in (daemon exit status "
                                  f"{running.proc.poll()}); see {log_path}")
@@ -394,7 +400,7 @@ def _month(month: dict, st: dict, written: int, corrupt: int, running: Running, 
         "classes_active": active(month["days"][-1]),
     }
     if current is not None:
-        evaluation = month_eval(month["month"] - 1, args.drift, size, args.eval_per_class)
+        evaluation = month_eval(month["month"] - 1, args.drift, args.seed, size, args.eval_per_class)
         out["accuracy_current_month"] = round(accuracy(Path(config.data_dir) / "versions" / current, evaluation), 4)
         if args.baseline:
             alone = month_alone(config, month_data, args.seed, size, work / f"alone-{month['month']}",
