@@ -77,4 +77,6 @@ def assert_matches(m: onnx.ModelProto, tmp_path: Path, x: np.ndarray, atol: floa
 
 
 def node(op: str, inputs, outputs=("Y",), **attrs) -> onnx.NodeProto:
-    return helper.make_node(op, list(inputs), list(outputs), name=f"{op.lower()}_node", **attrs)
+    # named by op and output (unique in SSA form): a graph may hold two nodes of one op
+    name = f"{op.lower()}_node" if list(outputs) == ["Y"] else f"{op.lower()}_{outputs[0]}"
+    return helper.make_node(op, list(inputs), list(outputs), name=name, **attrs)

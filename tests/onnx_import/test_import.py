@@ -37,7 +37,7 @@ class SmallCnn(nn.Module):
         return torch.softmax(self.fc(self.drop(x.view(x.size(0), -1))), -1)
 
 
-def torch_file(tmp_path, dynamo: bool = False):
+def torch_file(tmp_path, dynamo: bool = False, optimize: bool = True):
     torch.manual_seed(0)
     net = SmallCnn().eval()
     for bn in (net.b1, net.b2):
@@ -49,7 +49,7 @@ def torch_file(tmp_path, dynamo: bool = False):
         warnings.simplefilter("ignore")
         if dynamo:
             torch.onnx.export(net, (x,), path, dynamo=True, input_names=["image"], output_names=["scores"],
-                              dynamic_shapes=({0: torch.export.Dim("batch")},))
+                              dynamic_shapes=({0: torch.export.Dim("batch")},), optimize=optimize)
         else:  # the TorchScript exporter folds batch norm into the convolutions in eval mode
             torch.onnx.export(net, (x,), path, dynamo=False, input_names=["image"], output_names=["scores"],
                               dynamic_axes={"image": {0: "N"}, "scores": {0: "N"}}, opset_version=17)
@@ -86,6 +86,21 @@ def test_dynamo_export_imports_to_ort_outputs(tmp_path):
         pytest.skip("torch 2.6's dynamo exporter fails on batch norm beside onnxscript 0.7 (edgerev.export.onnx)")
     path = torch_file(tmp_path, dynamo=True)
     net = load_onnx(path)
+    x = np.random.default_rng(1).standard_normal((3, 3, 16, 16)).astype(np.float32)
+    np.testing.assert_allclose(probabilities(net, x), ort_run(path, x), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dynamo_export_without_optimization_keeps_batch_norm_trainable(tmp_path):
+    """optimize=False, the export that keeps batch norm: its zero biases cast like the image (CastLike) and the batch
+    read, squeezed and reshaped into [batch, n] all fold; the batch norms import as modules."""
+    pytest.importorskip("onnxscript")
+    if (release(str(torch.__version__)) or (0, 0)) < DYNAMO_FROM:
+        pytest.skip("torch 2.6's dynamo exporter fails on batch norm beside onnxscript 0.7 (edgerev.export.onnx)")
+    path = torch_file(tmp_path, dynamo=True, optimize=False)
+    assert {"BatchNormalization", "CastLike"} <= {n.op_type for n in onnx.load(str(path)).graph.node}
+    net = load_onnx(path)
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in net.modules()) == 2
     x = np.random.default_rng(1).standard_normal((3, 3, 16, 16)).astype(np.float32)
     np.testing.assert_allclose(probabilities(net, x), ort_run(path, x), atol=1e-5)
 

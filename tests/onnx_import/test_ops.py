@@ -103,6 +103,12 @@ CASES = {
     "reshape_shape_slice": lambda o: ([node("Shape", ["X"], ["sh"], start=0, end=2),
                                        node("Concat", ["sh", "m1"], ["t"], axis=0), node("Reshape", ["X", "t"])],
                                       [init("m1", np.array([-1], np.int64))]),
+    # torch's dynamo exporter without optimization: the batch read, squeezed, reshaped to a vector, then [batch, n]
+    "reshape_batch_from_shape": lambda o: ([node("Shape", ["X"], ["sh"], start=0, end=1),
+                                            node("Squeeze", ["sh", "a0"], ["b"]), node("Reshape", ["b", "m1"], ["v"]),
+                                            node("Concat", ["v", "f"], ["t"], axis=0), node("Reshape", ["X", "t"])],
+                                           [init("a0", np.array([0], np.int64)), init("m1", np.array([-1], np.int64)),
+                                            init("f", np.array([256], np.int64))]),
     "flatten": lambda o: ([node("Flatten", ["X"])], []),
     "flatten_axis2": lambda o: ([node("Flatten", ["X"], axis=2)], []),
     "transpose": lambda o: ([node("Transpose", ["X"], perm=[0, 2, 3, 1])], []),
@@ -167,11 +173,13 @@ CASES = {
     "gather": lambda o: ([node("Gather", ["X", "i"], axis=1)], [init("i", np.array([3, 0], np.int64))]),
     "gather_scalar": lambda o: ([node("Gather", ["X", "i"], axis=2)], [init("i", np.array(5, np.int64))]),
     "cast": lambda o: ([node("Cast", ["X"], to=TensorProto.FLOAT)], []),
+    "cast_like": lambda o: ([node("CastLike", ["X", "t"])], [init("t", np.array([1.0], np.float32))]),
 }
 
 
 #: cases whose op or form an opset introduced (HardSwish 14, Shape's start and end 15)
-SINCE = {"hard_swish": 14, "reshape_shape_slice": 15, "resize_sizes_from_shape": 15}
+SINCE = {"hard_swish": 14, "reshape_shape_slice": 15, "resize_sizes_from_shape": 15, "cast_like": 15,
+         "reshape_batch_from_shape": 15}
 #: cases onnx's reference evaluator computes wrongly or not at all (ONNX Runtime checks them up to opset 21)
 REFERENCE_LACKS = {"conv_transpose_asymmetric": "grouped ConvTranspose", "pad_crop": "negative pads"}
 

@@ -67,7 +67,7 @@ def test_truncated_external_data(tmp_path):
 def test_unsupported_op(tmp_path):
     m = model([node("Cos", ["X"], ["c"]), node("Relu", ["c"])], (1, 3, 8, 8))
     text = refused(save(m, tmp_path / "m.onnx"))
-    assert "node 'cos_node' (Cos) is not supported" in text and PAGE in text
+    assert "node 'cos_c' (Cos) is not supported" in text and PAGE in text
 
 
 def test_op_of_another_domain(tmp_path):
@@ -103,6 +103,13 @@ def test_integer_tensor_at_run_time(tmp_path):
               (1, 3, 8, 8))
     text = refused(save(m, tmp_path / "m.onnx"))
     assert "(Cast)" in text and "float32" in text
+
+
+def test_cast_like_an_integer_at_run_time(tmp_path):
+    m = model([node("CastLike", ["X", "k"], ["i"]), node("Cast", ["i"], to=TensorProto.FLOAT)], (1, 3, 8, 8),
+              inits=[init("k", np.array([1], np.int64))], opset=15)
+    text = refused(save(m, tmp_path / "m.onnx"))
+    assert "(CastLike)" in text and "int64" in text
 
 
 def test_shape_that_is_not_constant(tmp_path):

@@ -101,6 +101,11 @@ def fold_shape_op(node: onnx.NodeProto, args: list, attrs: dict) -> ShapeValue |
             else:
                 return None
         return ShapeValue(tuple(parts))
+    if op == "Reshape" and isinstance(args[1], np.ndarray):  # the batch as a vector of one, or a scalar
+        target, n = [int(v) for v in args[1].reshape(-1)], len(x.entries)
+        if target in ([-1], [n]):
+            return ShapeValue(x.entries)
+        return ShapeValue(x.entries, scalar=True) if not target and n == 1 else None
     if op == "Slice" and not x.scalar and all(isinstance(a, np.ndarray) for a in args[1:] if a is not None):
         starts, ends = args[1], args[2]
         axes = args[3] if len(args) > 3 and args[3] is not None else np.array([0])

@@ -523,6 +523,18 @@ def cast(b, node):
     return [b.tensor(node.input[0])]
 
 
+def cast_like(b, node):
+    """Cast to the second input's type (torch's dynamo exporter writes it with ``optimize=False``, the export that
+    keeps batch norm): a float32 target, or a run-time tensor (the import's run-time tensors are float32), is
+    the identity; any other type is refused as :func:`cast` refuses it."""
+    target, x = b.value(node.input[1]), b.value(node.input[0])
+    if isinstance(target, np.ndarray) and target.dtype != np.float32:
+        b.refuse(node, f"casts to {target.dtype} at run time; edgerev imports float32 graphs")
+    if isinstance(x, np.ndarray):  # a constant cast like the image (the exporter's zero biases): still a constant
+        return [x.astype(np.float32)]
+    return [b.tensor(node.input[0])]
+
+
 #: op type -> converter; Constant and Shape are folded by the builder
 OPS = {
     "Conv": conv, "ConvTranspose": conv_transpose, "BatchNormalization": batch_norm,
@@ -536,5 +548,5 @@ OPS = {
     "GlobalAveragePool": _global(torch.mean), "GlobalMaxPool": _global(torch.amax),
     "AveragePool": average_pool, "MaxPool": max_pool, "ReduceMean": reduce_mean,
     "Gemm": gemm, "MatMul": matmul, "Pad": pad, "Resize": resize, "Identity": identity, "Dropout": dropout,
-    "Cast": cast,
+    "Cast": cast, "CastLike": cast_like,
 }
