@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from edgerev.atomic import fsync_dir, fsync_tree
 from edgerev.errors import EdgerevError
@@ -69,7 +70,8 @@ class FleetModel:
     the batch-norm statistics are the fleet's (``norms_measured``: the devices have measured them, from the
     second round on: a round job then trains with its batch norms frozen at them). ``lr``: the round job's
     peak learning rate (0: the device's); ``adopt_*``: the fine-tuning of the fleet model before the gate
-    (:func:`consider`; ``edgerev.fleet.settings.FleetSettings`` says what each does).
+    (:func:`consider`; ``edgerev.fleet.settings.FleetSettings`` says what each does). ``weights``: the base
+    model's weights file for a registry ``arch`` or a factory (None: ``arch`` alone; :func:`fleet_model`).
     """
 
     round: str
@@ -87,6 +89,7 @@ class FleetModel:
     adopt_epochs: int = 0
     adopt_distill: float = 1.0
     adopt_lr: float = 0.0
+    weights: str | None = None
 
 
 @dataclass
@@ -135,12 +138,36 @@ def shared_names(state: Mapping[str, torch.Tensor], parameters: set[str], sharin
             and (n in parameters or share_bn_stats)]
 
 
-def model_names(fm: FleetModel) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """A fresh model of the fleet (the fleet's seed: the same tensors on every device) and its shared names."""
-    from edgerev.models import create_model
+def fleet_model(fm: FleetModel) -> nn.Module:
+    """The fleet's model before any round, the same tensors on the server and on every device: ``fm.arch``
+    resolved as any model source (:func:`edgerev.models.resolve.resolve_model`) with ``fm.weights``, its
+    classifier sized to the fleet's classes; what the source does not bring (a registry model without
+    weights, a classifier re-made for another number of classes) is drawn from the fleet's seed. A base
+    model's weights are thus the common start of the server's first parameters and of every device's first
+    round.
+
+    Raises:
+        FleetError: the source cannot be built, or its classifier is not named ``head`` (the fleet's
+            aggregation grows and averages per class the rows of ``head.*``: :mod:`edgerev.fleet.aggregate`).
+    """
+    from edgerev.models.resolve import resolve_model
+    from edgerev.models.spec import head_name
 
     torch.manual_seed(fm.seed)
-    model = create_model(fm.arch, **fm.args, num_classes=len(fm.classes))
+    try:
+        model = resolve_model(fm.arch, weights=fm.weights, args=fm.args, num_classes=len(fm.classes))
+    except (ValueError, TypeError, KeyError) as e:  # EdgerevError is a ValueError
+        raise FleetError(f"cannot build the fleet's model {fm.arch} {fm.args}: {e}") from None
+    head = head_name(model)
+    if head != "head":
+        raise FleetError(f"the fleet's model {fm.arch} has its classifier at {head!r}; the fleet averages the "
+                         "rows of a classifier named 'head' (a registry model's): name its last linear layer head")
+    return model
+
+
+def model_names(fm: FleetModel) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The fleet's model before any round (:func:`fleet_model`) as tensors, and its shared names."""
+    model = fleet_model(fm)
     state = model.state_dict()
     names = shared_names(state, {n for n, _ in model.named_parameters()}, fm.sharing, fm.share_bn_stats)
     return state, names
@@ -154,10 +181,7 @@ def check_shared(fm: FleetModel) -> dict[str, torch.Tensor]:
     """
     if len(fm.classes) < 1 or len(set(fm.classes)) != len(fm.classes):
         raise FleetError(f"the fleet's classes must be distinct and not empty, got {list(fm.classes)[:5]}")
-    try:
-        state, names = model_names(fm)
-    except (ValueError, TypeError, KeyError) as e:
-        raise FleetError(f"cannot build the fleet's model {fm.arch} {fm.args}: {e}") from None
+    state, names = model_names(fm)
     missing = [n for n in names if n not in fm.shared]
     unknown = [n for n in fm.shared if n not in names]
     if missing or unknown:
@@ -211,14 +235,17 @@ def compose(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, t
 def write_model(folder: Path, fm: FleetModel, state: dict[str, torch.Tensor]) -> None:
     """A model directory the trainer and the promotion read (weights, description; no replay sample: a
     round trains on all of the device's samples)."""
-    from edgerev.models import create_model
-
     if folder.exists():
         shutil.rmtree(folder)
-    model = create_model(fm.arch, **fm.args, num_classes=len(fm.classes))
+    model = fleet_model(fm)
     model.load_state_dict(state)
-    save_model(folder, model, ModelInfo(fm.arch, tuple(fm.classes), fm.input_size, model_args=dict(fm.args)),
-               {"fleet_round": fm.round})
+    save_model(folder, model, fleet_info(fm, model), {"fleet_round": fm.round})
+
+
+def fleet_info(fm: FleetModel, model: nn.Module) -> ModelInfo:
+    """The description of a model of the fleet: what rebuilds it (the source's own ``arch``: a model
+    directory's architecture, ``onnx`` with the file's copy), the fleet's classes and input size."""
+    return ModelInfo(model.arch, tuple(fm.classes), fm.input_size, model_args=dict(model.model_args))
 
 
 def _replace_dir(new: Path, final: Path) -> None:

@@ -116,7 +116,7 @@ def fleet_model(content: RecordDict, run_id: int, link: DeviceLink, what: str) -
     return FleetModel(f"{run_id}/{server_round}", settings.arch, dict(settings.model_args),
                       settings.image_size, tuple(classes), shared, settings.sharing, settings.share_bn_stats,
                       settings.seed, settings.local_epochs, settings.lr, measured, settings.adopt_epochs,
-                      settings.adopt_distill, settings.adopt_lr)
+                      settings.adopt_distill, settings.adopt_lr, settings.weights or None)
 
 
 def _when_clipping(msg: Message, context: Context, call_next) -> Message:

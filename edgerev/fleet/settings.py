@@ -38,7 +38,13 @@ class FleetSettings:
     round), ``secagg_threshold``: the fraction of it whose shares rebuild a secret, ``secagg_range``: the
     largest update a device may send (each weighted term is quantized over +- this; beyond it the device is
     left out of the round, with the reason). ``min_devices``: devices a round waits for;
-    ``timeout``: seconds a round waits for their replies (a device that has not answered by then is left out)."""
+    ``timeout``: seconds a round waits for their replies (a device that has not answered by then is left out).
+    ``arch``: the fleet's model, any model source (a registry name with ``model_args``, a model directory, an
+    ONNX file, a factory ``package.module:callable``: :mod:`edgerev.models.resolve`); ``weights``: a
+    safetensors or ``state_dict`` file for a registry name or a factory ("": none). A source that brings
+    weights is the fleet's *base*: the server's first parameters and every device's first round start from
+    it, its classifier sized to the fleet's classes; the file must be at that path on the server and on
+    every device."""
 
     rounds: int = 3
     sharing: str = "all"
@@ -52,6 +58,7 @@ class FleetSettings:
     seed: int = 0
     arch: str = "revnext"
     model_args: dict = field(default_factory=dict)
+    weights: str = ""
     image_size: int = 32
     min_devices: int = 2
     timeout: float = 3600.0
@@ -63,6 +70,16 @@ class FleetSettings:
     secagg_range: float = 8.0
 
     def __post_init__(self) -> None:
+        from edgerev.errors import UnknownModelError
+        from edgerev.models.names import SourceKind, source_kind  # no torch: the settings stay light
+
+        try:
+            kind = source_kind(self.arch)
+        except UnknownModelError as e:
+            check(False, "arch", str(e))
+        if kind in (SourceKind.DIRECTORY, SourceKind.ONNX):
+            check(not self.model_args, "model_args", f"{self.arch} carries its own architecture; leave it out")
+            check(not self.weights, "weights", f"{self.arch} carries its own weights; leave weights out")
         check(self.rounds >= 1, "rounds", f"must be at least 1, got {self.rounds}")
         check(self.sharing in SHARING, "sharing", f"must be one of {', '.join(SHARING)}, got {self.sharing!r}")
         check(self.local_epochs >= 1, "local_epochs", f"must be at least 1, got {self.local_epochs}")

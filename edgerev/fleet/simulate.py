@@ -110,7 +110,8 @@ def device_config(sim: SimulationConfig, spec: DeviceSpec, folder: Path) -> dict
     f = sim.fleet
     base = {"data_dir": ".", "image_size": f.image_size, "heldout_fraction": 0.15,
             "ingest": {"settle_seconds": 0.0}, "schedule": {"min_new_samples": 1},
-            "training": {"model": {"arch": f.arch, "args": dict(f.model_args)},
+            "training": {"model": {"arch": f.arch, "args": dict(f.model_args),
+                                   **({"weights": f.weights} if f.weights else {})},
                          "train": {"epochs": sim.local_epochs}}}
     return _deep(_deep(base, sim.daemon), spec.daemon)
 
@@ -271,22 +272,19 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
             import torch
 
             from edgerev.fleet.aggregate import as_variances
-            from edgerev_daemon.fleet import FleetModel, check_shared, compose
+            from edgerev_daemon.fleet import FleetModel, check_shared, compose, fleet_info, fleet_model
 
             current_round["n"] = server_round
             shared = as_variances({k: torch.from_numpy(v.numpy().copy()) for k, v in arrays.items()})
             f = sim.fleet
             for node, d in devices.items():
                 fm = FleetModel("eval", f.arch, dict(f.model_args), f.image_size, classes, shared, f.sharing,
-                                f.share_bn_stats, f.seed)
+                                f.share_bn_stats, f.seed, weights=f.weights or None)
                 fresh = check_shared(fm)
                 state = compose(fm, fresh, local_state(d.daemon.config.layout.root))
-                from edgerev.models import create_model
-                from edgerev.train.checkpoint import ModelInfo
-
-                model = create_model(f.arch, **f.model_args, num_classes=len(classes))
+                model = fleet_model(fm)
                 model.load_state_dict(state)
-                info = ModelInfo(f.arch, classes, f.image_size, model_args=dict(f.model_args))
+                info = fleet_info(fm, model)
                 own = own_test(test, d.spec)
                 acc, acc_own = _accuracy(model, info, test), _accuracy(model, info, own)
                 current = d.daemon.registry.current()
