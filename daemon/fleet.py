@@ -147,29 +147,66 @@ def fleet_model(fm: FleetModel) -> nn.Module:
     round.
 
     Raises:
-        FleetError: the source cannot be built, or its classifier is not named ``head`` (the fleet's
-            aggregation grows and averages per class the rows of ``head.*``: :mod:`edgerev.fleet.aggregate`).
+        FleetError: the source cannot be built, or has no linear classifier (the fleet grows and averages
+            its rows per class).
     """
     from edgerev.models.resolve import resolve_model
-    from edgerev.models.spec import head_name
 
     torch.manual_seed(fm.seed)
     try:
         model = resolve_model(fm.arch, weights=fm.weights, args=fm.args, num_classes=len(fm.classes))
     except (ValueError, TypeError, KeyError) as e:  # EdgerevError is a ValueError
         raise FleetError(f"cannot build the fleet's model {fm.arch} {fm.args}: {e}") from None
-    head = head_name(model)
-    if head != "head":
-        raise FleetError(f"the fleet's model {fm.arch} has its classifier at {head!r}; the fleet averages the "
-                         "rows of a classifier named 'head' (a registry model's): name its last linear layer head")
+    head_prefix(model)  # one that the fleet cannot name is refused here, before anything travels
     return model
 
 
+WIRE_HEAD = "head."  # what the aggregation (edgerev.fleet.aggregate) takes for the classifier's tensors
+
+
+def head_prefix(model: nn.Module) -> str:
+    """The prefix of ``model``'s classifier's tensor names (``head.`` for edgerev's models, ``fc.`` for a
+    torchvision ResNet, an ONNX import's last Gemm's module).
+
+    Raises:
+        FleetError: no linear classifier, or tensors named ``head.*`` that are not the classifier's.
+    """
+    from edgerev.models.spec import head_name
+
+    name = head_name(model)
+    if name is None:
+        raise FleetError(f"the fleet's model {type(model).__name__} has no linear classifier to grow per class")
+    prefix = name + "."
+    if prefix != WIRE_HEAD and any(n.startswith(WIRE_HEAD) for n in model.state_dict()):
+        raise FleetError(f"the fleet's model has its classifier at {name!r} and other tensors named head.*: "
+                         "the fleet sends the classifier's as head.*")
+    return prefix
+
+
+def to_wire(tensors: Mapping[str, torch.Tensor], head: str) -> dict[str, torch.Tensor]:
+    """``tensors`` under the names the fleet sends: the classifier's (``head``, :func:`head_prefix`) as
+    ``head.*`` whatever the model calls it, the rest as they are."""
+    return {WIRE_HEAD + n[len(head):] if n.startswith(head) else n: t for n, t in tensors.items()}
+
+
+def from_wire(tensors: Mapping[str, torch.Tensor], head: str) -> dict[str, torch.Tensor]:
+    """The model's own names of tensors named as :func:`to_wire` sends them."""
+    return {head + n[len(WIRE_HEAD):] if n.startswith(WIRE_HEAD) else n: t for n, t in tensors.items()}
+
+
+def fleet_head(fm: FleetModel) -> str:
+    """The prefix of the fleet's model's classifier (:func:`head_prefix`)."""
+    return head_prefix(fleet_model(fm))
+
+
 def model_names(fm: FleetModel) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The fleet's model before any round (:func:`fleet_model`) as tensors, and its shared names."""
+    """The fleet's model before any round (:func:`fleet_model`) as tensors, and its shared names, as the fleet
+    names them (:func:`to_wire`)."""
     model = fleet_model(fm)
-    state = model.state_dict()
-    names = shared_names(state, {n for n, _ in model.named_parameters()}, fm.sharing, fm.share_bn_stats)
+    head = head_prefix(model)
+    state = to_wire(model.state_dict(), head)
+    parameters = set(to_wire(dict(model.named_parameters()), head))
+    names = shared_names(state, parameters, fm.sharing, fm.share_bn_stats)
     return state, names
 
 
@@ -232,13 +269,21 @@ def compose(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, t
     return state
 
 
-def write_model(folder: Path, fm: FleetModel, state: dict[str, torch.Tensor]) -> None:
+def device_model(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, tuple] | None) -> nn.Module:
+    """The device's copy of the fleet model as a module: :func:`compose` of the fleet's tensors (``fresh``,
+    as the fleet names them) and the device's last round (``local``, as the model names them)."""
+    model = fleet_model(fm)
+    head = head_prefix(model)
+    local = (to_wire(local[0], head), local[1]) if local is not None else None
+    model.load_state_dict(from_wire(compose(fm, fresh, local), head))
+    return model
+
+
+def write_model(folder: Path, fm: FleetModel, model: nn.Module) -> None:
     """A model directory the trainer and the promotion read (weights, description; no replay sample: a
     round trains on all of the device's samples)."""
     if folder.exists():
         shutil.rmtree(folder)
-    model = fleet_model(fm)
-    model.load_state_dict(state)
     save_model(folder, model, fleet_info(fm, model), {"fleet_round": fm.round})
 
 
@@ -370,7 +415,7 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
         job = daemon.store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
     started = time.perf_counter()
     if not (base / "model.json").is_file():
-        write_model(base, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
+        write_model(base, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
     log.info("job %d: %s", job.id, job.reason)
     try:
         outcome = daemon.train(job, base, 0, stop, config)
@@ -384,6 +429,7 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
     trained = load_tensors(out / "model.safetensors", read_info(out)[1].get("weights_sha256"))
     if fm.share_bn_stats:  # it trained at the fleet's statistics (or its batches', in round 1): send its own
         trained.update(measure_norms(daemon, out))
+    trained = to_wire(trained, fleet_head(fm))
     info, _ = read_info(out)
     # a label this device has and the fleet does not know yet was grown by the trainer after the fleet's
     # rows: it is not sent (the registry learns it from the counts, and the next round carries its row)
@@ -448,7 +494,7 @@ def _fine_tune(daemon, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor],
     """
     base = out.with_suffix(".base")
     if not (base / "model.json").is_file():
-        write_model(base, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
+        write_model(base, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
     try:
         outcome = daemon.train(job, base, 0, None, device_config(daemon, fm, adopt=True))
     except (EdgerevError, OSError, RuntimeError) as e:
@@ -497,7 +543,7 @@ def consider(daemon, fm: FleetModel) -> Consideration:
     if fm.adopt_epochs:
         _fine_tune(daemon, job, fm, fresh, out)
     else:
-        write_model(out, fm, compose(fm, fresh, local_state(daemon.config.layout.root)))
+        write_model(out, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
     gate = daemon.config.promotion.gate
     held = held_out(store, daemon.blobs, job, gate.recent_window_days)
     cand = score(out, held)

@@ -272,7 +272,7 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
             import torch
 
             from edgerev.fleet.aggregate import as_variances
-            from edgerev_daemon.fleet import FleetModel, check_shared, compose, fleet_info, fleet_model
+            from edgerev_daemon.fleet import FleetModel, check_shared, device_model, fleet_info
 
             current_round["n"] = server_round
             shared = as_variances({k: torch.from_numpy(v.numpy().copy()) for k, v in arrays.items()})
@@ -280,10 +280,7 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
             for node, d in devices.items():
                 fm = FleetModel("eval", f.arch, dict(f.model_args), f.image_size, classes, shared, f.sharing,
                                 f.share_bn_stats, f.seed, weights=f.weights or None)
-                fresh = check_shared(fm)
-                state = compose(fm, fresh, local_state(d.daemon.config.layout.root))
-                model = fleet_model(fm)
-                model.load_state_dict(state)
+                model = device_model(fm, check_shared(fm), local_state(d.daemon.config.layout.root))
                 info = fleet_info(fm, model)
                 own = own_test(test, d.spec)
                 acc, acc_own = _accuracy(model, info, test), _accuracy(model, info, own)

@@ -13,7 +13,15 @@ from edgerev.config import ConfigError  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
 from edgerev.train.checkpoint import load_model  # noqa: E402
-from edgerev_daemon.fleet import FleetError, FleetModel, check_shared, compose, fleet_model, write_model  # noqa: E402
+from edgerev_daemon.fleet import (  # noqa: E402
+    FleetError,
+    FleetModel,
+    check_shared,
+    device_model,
+    fleet_model,
+    model_names,
+    write_model,
+)
 from tests.fleet.devices import CLASSES, FakeDevice, run_fleet  # noqa: E402
 
 FACTORY = "tests.fleet.test_base:headed"
@@ -35,6 +43,13 @@ class Headed(nn.Module):
 
 def headed(num_classes: int = 3, width: int = 4) -> nn.Module:
     return Headed(num_classes, width)
+
+
+def pooled(num_classes: int = 3) -> nn.Module:
+    """A classifier with no linear layer (a 1x1 convolution to the classes, pooled)."""
+    net = nn.Sequential(nn.Conv2d(3, num_classes, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    net.num_classes = num_classes
+    return net
 
 
 @pytest.fixture
@@ -75,8 +90,7 @@ def test_the_servers_first_parameters_and_a_devices_first_round_are_the_bases(ba
     assert len(received) == 2
     for fm in received:  # the device's round model: what came, composed with its own fresh copy of the base
         assert fm.weights == str(path) and fm.classes == FLEET
-        state = compose(fm, check_shared(fm), None)
-        write_model(tmp_path / "round", fm, state)
+        write_model(tmp_path / "round", fm, device_model(fm, check_shared(fm), None))
         model, info, _ = load_model(tmp_path / "round")
         assert info.arch == FACTORY and info.classes == FLEET
         for name, t in model.state_dict().items():  # the batch-norm statistics too: the base's, not fresh
@@ -102,9 +116,43 @@ def test_without_weights_the_fleet_starts_from_its_seed():
     assert all(torch.equal(one[k], two[k]) for k in one)
 
 
+class Fc(Headed):
+    """A base whose classifier is named as torchvision names a ResNet's (``fc``), not ``head``."""
+
+    def __init__(self, num_classes: int = 3, width: int = 4) -> None:
+        super().__init__(num_classes, width)
+        self.fc = self.head
+        del self.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+def fc(num_classes: int = 3, width: int = 4) -> nn.Module:
+    return Fc(num_classes, width)
+
+
+def test_a_classifier_of_any_name_travels_as_the_fleets_head(tmp_path):
+    """The aggregation averages ``head.*`` per class: a base's classifier travels under that name whatever the
+    model calls it, and comes back into the model under its own."""
+    torch.manual_seed(99)
+    base = Fc(len(FLEET))
+    path = tmp_path / "fc.safetensors"
+    save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(path))
+    fm = FleetModel("1/1", "tests.fleet.test_base:fc", {}, 16, FLEET, {}, sharing="all", weights=str(path))
+    state, names = model_names(fm)
+    assert {"head.weight", "head.bias"} <= set(names) and not any(n.startswith("fc.") for n in state)
+    assert torch.equal(state["head.weight"], base.fc.weight)
+    moved = {n: state[n] + 1 for n in names}  # what a round brings back
+    model = device_model(FleetModel("1/2", fm.arch, {}, 16, FLEET, moved, sharing="all", weights=str(path)),
+                         state, None)
+    assert torch.equal(model.fc.weight, base.fc.weight + 1) and torch.equal(model.features[0].bias,
+                                                                             base.features[0].bias + 1)
+
+
 def test_a_base_the_fleet_cannot_average_or_build_is_refused_in_one_line(base, tmp_path):
-    with pytest.raises(FleetError, match="classifier at 'classifier'.*named 'head'"):
-        fleet_model(FleetModel("1/1", "tests.resolve_factories:tiny", {}, 16, FLEET, {}))
+    with pytest.raises(FleetError, match="no linear layer"):
+        fleet_model(FleetModel("1/1", "tests.fleet.test_base:pooled", {}, 16, FLEET, {}))
     with pytest.raises(FleetError, match="does not exist"):
         fleet_model(FleetModel("1/1", FACTORY, {}, 16, FLEET, {}, weights=str(tmp_path / "missing.safetensors")))
     wrong = tmp_path / "wrong.safetensors"
@@ -185,3 +233,25 @@ def test_a_simulated_fleet_starts_from_the_base(base, tmp_path, capsys, identity
     assert report["rounds"] == 1 and [d["name"] for d in report["devices"]] == ["d1", "d2"]
     for d in report["devices"]:
         assert 0.0 <= d["accuracy_federated"] <= 1.0 and d["per_round"][0]["round"] == 1
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the TorchScript exporter, as a user's file was written
+def test_an_onnx_base_shares_its_last_gemm_as_the_head(tmp_path):
+    """An ONNX file as the fleet's base: its classifier (the import's last Gemm) travels as head.*, a round's
+    update comes back into it, and the device's model directory rebuilds from the file's copy."""
+    from edgerev.models.designs import mobilenet_v2
+
+    torch.manual_seed(0)
+    net = mobilenet_v2(num_classes=3, width=0.25).eval()
+    path = tmp_path / "base.onnx"
+    torch.onnx.export(net, (torch.zeros(1, 3, 16, 16),), str(path), dynamo=False, input_names=["image"],
+                      output_names=["scores"], dynamic_axes={"image": {0: "n"}, "scores": {0: "n"}})
+    fm = FleetModel("1/1", str(path), {}, 16, FLEET, {}, sharing="head")
+    state, names = model_names(fm)
+    assert names == ["head.weight", "head.bias"]
+    assert torch.allclose(state["head.weight"], net.classifier[1].weight)
+    after = FleetModel("1/2", str(path), {}, 16, FLEET, {n: state[n] + 1 for n in names}, sharing="head")
+    write_model(tmp_path / "round", after, device_model(after, check_shared(after), None))
+    model, info, _ = load_model(tmp_path / "round")
+    assert info.arch == "onnx" and info.classes == FLEET
+    assert torch.allclose(model.get_submodule(model.head_name).weight, net.classifier[1].weight + 1)
