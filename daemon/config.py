@@ -287,19 +287,23 @@ class HttpConfig:
         check(1 <= self.port <= 65535, "port", f"must lie in 1..65535, got {self.port}")
 
 
+DEFAULT_IMAGE_SIZE = 32  # a daemon's image size when neither its config nor its model names one
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """The whole daemon.
 
     ``data_dir``: everything the daemon writes (see :mod:`edgerev_daemon.layout`). ``inbox``: where
     images are dropped (default ``data_dir/inbox``). ``image_size``: the model's input; every stored
-    image is normalized to it once, at ingest. ``heldout_fraction``: share of samples held out for
+    image is normalized to it once, at ingest (null: the size ``training.model.arch`` carries, a model
+    directory's or an ONNX file's fixed input, else 32). ``heldout_fraction``: share of samples held out for
     evaluation, chosen by each sample's hash (see :func:`edgerev_daemon.store.split_of`).
     """
 
     data_dir: str
     inbox: str | None = None
-    image_size: int = 32
+    image_size: int | None = None
     heldout_fraction: float = 0.1
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
@@ -314,6 +318,10 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         check(self.data_dir.strip() != "", "data_dir", "must name a directory")
         check(self.inbox is None or self.inbox.strip() != "", "inbox", "must name a directory (or be left out)")
+        if self.image_size is None:  # frozen: set once, here, from the base model where it carries a size
+            from edgerev.models.carried import carried_image_size
+
+            object.__setattr__(self, "image_size", carried_image_size(self.training.model.arch) or DEFAULT_IMAGE_SIZE)
         check(4 <= self.image_size <= 1024, "image_size", f"must lie in 4..1024, got {self.image_size}")
         check(0.0 < self.heldout_fraction < 1.0, "heldout_fraction",
               f"must lie strictly between 0 and 1, got {self.heldout_fraction}")

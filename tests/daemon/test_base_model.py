@@ -87,3 +87,22 @@ def test_a_state_dict_base_is_refused_at_start_when_it_does_not_fit(tmp_path):
         assert "unexpected nope" in str(e) and "\n" not in str(e)
     else:
         raise AssertionError("the daemon started with weights that do not fit")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the TorchScript exporter, as a user's file was written
+def test_the_image_size_defaults_to_the_one_the_base_carries(tmp_path):
+    """image_size left out: a model directory's input size, an ONNX file's fixed height and width, else 32; a size
+    the config names is kept."""
+    from edgerev.models.designs import mobilenet_v2
+
+    def image_size(model: dict, **extra) -> int:
+        return config_from_dict({"data_dir": str(tmp_path / "data"), "training": {"model": model}, **extra}).image_size
+
+    assert image_size({"arch": str(base_directory(tmp_path))}) == 16
+    net = mobilenet_v2(num_classes=2, width=0.25).eval()
+    torch.onnx.export(net, (torch.zeros(1, 3, 24, 24),), str(tmp_path / "base.onnx"), dynamo=False,
+                      input_names=["image"], dynamic_axes={"image": {0: "n"}})
+    assert image_size({"arch": str(tmp_path / "base.onnx")}) == 24
+    assert image_size({"arch": str(tmp_path / "base.onnx")}, image_size=48) == 48
+    assert image_size({"arch": "revnext"}) == 32
+    assert image_size({"arch": str(tmp_path / "missing.onnx")}) == 32  # the model's own check refuses it later
