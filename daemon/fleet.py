@@ -381,6 +381,25 @@ def _job_out(daemon, job: Job) -> Path:
     return job_dir(daemon.config, job)
 
 
+def _train(daemon, job: Job, base: Path, stop, config, what: str, failed: str):
+    """Train ``job`` from the model directory ``base`` as a job of ``daemon``; its outcome.
+
+    Raises:
+        FleetError: the training failed (``failed``: what the reason starts with) or was skipped or stopped,
+            recorded on the job and refused as ``what`` (:func:`refuse`).
+    """
+    try:
+        outcome = daemon.train(job, base, 0, stop, config)
+    except (EdgerevError, OSError, RuntimeError) as e:
+        daemon.store.set_job_state(job.id, JobState.FAILED, error=str(e))
+        raise refuse(daemon, what, f"{failed}: {e}") from None
+    if outcome.status != "trained":
+        if outcome.status == "skipped":
+            daemon.store.set_job_state(job.id, JobState.FAILED, error=outcome.reason)
+        raise refuse(daemon, what, f"job {job.id} {outcome.status}: {outcome.reason}")
+    return outcome
+
+
 def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False) -> RoundResult:
     """Run one federated round as a job of ``daemon`` (a :class:`edgerev_daemon.service.Daemon`).
 
@@ -417,15 +436,7 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
     if not (base / "model.json").is_file():
         write_model(base, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
     log.info("job %d: %s", job.id, job.reason)
-    try:
-        outcome = daemon.train(job, base, 0, stop, config)
-    except (EdgerevError, OSError, RuntimeError) as e:
-        daemon.store.set_job_state(job.id, JobState.FAILED, error=str(e))
-        raise refuse(daemon, "round", f"training failed: {e}") from None
-    if outcome.status != "trained":
-        if outcome.status == "skipped":
-            daemon.store.set_job_state(job.id, JobState.FAILED, error=outcome.reason)
-        raise refuse(daemon, "round", f"job {job.id} {outcome.status}: {outcome.reason}")
+    outcome = _train(daemon, job, base, stop, config, "round", "training failed")
     trained = load_tensors(out / "model.safetensors", read_info(out)[1].get("weights_sha256"))
     if fm.share_bn_stats:  # it trained at the fleet's statistics (or its batches', in round 1): send its own
         trained.update(measure_norms(daemon, out))
@@ -495,15 +506,8 @@ def _fine_tune(daemon, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor],
     base = out.with_suffix(".base")
     if not (base / "model.json").is_file():
         write_model(base, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
-    try:
-        outcome = daemon.train(job, base, 0, None, device_config(daemon, fm, adopt=True))
-    except (EdgerevError, OSError, RuntimeError) as e:
-        daemon.store.set_job_state(job.id, JobState.FAILED, error=str(e))
-        raise refuse(daemon, "model", f"fine-tuning the fleet model failed: {e}") from None
-    if outcome.status != "trained":
-        if outcome.status == "skipped":
-            daemon.store.set_job_state(job.id, JobState.FAILED, error=outcome.reason)
-        raise refuse(daemon, "model", f"job {job.id} {outcome.status}: {outcome.reason}")
+    _train(daemon, job, base, None, device_config(daemon, fm, adopt=True), "model",
+           "fine-tuning the fleet model failed")
     shutil.rmtree(base, ignore_errors=True)
 
 
