@@ -66,6 +66,17 @@ def end_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def run_main(main: Callable[[], int], errors: type[BaseException]) -> None:
+    """In the child: ``main()``'s status, or 1 with ``edgerev: <reason>`` on stderr for one of ``errors`` (the
+    daemon reads that line as the reason); then :func:`finish`."""
+    try:
+        status = main()
+    except errors as e:
+        print(f"edgerev: {e}", file=sys.stderr)
+        status = 1
+    finish(status)
+
+
 def finish(status: int) -> None:
     """In the child: exit with ``status`` (not through sys.exit: the watching thread cannot be joined)."""
     sys.stdout.flush()

@@ -74,9 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except ExportError as e:
-        print(f"edgerev: {e}", file=sys.stderr)
-        status = 1
-    children.finish(status)
+    children.run_main(main, ExportError)
