@@ -77,6 +77,16 @@ class Registry:
         v = self.current()
         return None if v is None else self.path(v)
 
+    def current_classes(self) -> tuple[str, ...]:
+        """The classes of the version in service (read from its ``model.json``, without torch); () when
+        none is in service or its description cannot be read (the start-up checks report that)."""
+        try:
+            path = self.current_path()
+            classes = json.loads((path / "model.json").read_text())["classes"] if path else ()
+        except (RegistryError, OSError, ValueError, KeyError, TypeError):
+            return ()
+        return tuple(str(c) for c in classes) if isinstance(classes, list) else ()
+
     def write(self, version: str, files: Mapping[str, Path | bytes]) -> Path:
         """Write a complete version directory from ``files`` (name -> source file or bytes).
 

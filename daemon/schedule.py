@@ -1,8 +1,10 @@
 """When the next fine-tuning job runs, and why not yet: one function for the service and ``status``.
 
 A job is due when one is interrupted (it resumes), when ``schedule.min_new_samples`` new samples
-arrived since the data of the last finished job, or when there is at least one new sample and
-``schedule.max_interval_seconds`` passed since that job (or since the first sample). A failed job
+arrived since the data of the last finished job, when a new class became trainable since that job (a
+label the model in service does not know reached ``training.min_samples_per_label`` training samples;
+``schedule.new_classes``), or when there is at least one new sample and ``schedule.max_interval_seconds``
+passed since that job (or since the first sample). A failed job
 holds the schedule back for ``schedule.retry_seconds`` after it failed: retried, not in a loop.
 
 The words, everywhere (this module, the gate, ``status``, the summary and the plots): *new samples*
@@ -12,9 +14,10 @@ classes* are labels the model in service does not know.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from edgerev_daemon.config import ScheduleConfig
+from edgerev_daemon.config import DaemonConfig, ScheduleConfig
 from edgerev_daemon.records import JobState, Split
 from edgerev_daemon.store import Store
 
@@ -36,8 +39,14 @@ class Schedule:
                 "samples_needed": self.samples_needed, "retry_at": self.retry_at}
 
 
-def next_job(store: Store, s: ScheduleConfig, now: float) -> Schedule:
-    """Whether a job is due at ``now``, and if not, why not."""
+def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str] = (), minimum: int = 1) -> Schedule:
+    """Whether a job is due at ``now``, and if not, why not.
+
+    Args:
+        known: the classes of the model in service (() before the first: its first job waits for the
+            thresholds like any other).
+        minimum: the training samples a label needs to be trained (``training.min_samples_per_label``).
+    """
     if store.active_job() is not None:
         return Schedule("resume the interrupted job", None)
     n = store.new_samples_since_last_job()
@@ -50,6 +59,9 @@ def next_job(store: Store, s: ScheduleConfig, now: float) -> Schedule:
                                   f"{retry_at - now:.0f} s ({n} new samples wait)", n, needed, retry_at)
     if n >= s.min_new_samples:
         return Schedule(f"{n} new samples (threshold {s.min_new_samples})", None, n, 0)
+    ready = new_classes_ready(store, known, minimum) if s.new_classes else {}
+    if ready:
+        return Schedule(f"new class{'es' if len(ready) > 1 else ''} to learn: {listed(ready)}", None, n, needed)
     if n == 0:
         return Schedule(None, "no new samples since the last job", 0, needed)
     done = store.last_job(JobState.DONE)
@@ -59,6 +71,27 @@ def next_job(store: Store, s: ScheduleConfig, now: float) -> Schedule:
     wait = "" if since is None else f", or {s.max_interval_seconds - (now - since):.0f} s"
     return Schedule(None, f"{n} new samples: {needed} more (schedule.min_new_samples {s.min_new_samples}){wait}",
                     n, needed)
+
+
+def daemon_schedule(config: DaemonConfig, store: Store, known: Collection[str], now: float) -> Schedule:
+    """:func:`next_job` with the daemon's settings; ``known``: the classes of the version in service."""
+    return next_job(store, config.schedule, now, known, config.training.min_samples_per_label)
+
+
+def new_classes_ready(store: Store, known: Collection[str], minimum: int) -> dict[str, int]:
+    """Labels the model in service does not know that became trainable since the last finished job (fewer
+    than ``minimum`` training samples in its data, at least that many now): label -> training samples.
+
+    Each new class makes one job due, the first after it has enough samples: a job that then trains it
+    (promoted or refused) moves the comparison past it, so a refused class waits for the thresholds.
+    """
+    if not known:
+        return {}
+    last = store.last_job(JobState.DONE)
+    before = store.label_counts(Split.TRAIN, upto_batch=last.data_batch_id) if last is not None else {}
+    now = store.label_counts(Split.TRAIN)
+    return {label: n for label, n in sorted(now.items())
+            if label not in known and n >= minimum and before.get(label, 0) < minimum}
 
 
 def held_back(store: Store, upto_batch: int | None, minimum: int) -> dict[str, int]:

@@ -63,7 +63,7 @@ from edgerev_daemon.rebuild import guard_start, replay
 from edgerev_daemon.records import EventKind, Job, JobState, Version
 from edgerev_daemon.registry import Registry
 from edgerev_daemon.retention import enforce, finish_removals, fits_disk
-from edgerev_daemon.schedule import listed, next_job
+from edgerev_daemon.schedule import Schedule, daemon_schedule, listed
 from edgerev_daemon.signals import Requests
 from edgerev_daemon.store import Store
 from edgerev_daemon.usage import DiskUsage
@@ -347,7 +347,11 @@ class Daemon:
 
     def due(self, now: float) -> str | None:
         """Why a job should run now, or None (:func:`edgerev_daemon.schedule.next_job` says why not)."""
-        return next_job(self.store, self.config.schedule, now).due
+        return self.schedule(now).due
+
+    def schedule(self, now: float) -> Schedule:
+        """When the next job runs, or why not yet (:func:`edgerev_daemon.schedule.next_job`)."""
+        return daemon_schedule(self.config, self.store, self.registry.current_classes(), now)
 
     def cycle(self, now: float | None = None) -> CycleReport:
         """Ingest, then train, evaluate and promote if a job is due."""
@@ -381,7 +385,7 @@ class Daemon:
             report.fleet = serve_requests(self, self._alive)
             if self.stopping:
                 return report
-            schedule = next_job(self.store, self.config.schedule, now)
+            schedule = self.schedule(now)
             report.due, report.not_due = schedule.due, schedule.waiting
             if report.due is not None:
                 report.job = self.run_job(report.due)

@@ -14,7 +14,7 @@ from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
 from edgerev_daemon.records import JobState, Split
 from edgerev_daemon.registry import Registry, RegistryError
-from edgerev_daemon.schedule import held_back, listed, next_job
+from edgerev_daemon.schedule import daemon_schedule, held_back, listed
 from edgerev_daemon.store import Store
 
 
@@ -91,7 +91,7 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             # too few training samples to be trained as a class yet: label -> its training samples
             "labels_held_back": held_back(store, None, config.training.min_samples_per_label),
             "new_samples_since_last_job": store.new_samples_since_last_job(),
-            "schedule": next_job(store, config.schedule, clock()).to_json(),
+            "schedule": daemon_schedule(config, store, registry.current_classes(), clock()).to_json(),
             "inbox_problems": store.inbox_problems(),
             "quarantined_files": sum(1 for p in quarantine.iterdir() if not p.name.endswith(".reason.json"))
             if quarantine.is_dir() else 0,

@@ -38,3 +38,25 @@ def test_a_failed_job_holds_the_schedule_back_and_says_until_when(datadir):
     assert held.waiting == f"job {job.id} failed; retried after schedule.retry_seconds, in 500 s (120 new samples wait)"
     clock.advance(500)
     assert next_job(store, s, clock()).due == "120 new samples (threshold 50)"
+
+
+def test_a_new_class_makes_one_job_due_once_it_can_be_trained(datadir):
+    """A label the model in service does not know is due as soon as it has min_samples_per_label training
+    samples, not after min_new_samples; the job that trains it (promoted or not) ends that reason."""
+    store = datadir.store
+    s = ScheduleConfig(min_new_samples=500, max_interval_seconds=10**9)
+    store.record_batch([sample(i, label="cat") for i in range(40)], [], 0.1)
+    known = ("cat",)
+    assert next_job(store, s, datadir.clock(), known, minimum=5).due is None
+    store.record_batch([sample(100 + i, label="dog") for i in range(4)], [], 0.1)
+    assert next_job(store, s, datadir.clock(), known, minimum=5).due is None  # 4 of 5: held back, waits
+    store.record_batch([sample(200, label="dog")], [], 0.1)
+    assert next_job(store, s, datadir.clock(), known, minimum=5).due == "new class to learn: dog (5)"
+    assert next_job(store, s, datadir.clock(), (), minimum=5).due is None  # no model in service: thresholds
+    off = ScheduleConfig(min_new_samples=500, max_interval_seconds=10**9, new_classes=False)
+    assert next_job(store, off, datadir.clock(), known, minimum=5).due is None
+    job = store.create_job("new class")
+    store.set_job_state(job.id, JobState.RUNNING)
+    store.set_job_state(job.id, JobState.DONE)  # refused or not: the class was trained
+    store.record_batch([sample(300 + i, label="dog") for i in range(5)], [], 0.1)
+    assert next_job(store, s, datadir.clock(), known, minimum=5).due is None
