@@ -18,9 +18,9 @@ from pathlib import Path
 from _common import write_json
 
 from edgerev_daemon.config import config_from_dict
-from edgerev_daemon.demo import DEMO_CONFIG, write_images
-from edgerev_daemon.service import Daemon
-from edgerev_daemon.status import status
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.service.demo import DEMO_CONFIG, write_images
+from edgerev_daemon.service.status import status
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ from edgerev.train.data import ImageFolder
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev_daemon.config import config_from_dict
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.service.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD, NEW = tuple(f"digit{d}" for d in range(5)), tuple(f"digit{d}" for d in range(5, 10))

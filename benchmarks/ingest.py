@@ -45,8 +45,8 @@ def make_inbox(inbox: Path, n: int, size: int, fmt: str, classes: int, seed: int
 
 def run_case(root: Path, name: str, n: int, size: int, fmt: str, image_size: int, batch_files: int) -> dict:
     from edgerev_daemon import DataDirLock, Store, check_consistency, config_from_dict, ingest_inbox, prepare
-    from edgerev_daemon.blobs import BlobStore
-    from edgerev_daemon.journal import Journal
+    from edgerev_daemon.storage.blobs import BlobStore
+    from edgerev_daemon.storage.journal import Journal
 
     spent = [0.0]
     real_append = Journal.append
@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--fsync-each", action="store_true", help="fsync every blob instead of one syncfs per batch")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
-    from edgerev_daemon import blobs
+    from edgerev_daemon.storage import blobs
 
     if a.fsync_each:
         blobs._syncfs = None

@@ -1,7 +1,7 @@
 """A daemon job's training step beside one CPU-bound neighbour, against the same step without it, as JSON.
 
 The step is a daemon job's (the preset's model, batch, optimizer and threads, as
-``edgerev_daemon.jobs.recipe`` builds them; default: ``configs/daemon/cpu.yaml``, whose threads default
+``edgerev_daemon.learning.jobs.recipe`` builds them; default: ``configs/daemon/cpu.yaml``, whose threads default
 to one fewer than the cores) with the process's environment as ``edgerev`` sets it
 (``OMP_WAIT_POLICY=PASSIVE``). Rounds alternate: steps with no neighbour, then steps while a second
 process spins a CPU-bound Python loop; load on the machine falls on both alike. The figure is the
@@ -31,7 +31,7 @@ from edgerev.models import create_model  # noqa: E402
 from edgerev.train.memory import loss_of  # noqa: E402
 from edgerev.train.trainer import training_threads  # noqa: E402
 from edgerev_daemon.config import load_config  # noqa: E402
-from edgerev_daemon.jobs import recipe  # noqa: E402
+from edgerev_daemon.learning.jobs import recipe  # noqa: E402
 
 SPIN = "while True: pass"
 

@@ -1,6 +1,6 @@
 """The daemon's training preset on a real image set against a long run of the same model, as JSON.
 
-Each run is what a daemon's first job trains (``edgerev_daemon.jobs.recipe`` on the preset file: its
+Each run is what a daemon's first job trains (``edgerev_daemon.learning.jobs.recipe`` on the preset file: its
 model, optimizer, epochs, early stopping, augmentation and threads), on the same training images, with
 10 % of them held out for the run's own validation and early stopping. A fixed fifth of the images (by
 index) is never trained on: every run's accuracy is measured there.
@@ -34,7 +34,7 @@ from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev.train.trainer import train
 from edgerev_daemon.config import load_config
-from edgerev_daemon.jobs import recipe
+from edgerev_daemon.learning.jobs import recipe
 
 
 def make_digits(folder: Path) -> Path:

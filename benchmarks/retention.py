@@ -30,7 +30,7 @@ from _common import write_json
 
 
 def fill(store, blobs, n: int, labels: int, heldout_fraction: float, seed: int) -> None:
-    from edgerev_daemon.records import NewSample
+    from edgerev_daemon.storage.records import NewSample
 
     rng = random.Random(seed)
     batch: list = []
@@ -56,14 +56,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
-    from edgerev_daemon.blobs import BlobStore
-    from edgerev_daemon.check import check_consistency
     from edgerev_daemon.config import config_from_dict
     from edgerev_daemon.layout import prepare
-    from edgerev_daemon.lock import DataDirLock
-    from edgerev_daemon.retention import compact_journal, enforce
-    from edgerev_daemon.store import Store
-    from edgerev_daemon.usage import DiskUsage
+    from edgerev_daemon.service.lock import DataDirLock
+    from edgerev_daemon.storage.blobs import BlobStore
+    from edgerev_daemon.storage.check import check_consistency
+    from edgerev_daemon.storage.retention import compact_journal, enforce
+    from edgerev_daemon.storage.store import Store
+    from edgerev_daemon.storage.usage import DiskUsage
 
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="edgerev-retention-") as tmp:
         max_samples = int(args.keep * args.samples)

@@ -74,10 +74,10 @@ def drift_at(day: float, peak: float) -> float:
 
 def child(config_path: str, clock_path: str, poll: float) -> int:
     """``edgerev daemon run`` as the CLI runs it, its clock read from ``clock_path``."""
-    from edgerev_daemon.cli import setup_logging
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.service import Daemon
-    from edgerev_daemon.signals import Requests, handling
+    from edgerev_daemon.service.cli import setup_logging
+    from edgerev_daemon.service.daemon import Daemon
+    from edgerev_daemon.service.signals import Requests, handling
 
     def clock() -> float:
         return float(Path(clock_path).read_text())
@@ -141,7 +141,7 @@ class Running:
 
 def corrupt_files(inbox: Path, day: int, n: int, rng: random.Random) -> int:
     """``n`` files no image decoder accepts, under the active classes' folders."""
-    from edgerev_daemon.demo import write_images
+    from edgerev_daemon.service.demo import write_images
 
     classes = active(day)
     good = write_images(inbox.parent / ".soak-tmp", 1, [classes[0]], start=day, num_classes=NUM_CLASSES, size=32)
@@ -206,7 +206,7 @@ def month_alone(config, month_data: list[tuple], seed: int, size: int, out: Path
     import torch
 
     from edgerev.train.trainer import train
-    from edgerev_daemon.jobs import recipe
+    from edgerev_daemon.learning.jobs import recipe
 
     parts = [_images(n, classes, start, seed, size, amount) for _, n, classes, start, amount in month_data]
     images = torch.cat([x for x, _ in parts])
@@ -293,7 +293,7 @@ def main() -> None:
     log_path = work / "daemon.log"
 
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.status import status
+    from edgerev_daemon.service.status import status
     from tests.daemon.drift import write_drifted
 
     config = load_config(config_path)

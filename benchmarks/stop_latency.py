@@ -120,7 +120,7 @@ def _config(preset: Path, data_dir: Path, overrides: dict) -> Path:
 
 def _drop(config: Path, n: int, classes: range, start: int) -> None:
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.demo import write_images
+    from edgerev_daemon.service.demo import write_images
 
     c = load_config(config)
     write_images(c.inbox_path, n, classes, start=start, num_classes=5, size=c.image_size)

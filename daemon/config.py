@@ -156,7 +156,7 @@ def _merged(defaults: dict, given) -> dict:
 
 @dataclass(frozen=True)
 class PromotionConfig:
-    """The promotion gate (:mod:`edgerev_daemon.promote`): it decides on paired held-out outcomes.
+    """The promotion gate (:mod:`edgerev_daemon.learning.promote`): it decides on paired held-out outcomes.
 
     ``alpha``: the p-value at or below which the gate believes a difference: the candidate is promoted
     when it is better on the recent held-out samples with a one-sided exact McNemar p-value at most
@@ -185,13 +185,6 @@ class PromotionConfig:
         check(self.min_heldout_per_class >= 1, "min_heldout_per_class",
               f"must be at least 1, got {self.min_heldout_per_class}")
 
-    @property
-    def gate(self):
-        from edgerev_daemon.promote import Gate  # promote imports torch; the config must not
-
-        return Gate(self.alpha, self.forgetting_margin, self.min_heldout_per_class, self.refuse_class_at_zero,
-                    self.recent_window_days)
-
 
 # promotion keys of an earlier edgerev, and why each went
 REMOVED_PROMOTION_KEYS = {
@@ -204,7 +197,7 @@ REMOVED_PROMOTION_KEYS = {
 @dataclass(frozen=True)
 class StorageConfig:
     """How much of the disk the daemon keeps, and what goes when that is reached
-    (:mod:`edgerev_daemon.retention`).
+    (:mod:`edgerev_daemon.storage.retention`).
 
     ``min_free_space``: below this much free space on the data directory's file system (bytes, or a
     size such as ``"200MiB"``; 0: no floor) the daemon stops ingesting and training, keeps serving
@@ -301,7 +294,7 @@ class DaemonConfig:
     images are dropped (default ``data_dir/inbox``). ``image_size``: the model's input; every stored
     image is normalized to it once, at ingest (null: the size ``training.model.arch`` carries, a model
     directory's or an ONNX file's fixed input, else 32). ``heldout_fraction``: share of samples held out for
-    evaluation, chosen by each sample's hash (see :func:`edgerev_daemon.store.split_of`).
+    evaluation, chosen by each sample's hash (see :func:`edgerev_daemon.storage.store.split_of`).
     """
 
     data_dir: str

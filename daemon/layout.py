@@ -24,6 +24,9 @@ from pathlib import Path
 
 from edgerev.atomic import fsync_dir
 
+#: the reason file beside each quarantined file: ``quarantine/NAME`` + ``SIDECAR``
+SIDECAR = ".reason.json"
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_doctor_parser(sub)
 
-    from edgerev_daemon.cli import add_parser as add_daemon_parser
+    from edgerev_daemon.service.cli import add_parser as add_daemon_parser
 
     add_daemon_parser(sub)
 

@@ -374,7 +374,7 @@ def test_runtime_requirements_are_pyprojects_without_torch():
 
 
 def test_the_unit_waits_for_ready_and_watches_the_loop(unit):
-    """Type=notify: the daemon says READY=1 and pings the watchdog (edgerev_daemon.notify)."""
+    """Type=notify: the daemon says READY=1 and pings the watchdog (edgerev_daemon.service.notify)."""
     assert single(unit, "Type") == "notify" and single(unit, "NotifyAccess") == "main"
     assert 60 <= seconds(single(unit, "WatchdogSec")) <= 3600
 
@@ -395,5 +395,5 @@ def test_systemd_analyze_verify_accepts_the_supernode_unit(tmp_path):
                        text=True, timeout=60)
     problems = [line for line in r.stderr.splitlines() if unit.name in line]
     assert r.returncode == 0 and not problems, r.stderr
-    # beside the daemon: its requests go through the data directory (edgerev_daemon.handoff)
+    # beside the daemon: its requests go through the data directory (edgerev_daemon.learning.handoff)
     assert "Conflicts=" not in text and 'daemon-config="/etc/edgerev/daemon.yaml"' in text

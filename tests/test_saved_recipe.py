@@ -9,7 +9,7 @@ from edgerev.train.config import FORMAT, RunConfig
 from edgerev.train.data import DataError
 from edgerev.train.labeled import load_source
 from edgerev.train.trainer import train
-from edgerev_daemon.demo import write_images
+from edgerev_daemon.service.demo import write_images
 
 from .test_train import recipe
 

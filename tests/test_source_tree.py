@@ -27,7 +27,7 @@ def test_python_m_edgerev_runs_from_the_source_tree():
 
 def test_the_daemon_folder_is_imported_under_its_installed_name():
     r = run_uninstalled("-c", "import sys; from edgerev.source_tree import import_daemon; assert import_daemon(); "
-                              "import edgerev_daemon.cli; print(edgerev_daemon.__file__)")
+                              "import edgerev_daemon.service.cli; print(edgerev_daemon.__file__)")
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()) == ROOT / "daemon" / "__init__.py"
 

@@ -37,7 +37,7 @@ def target_of(config: str | None):
 
     from edgerev.doctor import Target
     from edgerev_daemon.config import config_from_dict, load_config
-    from edgerev_daemon.jobs import recipe
+    from edgerev_daemon.learning.jobs import recipe
 
     if config is None:
         daemon = config_from_dict(CPU_PRESET)

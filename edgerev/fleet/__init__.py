@@ -1,6 +1,6 @@
 """Federated fine-tuning of a fleet of devices on Flower (``pip install 'edgerev[fleet]'``).
 
-Each device keeps its data and its daemon; a round is a job of that daemon (:mod:`edgerev_daemon.fleet`),
+Each device keeps its data and its daemon; a round is a job of that daemon (:mod:`edgerev_daemon.learning.fleet`),
 and only weights and per-class counts travel. The pieces:
 
 - :mod:`edgerev.fleet.settings`: the run's settings, as Flower's run config carries them;

@@ -1,10 +1,10 @@
 """The fleet's ClientApp: a device's side of each round goes through its daemon.
 
 The ClientApp trains nothing itself. For a ``train`` message it hands the received weights to the
-device's daemon as a federated round (:func:`edgerev_daemon.fleet.train_round`: a job with the device's
+device's daemon as a federated round (:func:`edgerev_daemon.learning.fleet.train_round`: a job with the device's
 own samples, distillation, under its memory cap, checkpointed) and answers with the trained shared
 tensors, the device's sample count and its count per fleet class. For an ``evaluate`` message it hands
-the aggregated model to the daemon's gate (:func:`edgerev_daemon.fleet.consider`) and answers with the
+the aggregated model to the daemon's gate (:func:`edgerev_daemon.learning.fleet.consider`) and answers with the
 held-out accuracy and whether it was promoted. For a ``query`` it answers the names and counts of the
 classes it has. Nothing else leaves the device: no image, no feature, no per-sample label.
 
@@ -35,7 +35,7 @@ from edgerev.fleet import secagg
 from edgerev.fleet.aggregate import as_moments, as_variances
 from edgerev.fleet.settings import FleetSettings
 from edgerev.fleet.strategy import ARRAYS, CONFIG, METRICS
-from edgerev_daemon.fleet import Consideration, FleetError, FleetModel, RoundResult
+from edgerev_daemon.learning.fleet import Consideration, FleetError, FleetModel, RoundResult
 
 log = logging.getLogger("edgerev.fleet.client")
 
@@ -56,29 +56,29 @@ class DeviceLink(Protocol):
 
 
 class DaemonLink:
-    """A daemon held in this process (:class:`edgerev_daemon.service.Daemon`): the simulation, or a
+    """A daemon held in this process (:class:`edgerev_daemon.service.daemon.Daemon`): the simulation, or a
     SuperNode that owns the device's data directory. ``stop`` is polled at every training step."""
 
     def __init__(self, daemon, stop: Callable[[], bool] = lambda: False) -> None:
         self.daemon, self.stop = daemon, stop
 
     def classes(self) -> dict[str, int]:
-        from edgerev_daemon.fleet import label_counts
+        from edgerev_daemon.learning.fleet import label_counts
 
         return label_counts(self.daemon)
 
     def train_round(self, fm: FleetModel) -> RoundResult:
-        from edgerev_daemon.fleet import train_round
+        from edgerev_daemon.learning.fleet import train_round
 
         return train_round(self.daemon, fm, self.stop)
 
     def consider(self, fm: FleetModel) -> Consideration:
-        from edgerev_daemon.fleet import consider
+        from edgerev_daemon.learning.fleet import consider
 
         return consider(self.daemon, fm)
 
     def refused(self, what: str, error: str) -> None:
-        from edgerev_daemon.fleet import refuse
+        from edgerev_daemon.learning.fleet import refuse
 
         refuse(self.daemon, what, error)
 

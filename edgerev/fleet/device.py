@@ -4,7 +4,7 @@ The SuperNode names the device's daemon config in its node config
 (``flower-supernode --node-config 'daemon-config="/etc/edgerev/daemon.yaml"'``). Each message opens that
 data directory as the daemon does (its lock, its recovery), runs the request as a job of it
 (:mod:`edgerev.fleet.client`), and closes it; when the daemon is running, the request is handed to it
-through the data directory (:mod:`edgerev_daemon.handoff`) and its loop runs it between its own jobs.
+through the data directory (:mod:`edgerev_daemon.learning.handoff`) and its loop runs it between its own jobs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from flwr.app import Context
 
 from edgerev.fleet.client import DaemonLink, make_client_app
-from edgerev_daemon.fleet import FleetError
+from edgerev_daemon.learning.fleet import FleetError
 
 NODE_CONFIG_KEY = "daemon-config"
 
@@ -20,7 +20,7 @@ NODE_CONFIG_KEY = "daemon-config"
 class DataDirLink:
     """The daemon of ``config_path``: opened for each request and closed after it, or, when the daemon is
     running (it holds the data directory's lock), asked through the data directory
-    (:mod:`edgerev_daemon.handoff`), waiting at most ``timeout`` seconds for its answer."""
+    (:mod:`edgerev_daemon.learning.handoff`), waiting at most ``timeout`` seconds for its answer."""
 
     HANDOFF = {"classes": "classes", "train_round": "round", "consider": "model", "refused": "refused"}
 
@@ -30,8 +30,8 @@ class DataDirLink:
     def _call(self, name: str, *args):
         from edgerev_daemon.config import load_config
         from edgerev_daemon.errors import LockError
-        from edgerev_daemon.handoff import submit, wait_result
-        from edgerev_daemon.service import Daemon
+        from edgerev_daemon.learning.handoff import submit, wait_result
+        from edgerev_daemon.service.daemon import Daemon
 
         config = load_config(self.config_path)
         try:

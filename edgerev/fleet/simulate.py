@@ -4,7 +4,7 @@ federated through Flower's ServerApp and ClientApp over :class:`edgerev.fleet.gr
 The run, step by step:
 
 1. each device gets ``OUT/<name>/`` (its daemon's data directory and config) and generated images of its
-   own classes in its inbox (:func:`edgerev_daemon.demo.write_images`, one data set, disjoint samples);
+   own classes in its inbox (:func:`edgerev_daemon.service.demo.write_images`, one data set, disjoint samples);
 2. each daemon runs one cycle: ingest, then a job on its own data only (``local_epochs`` epochs): the
    model in service before the fleet, and the *local-only* figure;
 3. the ServerApp runs ``fleet.rounds`` rounds; each device's ClientApp asks its daemon for the round
@@ -162,8 +162,8 @@ class Device:
 
     def open(self, sim: SimulationConfig) -> None:
         from edgerev_daemon.config import load_config
-        from edgerev_daemon.demo import write_images
-        from edgerev_daemon.service import Daemon
+        from edgerev_daemon.service.daemon import Daemon
+        from edgerev_daemon.service.demo import write_images
 
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "daemon.yaml"
@@ -179,7 +179,7 @@ class Device:
     def decision(self, fleet_round: str, current: str | None) -> tuple[str, bool]:
         """What this device's gate decided on the fleet model of ``fleet_round`` and whether it is the model
         in service; a device that did not judge it says why (its last fleet refusal since the last round)."""
-        from edgerev_daemon.records import EventKind
+        from edgerev_daemon.storage.records import EventKind
 
         store = self.daemon.store
         decided = [v for v in store.versions() if v.metrics.get("fleet_round") == fleet_round]
@@ -205,7 +205,7 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
     from edgerev.fleet.client import DaemonLink, make_client_app
     from edgerev.fleet.grid import InProcessGrid
     from edgerev.fleet.server import make_server_app
-    from edgerev_daemon.fleet import local_state, peak_of
+    from edgerev_daemon.learning.fleet import local_state, peak_of
 
     started = time.perf_counter()
     out = Path(out)
@@ -272,7 +272,7 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
             import torch
 
             from edgerev.fleet.aggregate import as_variances
-            from edgerev_daemon.fleet import FleetModel, check_shared, device_model, fleet_info
+            from edgerev_daemon.learning.fleet import FleetModel, check_shared, device_model, fleet_info
 
             current_round["n"] = server_round
             shared = as_variances({k: torch.from_numpy(v.numpy().copy()) for k, v in arrays.items()})

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from edgerev_daemon import DaemonConfig, DataDirLock, Store, config_from_dict, prepare, validate_paths
-from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.storage.blobs import BlobStore
 
 
 class Clock:

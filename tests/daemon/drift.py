@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edgerev_daemon.demo import write_images
+from edgerev_daemon.service.demo import write_images
 
 
 def drifted(image: Tensor, amount: float) -> Tensor:

@@ -64,19 +64,10 @@ def die_at_line(n: int) -> None:
 
 
 def main() -> None:
-    from edgerev_daemon import (
-        DataDirLock,
-        Store,
-        blobs,
-        config_from_dict,
-        confined,
-        ingest_inbox,
-        journal,
-        prepare,
-        store,
-        validate_paths,
-    )
-    from edgerev_daemon import ingest as ingest_mod
+    from edgerev_daemon import DataDirLock, Store, config_from_dict, ingest_inbox, prepare, validate_paths
+    from edgerev_daemon.intake import confined
+    from edgerev_daemon.intake import ingest as ingest_mod
+    from edgerev_daemon.storage import blobs, journal, store
     data_dir, batch_files = sys.argv[1], int(sys.argv[2])
     if len(sys.argv) > 3:
         point, n = sys.argv[3].split(":")

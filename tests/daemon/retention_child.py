@@ -3,7 +3,7 @@
     python retention_child.py DATA_DIR POINT:N
 
 Opens the data directory the way the daemon does (lock, store), finishes what an earlier kill left
-(:func:`~edgerev_daemon.retention.finish_removals`), checks the budget (``storage.max_samples: 60``,
+(:func:`~edgerev_daemon.storage.retention.finish_removals`), checks the budget (``storage.max_samples: 60``,
 ``keep_newest_per_class: 3``) and compacts the journal, sending itself SIGKILL at the N-th time it reaches
 POINT:
 
@@ -28,8 +28,9 @@ from ingest_child import die_at, die_at_line  # noqa: E402
 
 
 def main() -> None:
-    from edgerev_daemon import DataDirLock, Store, blobs, config_from_dict, journal, retention, store
-    from edgerev_daemon.usage import DiskUsage
+    from edgerev_daemon import DataDirLock, Store, config_from_dict
+    from edgerev_daemon.storage import blobs, journal, retention, store
+    from edgerev_daemon.storage.usage import DiskUsage
 
     data_dir, (point, n) = sys.argv[1], sys.argv[2].split(":")
     if point == "line":

@@ -25,9 +25,9 @@ from ingest_child import die_at  # noqa: E402
 
 def main() -> None:
     import edgerev.train.trainer as trainer
-    from edgerev_daemon import registry, store
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
+    from edgerev_daemon.storage import registry, store
 
     if len(sys.argv) > 2:
         point, n = sys.argv[2].split(":")
@@ -38,7 +38,7 @@ def main() -> None:
                   "switched": (registry.Registry, "switch", True),
                   "recorded": (store.Store, "update_version", True)}[point]
         die_at(*target[:2], int(n), target[2])
-    from edgerev_daemon.cli import setup_logging
+    from edgerev_daemon.service.cli import setup_logging
 
     config = load_config(sys.argv[1])
     setup_logging("INFO")

@@ -55,7 +55,10 @@ def in_child(children, what: str, park) -> None:
 def main() -> None:
     import edgerev.train.trainer as trainer
     from edgerev.cli import main as cli
-    from edgerev_daemon import children, exporting, ingest, promote, registry, signals
+    from edgerev_daemon.intake import ingest
+    from edgerev_daemon.learning import children, exporting, promote
+    from edgerev_daemon.service.daemon import signals
+    from edgerev_daemon.storage import registry
 
     config, phase = sys.argv[1], sys.argv[2]
     made = []
@@ -83,7 +86,7 @@ def main() -> None:
 
         setattr(module, name, parked)
 
-    from edgerev_daemon.promote import Decision
+    from edgerev_daemon.learning.promote import Decision
 
     real_judge = promote.judge
     # the gate is told to promote (these tests are about stopping, not judging): every phase is reached

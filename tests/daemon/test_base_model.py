@@ -12,8 +12,8 @@ import torch
 from edgerev.models.resolve import resolve_model
 from edgerev.train.checkpoint import ModelInfo, save_model, save_tensors
 from edgerev_daemon.config import config_from_dict
-from edgerev_daemon.demo import write_images
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.service.demo import write_images
 from tests.daemon.conftest import Clock
 from tests.resolve_factories import TinyNet
 

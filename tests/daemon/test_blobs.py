@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from edgerev_daemon import blobs as blobs_mod
 from edgerev_daemon import ingest_inbox
-from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.storage import blobs as blobs_mod
+from edgerev_daemon.storage.blobs import BlobStore
 
 from .conftest import image_bytes
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from edgerev_daemon.check import check_consistency
 from edgerev_daemon.config import config_from_dict
-from edgerev_daemon.demo import write_images
-from edgerev_daemon.http import format_html, format_metrics
-from edgerev_daemon.records import EventKind
-from edgerev_daemon.retention import enforce
-from edgerev_daemon.service import Daemon
-from edgerev_daemon.status import format_status, status
-from edgerev_daemon.store import Store
-from edgerev_daemon.usage import DiskUsage
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.service.demo import write_images
+from edgerev_daemon.service.http import format_html, format_metrics
+from edgerev_daemon.service.status import format_status, status
+from edgerev_daemon.storage.check import check_consistency
+from edgerev_daemon.storage.records import EventKind
+from edgerev_daemon.storage.retention import enforce
+from edgerev_daemon.storage.store import Store
+from edgerev_daemon.storage.usage import DiskUsage
 from tests.daemon.conftest import Clock
 
 BASE = {
@@ -131,7 +131,7 @@ def test_check_and_rebuild_say_what_only_the_store_holds(tmp_path, capsys):
 def test_a_full_disk_under_a_removal_is_a_condition_that_clears(tmp_path, monkeypatch):
     import errno
 
-    from edgerev_daemon.journal import Journal
+    from edgerev_daemon.storage.journal import Journal
 
     config = config_for(tmp_path, max_samples=30, keep_newest_per_class=2)
     write_images(config.inbox_path, 60, range(2), num_classes=2, size=16)

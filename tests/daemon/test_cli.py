@@ -40,7 +40,7 @@ def test_status_before_the_daemon_ran(tmp_path, capsys):
 
 
 def test_journald_priorities(monkeypatch, capsys):
-    from edgerev_daemon.cli import setup_logging
+    from edgerev_daemon.service.cli import setup_logging
 
     monkeypatch.setenv("JOURNAL_STREAM", "8:12345")
     root = logging.getLogger()
@@ -57,7 +57,7 @@ def test_journald_priorities(monkeypatch, capsys):
 
 def test_once_says_why_no_job_runs_and_exits_1_when_its_job_failed(tmp_path, capsys, monkeypatch):
     from edgerev.errors import EdgerevError
-    from edgerev_daemon import service
+    from edgerev_daemon.service.daemon import daemon as service
     from tests.daemon.conftest import image_bytes, write
 
     config = tmp_path / "d.yaml"

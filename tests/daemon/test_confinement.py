@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from edgerev_daemon import EventKind, ingest_inbox
-from edgerev_daemon import ingest as ingest_mod
+from edgerev_daemon.intake import ingest as ingest_mod
 
 from .conftest import image_bytes
 from .test_hostile_input import snapshot

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from edgerev_daemon import EventKind, Store, check_consistency, config_from_dict, confined, ingest_inbox, remove_garbage
-from edgerev_daemon import ingest as ingest_mod
-from edgerev_daemon.blobs import TMP_MARK, BlobStore
+from edgerev_daemon import EventKind, Store, check_consistency, config_from_dict, ingest_inbox, remove_garbage
+from edgerev_daemon.intake import confined
+from edgerev_daemon.intake import ingest as ingest_mod
+from edgerev_daemon.storage.blobs import TMP_MARK, BlobStore
 
 from .conftest import bomb_png, image_bytes, write
 

@@ -12,10 +12,10 @@ import shutil
 import pytest
 
 from edgerev.cli import main
-from edgerev_daemon.faults import Conditions
-from edgerev_daemon.records import EventKind
-from edgerev_daemon.registry import MANIFEST
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.storage.faults import Conditions
+from edgerev_daemon.storage.records import EventKind
+from edgerev_daemon.storage.registry import MANIFEST
 from tests.daemon.conftest import Clock
 from tests.daemon.test_service import make_config
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgerev_daemon.promote import decide, held_out
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.learning.promote import decide, held_out
+from edgerev_daemon.service.daemon import Daemon
 from tests.daemon.conftest import Clock
 from tests.daemon.drift import drifted, write_drifted
 from tests.daemon.test_service import epochs, make_config
@@ -50,6 +50,6 @@ def test_a_model_that_follows_the_drift_is_promoted_and_the_one_before_it_is_not
         assert ev["heldout_samples"] == {"all": len(held.labels), "recent": sum(held.recent)}
         assert ev["candidate"]["recent"] > ev["current"]["recent"]
         # the model from before the drift, as a candidate against the one that follows it: refused
-        back = decide(d.registry.path("v0001"), d.registry.path("v0002"), held, config.promotion.gate)
+        back = decide(d.registry.path("v0001"), d.registry.path("v0002"), held, config.promotion)
         assert not back.promote and back.reason.startswith(("not better", "worse on the old classes")), back.reason
         assert back.metrics["test"]["recent"]["lost"] > back.metrics["test"]["recent"]["gained"]

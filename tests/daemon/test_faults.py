@@ -12,7 +12,7 @@ import pytest
 from PIL import ImageFile
 
 from edgerev_daemon import EventKind, check_consistency, ingest_inbox
-from edgerev_daemon.images import ImageRejected, normalize
+from edgerev_daemon.intake.images import ImageRejected, normalize
 
 from .conftest import bomb_png, image_bytes, write
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from edgerev_daemon.evidence import p_text
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.learning.evidence import p_text
+from edgerev_daemon.service.daemon import Daemon
 from tests.daemon.conftest import Clock
 from tests.daemon.test_service import SMALL, drop, make_config
 

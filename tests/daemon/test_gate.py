@@ -9,9 +9,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from edgerev_daemon.evidence import Paired, binomial_tail, paired
-from edgerev_daemon.promote import Gate, HeldOut, Scores, comparisons, dead_classes, judge, recent_flags
-from edgerev_daemon.records import Sample, Split
+from edgerev_daemon.config import PromotionConfig
+from edgerev_daemon.learning.evidence import Paired, binomial_tail, paired
+from edgerev_daemon.learning.promote import HeldOut, Scores, comparisons, dead_classes, judge, recent_flags
+from edgerev_daemon.storage.records import Sample, Split
 
 DIGITS = tuple(str(d) for d in range(10))
 
@@ -39,7 +40,7 @@ def test_the_issue_scenario_learns_five_digits_and_loses_two_old_samples():
     spec = {d: (16, 0, 0, 0) for d in "01234"} | {d: (0, 14, 0, 0) for d in "5678"} | {"9": (0, 12, 0, 2)}
     spec["0"], spec["1"] = (15, 0, 1, 0), (15, 0, 1, 0)
     held, cand, cur = build(outcomes(spec), cur_known=tuple("01234"))
-    d = judge(held, cand, cur, Gate())
+    d = judge(held, cand, cur, PromotionConfig())
     assert d.promote, d.reason
     assert d.reason.startswith("better on the recent held-out samples by 44.0 points (68 gained, 2 lost of 150; p = ")
     assert "classes the model in service does not know count as wrong for it" in d.reason
@@ -52,23 +53,23 @@ def test_the_issue_scenario_learns_five_digits_and_loses_two_old_samples():
 def test_a_candidate_that_forgets_twenty_of_eighty_is_refused_with_how_much_and_how_sure():
     spec = {d: (12, 0, 4, 0) for d in "01234"} | {d: (0, 14, 0, 0) for d in "56789"}
     held, cand, cur = build(outcomes(spec), cur_known=tuple("01234"))
-    d = judge(held, cand, cur, Gate())
+    d = judge(held, cand, cur, PromotionConfig())
     assert not d.promote
     assert d.reason.startswith("worse on the old classes by 25.0 points (20 of 80 lost, 0 gained; p = 4.4e-06 <= 0.05 "
                                "that it lost more than the allowed 2.0 points)"), d.reason
-    plain = judge(held, cand, cur, Gate(forgetting_margin=0.0))  # McNemar's own test: 2^-20
+    plain = judge(held, cand, cur, PromotionConfig(forgetting_margin=0.0))  # McNemar's own test: 2^-20
     assert "p = 9.5e-07 <= 0.05 that it lost)" in plain.reason
-    assert judge(held, cand, cur, Gate(forgetting_margin=0.3)).promote  # the owner allows that much
+    assert judge(held, cand, cur, PromotionConfig(forgetting_margin=0.3)).promote  # the owner allows that much
 
 
 def test_a_small_gain_is_not_evidence_and_the_reason_says_so():
     spec = {"a": (40, 3, 1, 6), "b": (45, 0, 0, 5)}
     held, cand, cur = build(outcomes(spec))
-    d = judge(held, cand, cur, Gate())
+    d = judge(held, cand, cur, PromotionConfig())
     assert not d.promote
     assert d.reason == ("not better with confidence on the recent held-out samples: +2.0 points (3 gained, 1 lost of "
                         "100; p = 0.312 > 0.05)")
-    assert judge(held, cand, cur, Gate(alpha=0.5)).promote
+    assert judge(held, cand, cur, PromotionConfig(alpha=0.5)).promote
 
 
 def test_only_recent_samples_are_compared():
@@ -76,40 +77,41 @@ def test_only_recent_samples_are_compared():
     rows = outcomes({"a": (0, 0, 30, 0), "b": (0, 0, 30, 0)}, recent=False)
     rows += outcomes({"a": (5, 20, 0, 5), "b": (5, 20, 0, 5)})
     held, cand, cur = build(rows)
-    d = judge(held, cand, cur, Gate())
+    d = judge(held, cand, cur, PromotionConfig())
     assert d.promote and d.metrics["heldout_samples"] == {"all": 120, "recent": 60}
     assert d.metrics["candidate"]["all"] == 50 / 120 and d.metrics["candidate"]["recent"] == 50 / 60
     everything = build([(label, c, r, True) for label, c, r, _ in rows])
-    assert not judge(*everything, Gate()).promote  # judged on its whole history it would lose
+    assert not judge(*everything, PromotionConfig()).promote  # judged on its whole history it would lose
 
 
 def test_a_known_class_at_zero_is_refused_and_named():
     spec = {"a": (10, 0, 0, 0), "class9": (0, 0, 0, 24)} | {c: (0, 20, 0, 0) for c in "bc"}
     held, cand, cur = build(outcomes(spec), cur_known=("a",))
-    d = judge(held, cand, cur, Gate())
+    d = judge(held, cand, cur, PromotionConfig())
     assert not d.promote and d.reason == ("refused: class class9 at 0 % on its 24 recent held-out samples "
                                           "(promotion.refuse_class_at_zero)")
-    assert judge(held, cand, cur, Gate(refuse_class_at_zero=False)).promote  # configured otherwise
-    assert judge(held, cand, cur, Gate(min_heldout_per_class=25)).promote  # too few samples to judge the class
+    assert judge(held, cand, cur, PromotionConfig(refuse_class_at_zero=False)).promote  # configured otherwise
+    # too few samples to judge the class
+    assert judge(held, cand, cur, PromotionConfig(min_heldout_per_class=25)).promote
     held, cand, _ = build(outcomes({"a": (30, 0, 0, 0), "b": (30, 0, 0, 0), "class9": (0, 0, 0, 6)}))
-    first = judge(held, cand, None, Gate())
+    first = judge(held, cand, None, PromotionConfig())
     assert not first.promote and first.reason == ("first model refused: class class9 at 0 % on its 6 recent held-out "
                                                   "samples (promotion.refuse_class_at_zero)")
 
 
 def test_a_class_the_candidate_does_not_know_is_not_a_dead_class():
     held, cand, _ = build(outcomes({"a": (10, 0, 0, 0), "b": (0, 0, 0, 10)}), cand_known=("a",))
-    assert dead_classes(held, cand, Gate()) == []
+    assert dead_classes(held, cand, PromotionConfig()) == []
 
 
 def test_a_first_model_beats_chance_or_waits():
     held, cand, _ = build(outcomes({"a": (6, 0, 0, 4), "b": (5, 0, 0, 5)}))
-    d = judge(held, cand, None, Gate())
+    d = judge(held, cand, None, PromotionConfig())
     assert d.promote and d.reason == "first model: recent held-out accuracy 0.5500 (chance 0.5000)"
     held, cand, _ = build(outcomes({"a": (5, 0, 0, 5), "b": (5, 0, 0, 5)}))
-    assert judge(held, cand, None, Gate()).reason == ("first model at chance: recent held-out accuracy 0.5000 "
-                                                      "(chance 0.5000)")
-    assert judge(HeldOut((), ()), Scores((), ("a",)), None, Gate()).promote  # nothing held out yet
+    assert judge(held, cand, None, PromotionConfig()).reason == (
+        "first model at chance: recent held-out accuracy 0.5000 (chance 0.5000)")
+    assert judge(HeldOut((), ()), Scores((), ("a",)), None, PromotionConfig()).promote  # nothing held out yet
 
 
 def sample(label: str, at: float, batch: int) -> Sample:
@@ -175,7 +177,7 @@ def scenarios(draw):
 def test_every_decision_follows_the_evidence_and_says_why(scenario, alpha, margin, minimum):
     rows, old = scenario
     held, cand, cur = build(rows, cur_known=old)
-    gate = Gate(alpha=alpha, forgetting_margin=margin, min_heldout_per_class=minimum)
+    gate = PromotionConfig(alpha=alpha, forgetting_margin=margin, min_heldout_per_class=minimum)
     d = judge(held, cand, cur, gate)
     assert d.reason and "\n" not in d.reason
     now, lost = comparisons(held, cand, cur)
@@ -192,17 +194,17 @@ def test_every_decision_follows_the_evidence_and_says_why(scenario, alpha, margi
 
 
 def test_the_fleet_judge_adopts_within_the_evidence_and_refuses_beyond_it():
-    from edgerev_daemon.fleet import fleet_judge
+    from edgerev_daemon.learning.fleet import fleet_judge
 
     # the fleet model knows two more classes; on this device's own classes it loses 2 of 60: within the noise
     spec = {"a": (28, 0, 2, 0), "b": (30, 0, 0, 0), "c": (0, 10, 0, 0), "d": (0, 10, 0, 0)}
     held, cand, cur = build(outcomes(spec), cur_known=("a", "b"))
-    adopt, why = fleet_judge(held, cand, cur, Gate())
+    adopt, why = fleet_judge(held, cand, cur, PromotionConfig())
     assert adopt and why.startswith("fleet model on this device's recent held-out samples: +22.5 points (20 gained, "
                                     "2 lost of 80; p = 1"), why
     held, cand, cur = build(outcomes({"a": (10, 0, 20, 0), "b": (30, 0, 0, 0)}))  # forgets most of a
-    adopt, why = fleet_judge(held, cand, cur, Gate())
+    adopt, why = fleet_judge(held, cand, cur, PromotionConfig())
     assert not adopt and why.startswith("fleet model worse on this device's recent held-out samples by 33.3 points "
                                         "(0 gained, 20 lost of 60; p = "), why
-    first, why = fleet_judge(held, cand, None, Gate())
+    first, why = fleet_judge(held, cand, None, PromotionConfig())
     assert first and why == "fleet model, first in service: recent held-out accuracy 0.6667"

@@ -11,10 +11,10 @@ import yaml
 from edgerev.config import ConfigError
 from edgerev.train.checkpoint import read_info
 from edgerev_daemon.config import config_from_dict
-from edgerev_daemon.jobs import job_data
-from edgerev_daemon.records import Split
-from edgerev_daemon.service import Daemon
-from edgerev_daemon.status import format_status, status
+from edgerev_daemon.learning.jobs import job_data
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.service.status import format_status, status
+from edgerev_daemon.storage.records import Split
 from tests.daemon.conftest import Clock
 from tests.daemon.test_service import SMALL, drop, make_config
 

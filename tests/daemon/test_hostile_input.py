@@ -3,7 +3,7 @@
 Property-based (hypothesis) over names and manifest lines, plus hand-picked cases that name each
 known trap. Every test checks the same invariant: the call returns, every file is accounted for
 (stored, duplicate, quarantined, refused, or skipped because hidden), every recorded name is the
-escaped text of :mod:`edgerev_daemon.names` (it maps back to the original bytes), and nothing outside
+escaped text of :mod:`edgerev_daemon.intake.names` (it maps back to the original bytes), and nothing outside
 the inbox and the data directory changed.
 """
 
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgerev_daemon import EventKind, ingest_inbox
-from edgerev_daemon.manifest import MAX_DEPTH, MAX_LINE
-from edgerev_daemon.names import name_bytes, shown, shown_path
+from edgerev_daemon.intake.manifest import MAX_DEPTH, MAX_LINE
+from edgerev_daemon.intake.names import name_bytes, shown, shown_path
 
 from .conftest import image_bytes, make_config, open_data_dir
 

@@ -20,9 +20,9 @@ import pytest
 from edgerev.train.progress import Progress, write_progress
 from edgerev_daemon import DaemonError, DataDirLock, EventKind, JobState, Store, prepare
 from edgerev_daemon.config import DaemonConfig, HttpConfig
-from edgerev_daemon.http import METRICS_CONTENT_TYPE, StatusServer, escape_label_value, format_metrics
-from edgerev_daemon.records import NewSample
-from edgerev_daemon.status import format_status, status
+from edgerev_daemon.service.http import METRICS_CONTENT_TYPE, StatusServer, escape_label_value, format_metrics
+from edgerev_daemon.service.status import format_status, status
+from edgerev_daemon.storage.records import NewSample
 
 from .conftest import Clock, make_config
 
@@ -329,7 +329,7 @@ def test_a_running_job_shows_its_step_epoch_loss_and_eta(tmp_path):
 def test_the_start_up_line_is_logged_once(config, caplog):
     from types import SimpleNamespace
 
-    from edgerev_daemon.cli import _http
+    from edgerev_daemon.service.cli import _http
 
     with caplog.at_level(logging.INFO):
         server = _http(SimpleNamespace(config=config))
@@ -341,7 +341,7 @@ def test_the_start_up_line_is_logged_once(config, caplog):
 
 
 def test_a_version_judged_before_recent_windows_shows_its_all_time_figure_alone():
-    from edgerev_daemon.status import accuracy_text
+    from edgerev_daemon.service.status import accuracy_text
 
     assert accuracy_text({"heldout_accuracy": 0.9, "recent_heldout_accuracy": None}) == ", held-out accuracy 0.9000"
     assert accuracy_text({"heldout_accuracy": None}) == ""

@@ -12,7 +12,7 @@ import io
 import numpy as np
 import pytest
 
-from edgerev_daemon.images import BACKGROUND, normalize, to_rgb
+from edgerev_daemon.intake.images import BACKGROUND, normalize, to_rgb
 
 SIZE = 8
 

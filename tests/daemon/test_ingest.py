@@ -14,8 +14,8 @@ import torch
 
 from edgerev.train.data import decode_image
 from edgerev_daemon import EventKind, StoreError, check_consistency, ingest_inbox
-from edgerev_daemon import ingest as ingest_mod
-from edgerev_daemon.watch import InboxWatch
+from edgerev_daemon.intake import ingest as ingest_mod
+from edgerev_daemon.intake.watch import InboxWatch
 
 from .conftest import image_bytes
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgerev_daemon import ingest_inbox
-from edgerev_daemon.journal import Journal, JournalRecord
+from edgerev_daemon.storage.journal import Journal, JournalRecord
 
 from .conftest import image_bytes
 

@@ -14,7 +14,7 @@ from edgerev_daemon import DataDirLock, LockError
 
 HOLD = """
 import sys
-from edgerev_daemon.lock import DataDirLock
+from edgerev_daemon.service.lock import DataDirLock
 lock = DataDirLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 sys.stdin.read()  # hold until the test closes stdin or kills us

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgerev_daemon.logs import escape, setup_logging
+from edgerev_daemon.service.logs import escape, setup_logging
 
 # any code point, lone surrogates included (st.text leaves category Cs out by default)
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=80)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from edgerev_daemon.notify import Notifier
+from edgerev_daemon.service.notify import Notifier
 from tests.daemon.conftest import Clock, image_bytes, make_config, write
 
 
@@ -66,7 +66,7 @@ def test_outside_systemd_or_with_a_dead_socket_nothing_fails(tmp_path):
 
 def test_the_daemon_says_ready_status_and_stopping(listener, tmp_path):
     """serve() in this thread (SQLite stays in its thread); a reader thread stops it once a cycle reported."""
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
 
     path, s = listener
     config = make_config(tmp_path)

@@ -13,7 +13,8 @@ import json
 import os
 from pathlib import Path
 
-from edgerev_daemon import EventKind, confined, ingest_inbox
+from edgerev_daemon import EventKind, ingest_inbox
+from edgerev_daemon.intake import confined
 
 from .conftest import image_bytes, make_config, open_data_dir, tmpfs
 

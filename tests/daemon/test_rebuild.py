@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgerev.cli import main
-from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.errors import StoreError
-from edgerev_daemon.registry import Registry
-from edgerev_daemon.service import Daemon
-from edgerev_daemon.store import Store
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.registry import Registry
+from edgerev_daemon.storage.store import Store
 from tests.daemon.conftest import Clock
 from tests.daemon.test_service import drop, make_config
 

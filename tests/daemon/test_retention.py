@@ -23,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgerev_daemon import check_consistency, remove_garbage
-from edgerev_daemon.journal import Journal
-from edgerev_daemon.rebuild import rebuild
-from edgerev_daemon.records import EventKind, NewSample, Sample, Split
-from edgerev_daemon.retention import (
+from edgerev_daemon.storage.journal import Journal
+from edgerev_daemon.storage.rebuild import rebuild
+from edgerev_daemon.storage.records import EventKind, NewSample, Sample, Split
+from edgerev_daemon.storage.retention import (
     choose,
     compact_journal,
     enforce,
@@ -34,8 +34,8 @@ from edgerev_daemon.retention import (
     fits_disk,
     reservoir_key,
 )
-from edgerev_daemon.store import split_of
-from edgerev_daemon.usage import DiskUsage
+from edgerev_daemon.storage.store import split_of
+from edgerev_daemon.storage.usage import DiskUsage
 
 from .conftest import make_config, open_data_dir
 
@@ -82,7 +82,7 @@ def rebuilt(config, tmp_path: Path) -> set[str]:
     (copy / "daemon.lock").unlink(missing_ok=True)
     cfg = make_config(tmp_path, data_dir=str(copy))
     rebuild(cfg)
-    from edgerev_daemon.store import Store
+    from edgerev_daemon.storage.store import Store
 
     with Store(cfg.layout.database) as s:
         return set(s.blob_hashes())
@@ -258,7 +258,7 @@ def test_quarantine_has_its_own_bound_oldest_first(tmp_path):
 
 
 def test_over_bytes_with_only_protected_samples_the_versions_a_rollback_does_not_need_go(tmp_path):
-    from edgerev_daemon.registry import Registry
+    from edgerev_daemon.storage.registry import Registry
 
     config = budget_config(tmp_path, max_bytes="1200KiB", keep_newest_per_class=20, max_quarantine_bytes="4KiB")
     d = open_data_dir(config)
@@ -349,7 +349,7 @@ def test_enough_removals_compact_the_journal_by_themselves(tmp_path):
 
 
 def test_a_sample_removed_then_journaled_again_is_kept():
-    from edgerev_daemon.journal import JournalContents, JournalRecord, Removal
+    from edgerev_daemon.storage.journal import JournalContents, JournalRecord, Removal
 
     r = JournalRecord(1, "a" * 64, "cat", "train", 1, 1, "b" * 64, "cat/1.png", 0.0)
     c = JournalContents(records=[r, r], lines=[r, Removal("a" * 64, "max_bytes", 1.0), r])
@@ -380,7 +380,7 @@ def test_rebuild_keeps_the_job_history_and_events_of_a_readable_store(tmp_path):
     report = rebuild(config, move_aside=True)
     assert report.salvaged == {"jobs": 1, "versions": 0, "events": events} and report.lost_history is None
     assert report.removed == {"max_samples": 38}
-    from edgerev_daemon.store import Store
+    from edgerev_daemon.storage.store import Store
 
     with Store(config.layout.database) as s:
         assert s.get_job(job.id).error == "boom" and len(s.events(limit=10_000)) == events
@@ -412,7 +412,7 @@ def _after_crash(config, d, tmp_path, removing: bool):
 
 
 def test_crash_after_the_journal_before_the_commit(tmp_path, monkeypatch):
-    from edgerev_daemon.store import Store
+    from edgerev_daemon.storage.store import Store
 
     config, d = _over_budget(tmp_path)
     try:

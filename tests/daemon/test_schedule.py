@@ -4,8 +4,8 @@ service, ``once`` and ``status``)."""
 from __future__ import annotations
 
 from edgerev_daemon.config import ScheduleConfig
-from edgerev_daemon.records import JobState
-from edgerev_daemon.schedule import next_job
+from edgerev_daemon.learning.schedule import next_job
+from edgerev_daemon.storage.records import JobState
 from tests.daemon.test_store import sample
 
 

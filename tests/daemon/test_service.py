@@ -16,13 +16,13 @@ import pytest
 import yaml
 
 from edgerev.config import ConfigError
-from edgerev_daemon.check import check_consistency
 from edgerev_daemon.config import config_from_dict
-from edgerev_daemon.demo import write_images
 from edgerev_daemon.errors import LockError
-from edgerev_daemon.records import EventKind, JobState
-from edgerev_daemon.registry import REQUIRED, RegistryError
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.service.demo import write_images
+from edgerev_daemon.storage.check import check_consistency
+from edgerev_daemon.storage.records import EventKind, JobState
+from edgerev_daemon.storage.registry import REQUIRED, RegistryError
 from tests.daemon.conftest import Clock
 from tests.daemon.running import LIMIT, Running
 
@@ -120,7 +120,7 @@ def test_the_schedule_counts_samples_and_time(tmp_path):
 
 
 def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
-    from edgerev_daemon import promote
+    from edgerev_daemon.learning import promote
 
     config, _ = make_config(tmp_path)
     drop(config, 160, range(2))
@@ -146,7 +146,7 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
 
 
 def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatch):
-    from edgerev_daemon import registry
+    from edgerev_daemon.storage import registry
 
     config, _ = make_config(tmp_path, promotion={"alpha": 0.5, "forgetting_margin": 1.0, "keep_last": 3})
     drop(config, 160, range(2))
@@ -203,8 +203,8 @@ def _child(config_path: Path, point: str | None = None) -> subprocess.CompletedP
 
 
 def _invariants(config, samples: int) -> None:
-    from edgerev_daemon.blobs import BlobStore
-    from edgerev_daemon.store import Store
+    from edgerev_daemon.storage.blobs import BlobStore
+    from edgerev_daemon.storage.store import Store
 
     with Store(config.layout.database) as s:
         assert s.count_samples() == samples
@@ -294,7 +294,7 @@ def test_run_reloads_on_sighup_and_stops_on_sigterm_with_a_checkpoint(tmp_path):
 
 def test_presets_are_valid():
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.jobs import check_training
+    from edgerev_daemon.learning.jobs import check_training
 
     presets = sorted((Path(__file__).parents[2] / "configs" / "daemon").glob("*.yaml"))
     assert {p.stem for p in presets} >= {"gtx750", "jetson", "cpu"}

@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from edgerev_daemon import EventKind, confined, ingest_inbox
-from edgerev_daemon.status import format_status, status
-from edgerev_daemon.watch import InboxWatch
+from edgerev_daemon import EventKind, ingest_inbox
+from edgerev_daemon.intake import confined
+from edgerev_daemon.intake.watch import InboxWatch
+from edgerev_daemon.service.status import format_status, status
 
 from .conftest import image_bytes
 
@@ -135,7 +136,7 @@ def test_a_real_folder_without_permission(datadir):
 
 
 def test_a_daemons_first_cycle_waits_once_then_polls_observe(tmp_path):
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
 
     from .test_service import drop
     from .test_service import make_config as service_config

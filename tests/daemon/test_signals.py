@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from edgerev_daemon.service import CycleReport, Daemon
-from edgerev_daemon.signals import Requests, Wakeup, handling
+from edgerev_daemon.service.daemon import CycleReport, Daemon
+from edgerev_daemon.service.signals import Requests, Wakeup, handling
 from tests.daemon.conftest import Clock
 from tests.daemon.running import LIMIT, Running
 from tests.daemon.test_service import drop, epochs, make_config
@@ -59,7 +59,7 @@ def test_handlers_are_restored_and_sighup_can_be_ignored_after():
     not be where the signal lands."""
     code = """
 import os, signal
-from edgerev_daemon.signals import Requests, handling
+from edgerev_daemon.service.signals import Requests, handling
 before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
 r = Requests()
 with handling({signal.SIGTERM: r.ask_stop, signal.SIGHUP: r.ask_reload}, ignore_after=(signal.SIGHUP,)):
@@ -80,7 +80,7 @@ def test_a_signal_landing_in_a_thread_started_before_still_wakes_the_loop_at_onc
     signal is sent once the main thread sleeps in the wait (read from /proc), to the bystander itself."""
     code = f"""
 import signal, threading, time
-from edgerev_daemon.signals import Requests, handling
+from edgerev_daemon.service.signals import Requests, handling
 main = threading.get_native_id()
 
 def asleep() -> bool:
@@ -145,7 +145,7 @@ def test_a_burst_of_sighup_is_one_reload(tmp_path, monkeypatch, caplog):
 
 
 def test_sigterm_during_ingest_stops_between_batches(tmp_path, monkeypatch):
-    from edgerev_daemon import store
+    from edgerev_daemon.storage import store
 
     config, _ = make_config(tmp_path, ingest={"settle_seconds": 0.0, "batch_files": 5})
     drop(config, 40, range(2))

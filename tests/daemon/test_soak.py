@@ -12,8 +12,8 @@ from edgerev.train.checkpoint import load_model
 from edgerev.train.config import SourceConfig
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages, load_source
-from edgerev_daemon.check import check_consistency
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.storage.check import check_consistency
 from tests.daemon.conftest import Clock
 from tests.daemon.test_service import drop, make_config
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from edgerev_daemon.check import check_consistency
 from edgerev_daemon.errors import Stopped
-from edgerev_daemon.exporting import export
-from edgerev_daemon.records import JobState
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.learning.exporting import export
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.storage.check import check_consistency
+from edgerev_daemon.storage.records import JobState
 from tests.daemon.conftest import Clock
 from tests.daemon.running import Running
 from tests.daemon.test_service import SMALL, assert_current_complete, drop, make_config
@@ -161,7 +161,7 @@ PARKED = "import sys; print('parked', file=sys.stderr, flush=True); sys.stdin.re
 
 
 def _parked(monkeypatch, code: str = PARKED) -> None:
-    from edgerev_daemon import exporting
+    from edgerev_daemon.learning import exporting
 
     monkeypatch.setattr(exporting, "command", lambda run_dir, out, threads: [sys.executable, "-c", code])
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from edgerev_daemon import faults
-from edgerev_daemon import service as service_mod
-from edgerev_daemon.blobs import BlobStore
-from edgerev_daemon.check import check_consistency
-from edgerev_daemon.journal import Journal
-from edgerev_daemon.records import EventKind
-from edgerev_daemon.service import Daemon
-from edgerev_daemon.status import status
-from edgerev_daemon.store import Store
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.service.daemon import daemon as service_mod
+from edgerev_daemon.service.status import status
+from edgerev_daemon.storage import faults
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.check import check_consistency
+from edgerev_daemon.storage.journal import Journal
+from edgerev_daemon.storage.records import EventKind
+from edgerev_daemon.storage.store import Store
 from tests.daemon.conftest import Clock, tmpfs
 from tests.daemon.test_service import drop, make_config
 

@@ -9,8 +9,8 @@ import sqlite3
 import pytest
 
 from edgerev_daemon import EventKind, JobState, Split, Store, StoreError, split_of
-from edgerev_daemon import schema as schema_mod
-from edgerev_daemon.records import NewSample
+from edgerev_daemon.storage import schema as schema_mod
+from edgerev_daemon.storage.records import NewSample
 
 from .conftest import Clock
 

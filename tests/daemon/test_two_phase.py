@@ -13,8 +13,8 @@ from edgerev.train.data import SyntheticImages
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages
 from edgerev_daemon.config import config_from_dict
-from edgerev_daemon.demo import write_images
-from edgerev_daemon.service import Daemon
+from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.service.demo import write_images
 from tests.daemon.conftest import Clock
 
 CLASSES, SIZE = 6, 16

@@ -10,7 +10,7 @@ from edgerev.fleet.client import make_client_app
 from edgerev.fleet.grid import InProcessGrid
 from edgerev.fleet.server import make_server_app
 from edgerev.fleet.settings import FleetSettings
-from edgerev_daemon.fleet import Consideration, RoundResult
+from edgerev_daemon.learning.fleet import Consideration, RoundResult
 
 #: node id -> the classes of that device
 CLASSES = {2: ["class0", "class1"], 3: ["class1", "class2"]}

@@ -1,6 +1,6 @@
 """A device adopts a fleet model through its real gate: one that knows more classes and keeps the device's
 own is promoted, one that forgets the device's classes is refused with the evidence (a real daemon, real
-training, real held-out samples, :func:`edgerev_daemon.fleet.consider`)."""
+training, real held-out samples, :func:`edgerev_daemon.learning.fleet.consider`)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import yaml
 
 pytest.importorskip("flwr")
 
-from edgerev_daemon.fleet import FleetModel, consider  # noqa: E402
+from edgerev_daemon.learning.fleet import FleetModel, consider  # noqa: E402
 
 ARGS = {"width": 8, "blocks": [1, 1, 1, 1, 1]}
 FLEET = ("class0", "class1", "class2")
@@ -18,8 +18,8 @@ FLEET = ("class0", "class1", "class2")
 def device(tmp_path_factory):
     """A device with classes 0 and 1 and a local model in service (its first job)."""
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.demo import write_images
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
+    from edgerev_daemon.service.demo import write_images
 
     tmp = tmp_path_factory.mktemp("adopt")
     path = tmp / "daemon.yaml"
@@ -77,7 +77,7 @@ def _statistics(state) -> dict:
 def test_a_round_at_the_fleets_statistics_trains_at_them_and_sends_what_the_device_measures(device):
     from dataclasses import replace
 
-    from edgerev_daemon.fleet import local_state, measure_norms, train_round
+    from edgerev_daemon.learning.fleet import local_state, measure_norms, train_round
 
     fm = replace(_fleet_model(device, "2/2", lambda h: torch.cat([h, h.mean(0, keepdim=True)])),
                  norms_measured=True, lr=0.01)

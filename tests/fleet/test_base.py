@@ -1,5 +1,5 @@
 """A fleet that starts from a base model: the server's first parameters and every device's first round are the
-base's weights (edgerev_daemon.fleet.fleet_model), its classifier sized to the fleet's classes."""
+base's weights (edgerev_daemon.learning.fleet.fleet_model), its classifier sized to the fleet's classes."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from edgerev.config import ConfigError  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
 from edgerev.train.checkpoint import load_model  # noqa: E402
-from edgerev_daemon.fleet import (  # noqa: E402
+from edgerev_daemon.learning.fleet import (  # noqa: E402
     FleetError,
     FleetModel,
     check_shared,
@@ -175,9 +175,9 @@ def test_the_settings_take_any_model_source_and_read_the_weights_back(base):
 
 def test_a_device_daemon_trains_its_first_round_from_the_base(base, tmp_path):
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.demo import write_images
-    from edgerev_daemon.fleet import train_round
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.learning.fleet import train_round
+    from edgerev_daemon.service.daemon import Daemon
+    from edgerev_daemon.service.demo import write_images
 
     path, want = base
     config_path = tmp_path / "daemon.yaml"

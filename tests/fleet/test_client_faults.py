@@ -15,7 +15,7 @@ from edgerev.fleet.client import DaemonLink, make_client_app  # noqa: E402
 from edgerev.fleet.grid import InProcessGrid  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
-from edgerev_daemon.records import EventKind  # noqa: E402
+from edgerev_daemon.storage.records import EventKind  # noqa: E402
 
 SETTINGS = FleetSettings(rounds=1, sharing="head", arch="revnext", model_args={"width": 8, "blocks": [1, 1, 1, 1, 1]},
                          image_size=16, min_devices=1)
@@ -24,8 +24,8 @@ SETTINGS = FleetSettings(rounds=1, sharing="head", arch="revnext", model_args={"
 @pytest.fixture
 def device(tmp_path):
     from edgerev_daemon.config import config_from_dict
-    from edgerev_daemon.demo import write_images
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
+    from edgerev_daemon.service.demo import write_images
 
     config = config_from_dict({"data_dir": str(tmp_path / "dev"), "image_size": 16, "ingest": {"settle_seconds": 0},
                                "schedule": {"min_new_samples": 100000}, "storage": {"min_free_space": 0},

@@ -95,8 +95,8 @@ def _device(root: Path, name: str, classes: list[int], start: int) -> Path:
     import yaml
 
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.demo import write_images
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
+    from edgerev_daemon.service.demo import write_images
 
     d = root / name
     d.mkdir(parents=True)
@@ -174,7 +174,7 @@ def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model(tmp_path,
             p.stop()
     seconds = time.monotonic() - started
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
 
     for cfg in configs:
         with Daemon(load_config(cfg)) as daemon:

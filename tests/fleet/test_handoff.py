@@ -1,4 +1,4 @@
-"""Fleet requests handed to a running daemon through its data directory (edgerev_daemon.handoff).
+"""Fleet requests handed to a running daemon through its data directory (edgerev_daemon.learning.handoff).
 
 The daemon here is "running": this process holds its data directory (the lock), so a ClientApp's link
 cannot open it and writes its request instead; the daemon's next cycle carries it out and answers.
@@ -15,8 +15,8 @@ pytest.importorskip("flwr")
 from edgerev.fleet.device import DataDirLink  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
-from edgerev_daemon.fleet import FleetError, FleetModel, label_counts  # noqa: E402
-from edgerev_daemon.handoff import requests_dir, serve_requests, submit, wait_result  # noqa: E402
+from edgerev_daemon.learning.fleet import FleetError, FleetModel, label_counts  # noqa: E402
+from edgerev_daemon.learning.handoff import requests_dir, serve_requests, submit, wait_result  # noqa: E402
 
 ARGS = {"width": 8, "blocks": [1, 1, 1, 1, 1]}
 SETTINGS = FleetSettings(rounds=1, sharing="head+last", arch="revnext", model_args=ARGS, image_size=16)
@@ -25,8 +25,8 @@ SETTINGS = FleetSettings(rounds=1, sharing="head+last", arch="revnext", model_ar
 @pytest.fixture
 def running(tmp_path):
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.demo import write_images
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
+    from edgerev_daemon.service.demo import write_images
 
     path = tmp_path / "daemon.yaml"
     path.write_text(yaml.safe_dump({
@@ -128,7 +128,7 @@ def test_requests_results_and_the_local_copy_are_fsynced_before_and_after_their_
 
 
 def test_the_previous_local_copy_is_read_between_the_two_renames(running):
-    from edgerev_daemon.fleet import local_state
+    from edgerev_daemon.learning.fleet import local_state
 
     _, daemon = running
     root = daemon.config.layout.root

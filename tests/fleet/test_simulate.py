@@ -12,9 +12,9 @@ pytest.importorskip("flwr")
 
 from edgerev.cli import main  # noqa: E402
 from edgerev_daemon.config import load_config  # noqa: E402
-from edgerev_daemon.fleet import CANDIDATE_PREFIX, JOB_PREFIX  # noqa: E402
-from edgerev_daemon.records import JobState  # noqa: E402
-from edgerev_daemon.store import Store  # noqa: E402
+from edgerev_daemon.learning.fleet import CANDIDATE_PREFIX, JOB_PREFIX  # noqa: E402
+from edgerev_daemon.storage.records import JobState  # noqa: E402
+from edgerev_daemon.storage.store import Store  # noqa: E402
 
 PRESET = """\
 fleet: {rounds: 2, sharing: all, local_epochs: 1, arch: revnext, image_size: 16, min_devices: 2,

@@ -3,10 +3,10 @@
 The export (``torch.onnx.export``'s dynamo exporter, then the check with ONNX Runtime) is one call of
 several seconds that no stop flag can reach: 6-10 s for the CPU preset's model on one thread here, more
 on a slower device, beyond the few seconds a SIGTERM may take. So it runs in a child process
-(:mod:`edgerev_daemon.children`), ``python -m edgerev_daemon.exporting RUN_DIR OUT``. Nothing is lost that
-matters when it is killed: the decision to promote is recorded before, the file is written atomically,
-and the next start exports again. The price is the child's start: importing torch, ONNX and ONNX Runtime,
-about 3 s per promotion here.
+(:mod:`edgerev_daemon.learning.children`), ``python -m edgerev_daemon.learning.exporting RUN_DIR OUT``.
+Nothing is lost that matters when it is killed: the decision to promote is recorded before, the file is
+written atomically, and the next start exports again. The price is the child's start: importing torch, ONNX
+and ONNX Runtime, about 3 s per promotion here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edgerev.errors import ExportError
-from edgerev_daemon import children
+from edgerev_daemon.learning import children
 
 RESULT = "export.json"  # beside the ONNX file: the child's result
 LOG = "export.log"  # the child's standard error, read back when it fails
@@ -26,7 +26,7 @@ LOG = "export.log"  # the child's standard error, read back when it fails
 
 def command(run_dir: Path, out: Path, threads: int | None) -> list[str]:
     """The child's command line."""
-    cmd = [sys.executable, "-m", "edgerev_daemon.exporting", str(run_dir), str(out)]
+    cmd = [sys.executable, "-m", "edgerev_daemon.learning.exporting", str(run_dir), str(out)]
     return cmd + (["--threads", str(threads)] if threads else [])
 
 
@@ -53,7 +53,7 @@ def export(run_dir: Path, out: Path, stop: Callable[[], bool], threads: int | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m edgerev_daemon.exporting", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m edgerev_daemon.learning.exporting", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--threads", type=int)

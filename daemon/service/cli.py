@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from edgerev.exits import PARTIAL as EXIT_PARTIAL
-from edgerev_daemon.logs import setup_logging
-from edgerev_daemon.signals import Requests, handling
+from edgerev_daemon.service.logs import setup_logging
+from edgerev_daemon.service.signals import Requests, handling
 
 __all__ = ["add_parser", "setup_logging"]
 
@@ -22,7 +22,7 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
 
     # handlers first: a signal during the start (reading the config, recovery) is kept for the loop
     # instead of killing the process with the default action
@@ -51,13 +51,13 @@ def _serve(daemon, poll: float) -> None:
 def _http(daemon):
     if not daemon.config.http.enabled:
         return None
-    from edgerev_daemon.http import StatusServer
+    from edgerev_daemon.service.http import StatusServer
 
     return StatusServer(daemon.config).start()  # which logs the one "status page on" line
 
 
 def cmd_once(args: argparse.Namespace) -> int:
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
 
     config = _config(args)
     setup_logging(config.log_level if not args.json else "WARNING")
@@ -85,7 +85,7 @@ def cmd_once(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from edgerev_daemon.status import format_status, status
+    from edgerev_daemon.service.status import format_status, status
 
     s = status(_config(args), events=args.events)
     print(json.dumps(s, indent=2) if args.json else format_status(s))
@@ -93,7 +93,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    from edgerev_daemon.service import Daemon
+    from edgerev_daemon.service.daemon import Daemon
 
     config = _config(args)
     setup_logging(config.log_level)
@@ -108,12 +108,12 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from edgerev_daemon.blobs import BlobStore
-    from edgerev_daemon.check import check_consistency
     from edgerev_daemon.errors import DaemonError, StoreError
-    from edgerev_daemon.rebuild import evidence, store_state
-    from edgerev_daemon.registry import Registry
-    from edgerev_daemon.store import Store
+    from edgerev_daemon.storage.blobs import BlobStore
+    from edgerev_daemon.storage.check import check_consistency
+    from edgerev_daemon.storage.rebuild import evidence, store_state
+    from edgerev_daemon.storage.registry import Registry
+    from edgerev_daemon.storage.store import Store
 
     config = _config(args)
     why = store_state(config.layout.database)
@@ -149,8 +149,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from edgerev_daemon.lock import DataDirLock
-    from edgerev_daemon.rebuild import rebuild
+    from edgerev_daemon.service.lock import DataDirLock
+    from edgerev_daemon.storage.rebuild import rebuild
 
     config = _config(args)
     setup_logging("WARNING" if args.json else config.log_level)
@@ -178,7 +178,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from edgerev_daemon.demo import run_demo
+    from edgerev_daemon.service.demo import run_demo
 
     setup_logging("WARNING")
     return run_demo(Path(args.dir), images=args.images)

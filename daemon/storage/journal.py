@@ -9,7 +9,7 @@ from, its split, the ingest batch it arrived in) is also written here, one JSON 
 
 so that ``edgerev daemon rebuild`` can recreate the store from this file and the blobs (like git's
 objects and index) when the store is lost, emptied or damaged. A sample the retention policy removes
-(:mod:`edgerev_daemon.retention`) gets a line of its own, ``{"removed": "<sha256>", "why": "policy",
+(:mod:`edgerev_daemon.storage.retention`) gets a line of its own, ``{"removed": "<sha256>", "why": "policy",
 "at": ...}``; the sample is gone from the journal's view from that line on (a later record of the same
 hash, the file dropped again, brings it back).
 
@@ -20,7 +20,7 @@ Removal, in the order of one batch of removals (the mirror of ingest):
 
 A crash before step 1 changes nothing. Between 1 and 2 the journal says *removed* while the store still
 holds the rows: the decision is made, and the next start finishes it (rows, then blobs:
-:func:`edgerev_daemon.retention.finish_removals`); ``check`` reports those samples as *removing*, not as
+:func:`edgerev_daemon.storage.retention.finish_removals`); ``check`` reports those samples as *removing*, not as
 a problem, and ``rebuild`` leaves them out, so the two agree. Between 2 and 3 the blobs are orphans
 that neither the store nor the journal names: garbage, deleted at the next start.
 
@@ -33,7 +33,7 @@ fall between the read and the rename.
 
 Crash safety, in the order of one ingest batch:
 
-1. the batch's blobs are made durable (:meth:`~edgerev_daemon.blobs.BlobStore.sync`);
+1. the batch's blobs are made durable (:meth:`~edgerev_daemon.storage.blobs.BlobStore.sync`);
 2. inside the SQLite transaction, before its ``COMMIT``, the batch's lines are appended with one
    ``write`` and ``fsync``-ed (:meth:`Journal.append`); if that fails the transaction rolls back and
    the journal is cut back to its old length, so a failed write leaves no partial line;
@@ -96,7 +96,7 @@ class JournalRecord:
 
 @dataclass(frozen=True)
 class Removal:
-    """A sample removed (``why``: a :class:`~edgerev_daemon.records.RemovalReason` value) at ``at``."""
+    """A sample removed (``why``: a :class:`~edgerev_daemon.storage.records.RemovalReason` value) at ``at``."""
 
     removed: str
     why: str
@@ -198,7 +198,7 @@ class Journal:
         fsync_dir(self.path.parent)
 
     def header(self) -> dict:
-        """The first line alone (cheap: what :func:`edgerev_daemon.retention.compact_journal` asks at every
+        """The first line alone (cheap: what :func:`edgerev_daemon.storage.retention.compact_journal` asks at every
         removal); empty when missing or not a header."""
         try:
             with open(self.path, "rb") as f:
@@ -211,7 +211,7 @@ class Journal:
         """Rewrite the journal as the samples it holds now (see the module's docstring for why a crash at
         any point leaves an equivalent journal); returns its size in bytes before and after. Lines that
         did not parse are kept out, as :meth:`read` already ignores them. Call it only when the store
-        holds none of the removed samples (:func:`edgerev_daemon.retention.compact_journal` sees to it):
+        holds none of the removed samples (:func:`edgerev_daemon.storage.retention.compact_journal` sees to it):
         afterwards the journal no longer says they were removed.
 
         Args:

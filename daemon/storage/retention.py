@@ -24,7 +24,7 @@ a cycle's ingest, a job's checkpoints and the version it writes; above the budge
    is an even sample of its whole history (nested: a smaller budget keeps a subset of what a larger one
    keeps). The choice is a pure function of the store, so a removal cut short by a crash is chosen again.
 
-Crash safety is the journal's (see :mod:`edgerev_daemon.journal`): the removal lines are fsynced inside the
+Crash safety is the journal's (see :mod:`edgerev_daemon.storage.journal`): the removal lines are fsynced inside the
 transaction that deletes the rows, the blobs go after its commit; :func:`finish_removals` completes at start
 what a crash cut short. Every removal is counted by reason in the store (``status``) and explained by a
 ``removed`` event (how many, of which labels, why, the bytes before and the budget).
@@ -44,15 +44,15 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
-from edgerev_daemon.faults import free_bytes
-from edgerev_daemon.journal import JournalContents, Removal
-from edgerev_daemon.quarantine import SIDECAR
-from edgerev_daemon.records import EventKind, RemovalReason, Sample, Split
-from edgerev_daemon.registry import Registry
-from edgerev_daemon.store import Store
-from edgerev_daemon.usage import DiskUsage, Usage, shared
+from edgerev_daemon.layout import SIDECAR
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.faults import free_bytes
+from edgerev_daemon.storage.journal import JournalContents, Removal
+from edgerev_daemon.storage.records import EventKind, RemovalReason, Sample, Split
+from edgerev_daemon.storage.registry import Registry
+from edgerev_daemon.storage.store import Store
+from edgerev_daemon.storage.usage import DiskUsage, Usage, shared
 
 log = logging.getLogger("edgerev.daemon")
 
@@ -61,8 +61,8 @@ _PASSES = 4
 
 
 def reservoir_key(sha256: str) -> float:
-    """A sample's place in the hash space, in [0, 1) (the bytes after those :func:`~edgerev_daemon.store.split_of`
-    reads, so reservoir and split are independent)."""
+    """A sample's place in the hash space, in [0, 1) (the bytes after those
+    :func:`~edgerev_daemon.storage.store.split_of` reads, so reservoir and split are independent)."""
     return int(sha256[8:16], 16) / _HASH_SPAN
 
 
@@ -254,7 +254,7 @@ def _blob_bytes(blobs: BlobStore, key: str) -> int:
 
 def finish_removals(store: Store, blobs: BlobStore, contents: JournalContents | None = None) -> int:
     """Complete removals a crash cut short: rows the journal says were removed go, then their blobs
-    (blobs of removals already committed are orphans, for :func:`~edgerev_daemon.check.remove_garbage`).
+    (blobs of removals already committed are orphans, for :func:`~edgerev_daemon.storage.check.remove_garbage`).
     Returns how many rows went."""
     contents = contents if contents is not None else store.journal.read()
     removed = contents.removed()
@@ -281,7 +281,7 @@ def compact_journal(store: Store, min_removed: int = 256, force: bool = False) -
 
     Finishes no removal itself: when the store still holds a sample the journal says was removed (a commit
     that did not come), it leaves the journal alone, as a compacted journal would no longer say so (see
-    :meth:`edgerev_daemon.journal.Journal.compact`); the next start finishes that removal."""
+    :meth:`edgerev_daemon.storage.journal.Journal.compact`); the next start finishes that removal."""
     if not store.journal.exists():
         return None
     header = store.journal.header().get("removed")

@@ -5,7 +5,7 @@ request instead, ``DATA_DIR/fleet/requests/<id>.request/`` (``meta.json``: what 
 model's description; ``shared.safetensors``: the tensors), complete before its folder gets its final name
 (written as ``.<id>.tmp``, every file and the folder fsynced, then renamed and the parent fsynced: the
 daemon never sees half a request, even after a power cut). The daemon's loop takes
-each request at its next cycle (:func:`serve_requests`, from :meth:`edgerev_daemon.service.Daemon.cycle`)
+each request at its next cycle (:func:`serve_requests`, from :meth:`edgerev_daemon.service.daemon.Daemon.cycle`)
 as a job of its own, writes ``<id>.result/`` the same way (``meta.json``, and ``shared.safetensors``
 for a round), and removes the request. The ClientApp waits for the result folder (:func:`wait_result`),
 reads it and removes it. A daemon killed in the middle of a request takes it again at its next start:
@@ -27,7 +27,7 @@ from pathlib import Path
 from edgerev.atomic import atomic_write, fsync_dir
 from edgerev.errors import EdgerevError
 from edgerev.train.checkpoint import load_tensors, save_tensors
-from edgerev_daemon.fleet import Consideration, FleetError, FleetModel, RoundResult
+from edgerev_daemon.learning.fleet import Consideration, FleetError, FleetModel, RoundResult
 
 log = logging.getLogger("edgerev.daemon.fleet")
 
@@ -114,7 +114,7 @@ def _model(meta: dict, tensors: dict | None) -> FleetModel:
 
 def serve_requests(daemon, stop=lambda: False) -> int:
     """Carry out every request waiting in the daemon's data directory, oldest first; returns how many."""
-    from edgerev_daemon import fleet
+    from edgerev_daemon.learning import fleet
 
     folder = requests_dir(daemon.config.layout.root)
     if not folder.is_dir():

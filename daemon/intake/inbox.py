@@ -4,7 +4,7 @@ Two ways to drop images:
 
 - ``inbox/<label>/<any sub-folders>/<file>``: the label is the top-level folder's name.
 - ``inbox/<name>.jsonl``: one ``{"path": ..., "label": ...}`` object per line (see
-  :mod:`edgerev_daemon.manifest` for what a line may hold); ``path`` is relative to the inbox and must
+  :mod:`edgerev_daemon.intake.manifest` for what a line may hold); ``path`` is relative to the inbox and must
   stay inside it (no ``..``, not absolute, no symbolic link on the way, not a link itself). Such an
   entry is *refused*: recorded with its reason, and nothing it names is touched. Put a manifest's
   files in a hidden folder (``inbox/.upload-1/``), which the folder scan skips, and write the
@@ -13,14 +13,14 @@ Two ways to drop images:
 Names starting with ``.`` are skipped everywhere (the usual mark of a file still being written: write
 ``.x.png``, then rename it to ``x.png``), and so is a file that has not yet settled (its size and
 modification time unchanged for ``settle_seconds`` by the daemon's clock, see
-:mod:`edgerev_daemon.watch`); both are picked up by a later scan. A file directly in the inbox (not a
+:mod:`edgerev_daemon.intake.watch`); both are picked up by a later scan. A file directly in the inbox (not a
 manifest) has no label and is quarantined. A folder that cannot be listed, or lies deeper than
 :data:`MAX_DEPTH`, is reported (:attr:`Scan.problems`) and skipped.
 
-The scan walks folders by descriptor without following links (:mod:`edgerev_daemon.confined`) and
+The scan walks folders by descriptor without following links (:mod:`edgerev_daemon.intake.confined`) and
 keeps each file's path as its components, the names exactly as the file system gives them; what is
-recorded is their :func:`~edgerev_daemon.names.shown` form. The scan only lists;
-:mod:`edgerev_daemon.ingest` decides what happens to each file.
+recorded is their :func:`~edgerev_daemon.intake.names.shown` form. The scan only lists;
+:mod:`edgerev_daemon.intake.ingest` decides what happens to each file.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edgerev_daemon import confined
-from edgerev_daemon.confined import NotConfined
-from edgerev_daemon.manifest import Entry, LineRefused, lines, parse_line
-from edgerev_daemon.names import shown, shown_path
-from edgerev_daemon.watch import InboxWatch
+from edgerev_daemon.intake import confined
+from edgerev_daemon.intake.confined import NotConfined
+from edgerev_daemon.intake.manifest import Entry, LineRefused, lines, parse_line
+from edgerev_daemon.intake.names import shown, shown_path
+from edgerev_daemon.intake.watch import InboxWatch
 
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 LABEL_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
@@ -221,7 +221,7 @@ def scan_inbox(root_fd: int, now: float, settle_seconds: float, max_manifest_byt
     """List the inbox open as ``root_fd`` (sorted, so runs are reproducible).
 
     Args:
-        now: the daemon's clock, for settling (see :mod:`edgerev_daemon.watch`).
+        now: the daemon's clock, for settling (see :mod:`edgerev_daemon.intake.watch`).
         seen: whether a file from this inbox path was already stored or quarantined; a manifest
             entry whose file is gone is silently done when it was, refused when it was not.
         watch: what earlier scans saw (a fresh one when ``None``: nothing settles but with

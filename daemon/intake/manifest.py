@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from edgerev_daemon.names import shown
+from edgerev_daemon.intake.names import shown
 
 MAX_LINE = 4096
 MAX_DEPTH = 16

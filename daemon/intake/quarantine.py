@@ -4,13 +4,13 @@ The sidecar (reason, time, the file's path in the inbox) is written first, then 
 into place (a hard link: the same file under a second name), then its inbox name removed. A crash
 between the steps leaves a reason with no file, or the file under both names; the next scan rejects
 it again, into the same name (recognized by its inode), and finishes. Link and removal go from the
-inbox folder's descriptor (reached without following links, :mod:`edgerev_daemon.confined`) to the
+inbox folder's descriptor (reached without following links, :mod:`edgerev_daemon.intake.confined`) to the
 quarantine's: a symbolic link is moved as the link, and what it points to is never touched. A link
 rather than a rename because a folder cannot be linked and ``unlink`` never removes one: a label
 folder swapped in for the very name being moved, at any instant, stays where it is. The inode is
 checked before the link and after it (what was linked is what was judged).
 
-``NAME`` is the file's recorded name (:func:`~edgerev_daemon.names.shown`: valid UTF-8, no control
+``NAME`` is the file's recorded name (:func:`~edgerev_daemon.intake.names.shown`: valid UTF-8, no control
 characters), cut to :data:`MAX_NAME` bytes with a hash of the whole name when it is longer, so that
 ``NAME.reason.json`` and the temporary names fit any file system however long the original was.
 
@@ -33,11 +33,10 @@ import stat
 from pathlib import Path
 
 from edgerev.atomic import atomic_write
-from edgerev_daemon import confined
-from edgerev_daemon.layout import make_dirs
-from edgerev_daemon.names import shown, shown_path
+from edgerev_daemon.intake import confined
+from edgerev_daemon.intake.names import shown, shown_path
+from edgerev_daemon.layout import SIDECAR, make_dirs
 
-SIDECAR = ".reason.json"
 REJECTED_PREFIX = ".rejected-"
 MAX_NAME = 160  # bytes: leaves room for the sidecar suffix and temporary prefixes under NAME_MAX (255)
 

@@ -18,8 +18,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from edgerev_daemon.config import DaemonConfig, ScheduleConfig
-from edgerev_daemon.records import JobState, Split
-from edgerev_daemon.store import Store
+from edgerev_daemon.storage.records import JobState, Split
+from edgerev_daemon.storage.store import Store
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def held_back(store: Store, upto_batch: int | None, minimum: int) -> dict[str, i
 
     Such a label is not trained as a class (a class of one sample teaches the head nothing but that
     sample) and its held-out samples are not judged; it waits, reported, until enough arrive, and is
-    then trained on every sample it has (see :func:`edgerev_daemon.jobs.job_data`).
+    then trained on every sample it has (see :func:`edgerev_daemon.learning.jobs.job_data`).
     """
     return {label: n for label, n in store.label_counts(Split.TRAIN, upto_batch=upto_batch).items() if n < minimum}
 

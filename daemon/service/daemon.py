@@ -9,7 +9,7 @@ long-running loop of ``edgerev daemon run``.
 
 Every step that changes state is safe to interrupt (kill -9, power cut) and to run again:
 
-- ingest records a file before removing it (see :mod:`edgerev_daemon.ingest`);
+- ingest records a file before removing it (see :mod:`edgerev_daemon.intake.ingest`);
 - a job trains in ``jobs/<id>/`` with checkpoints and is resumed, not restarted;
 - the promotion decision is recorded (a version row) before the version directory is written, the
   directory is complete before ``current`` switches, and a job is only marked done after that, so a
@@ -18,15 +18,15 @@ Every step that changes state is safe to interrupt (kill -9, power cut) and to r
 A stop (SIGTERM) is honoured within a bounded time in every phase: between two inbox files, after the
 training step under way, after the final evaluation and between the two models scored, and at once
 during the ONNX export and a model's first stage profile, which run in child processes the stop kills
-(:mod:`edgerev_daemon.children`); a promotion whose version directory is being written finishes (a
+(:mod:`edgerev_daemon.learning.children`); a promotion whose version directory is being written finishes (a
 fraction of a second), so ``current`` is the old version or the new one. ``benchmarks/stop_latency.py``
 measures each phase.
 
 Nothing that cannot be recreated is destroyed: a lost or damaged store next to blobs or a journal is
-refused before it is opened (:func:`edgerev_daemon.rebuild.guard_start`), journal lines the store lacks
+refused before it is opened (:func:`edgerev_daemon.storage.rebuild.guard_start`), journal lines the store lacks
 are recorded again at start, and a blob is only removed on the word of an intact store that holds
 samples. Storage faults (a full disk, an I/O error) are conditions, not crashes
-(:mod:`edgerev_daemon.faults`): logged once, ingest and training wait, status keeps being served, and
+(:mod:`edgerev_daemon.storage.faults`): logged once, ingest and training wait, status keeps being served, and
 the cycle resumes by itself when they clear; below ``storage.min_free_space`` ingest and training wait
 before the disk is full at all.
 """
@@ -44,30 +44,30 @@ from pathlib import Path
 from edgerev.errors import EdgerevError
 from edgerev.export.runtime import onnxruntime
 from edgerev.train.progress import Progress
-from edgerev_daemon.base import names_base, write_base
-from edgerev_daemon.blobs import BlobStore
-from edgerev_daemon.check import check_consistency, remove_garbage
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
 from edgerev_daemon.errors import Stopped
-from edgerev_daemon.exporting import export
-from edgerev_daemon.faults import Conditions, free_bytes, storage_fault
-from edgerev_daemon.handoff import serve_requests
-from edgerev_daemon.ingest import ingest_inbox
-from edgerev_daemon.jobs import JobOutcome, check_training, job_dir, run_job
+from edgerev_daemon.intake.ingest import ingest_inbox
+from edgerev_daemon.intake.watch import InboxWatch
 from edgerev_daemon.layout import prepare
-from edgerev_daemon.lock import DataDirLock
-from edgerev_daemon.notify import Notifier
-from edgerev_daemon.profiling import ensure_profile
-from edgerev_daemon.promote import decide, held_out, version_files
-from edgerev_daemon.rebuild import guard_start, replay
-from edgerev_daemon.records import EventKind, Job, JobState, Version
-from edgerev_daemon.registry import Registry
-from edgerev_daemon.retention import enforce, finish_removals, fits_disk
-from edgerev_daemon.schedule import Schedule, daemon_schedule, listed
-from edgerev_daemon.signals import Requests
-from edgerev_daemon.store import Store
-from edgerev_daemon.usage import DiskUsage
-from edgerev_daemon.watch import InboxWatch
+from edgerev_daemon.learning.base import names_base, write_base
+from edgerev_daemon.learning.exporting import export
+from edgerev_daemon.learning.handoff import serve_requests
+from edgerev_daemon.learning.jobs import JobOutcome, check_training, job_dir, run_job
+from edgerev_daemon.learning.profiling import ensure_profile
+from edgerev_daemon.learning.promote import decide, held_out, version_files
+from edgerev_daemon.learning.schedule import Schedule, daemon_schedule, listed
+from edgerev_daemon.service.lock import DataDirLock
+from edgerev_daemon.service.notify import Notifier
+from edgerev_daemon.service.signals import Requests
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.check import check_consistency, remove_garbage
+from edgerev_daemon.storage.faults import Conditions, free_bytes, storage_fault
+from edgerev_daemon.storage.rebuild import guard_start, replay
+from edgerev_daemon.storage.records import EventKind, Job, JobState, Version
+from edgerev_daemon.storage.registry import Registry
+from edgerev_daemon.storage.retention import enforce, finish_removals, fits_disk
+from edgerev_daemon.storage.store import Store
+from edgerev_daemon.storage.usage import DiskUsage
 
 log = logging.getLogger("edgerev.daemon")
 
@@ -81,9 +81,9 @@ class CycleReport:
     due: str | None = None
     waiting: str | None = None  # a storage condition kept this cycle from ingesting or training
     not_due: str | None = None  # why no job ran (the schedule's word: samples still needed, a back-off)
-    fleet: int = 0  # fleet requests carried out (edgerev_daemon.handoff)
-    base: str | None = None  # the version the base model was installed as (edgerev_daemon.base)
-    storage: dict | None = None  # the storage budget's check (edgerev_daemon.retention)
+    fleet: int = 0  # fleet requests carried out (edgerev_daemon.learning.handoff)
+    base: str | None = None  # the version the base model was installed as (edgerev_daemon.learning.base)
+    storage: dict | None = None  # the storage budget's check (edgerev_daemon.storage.retention)
 
     def to_json(self) -> dict:
         return {"ingest": self.ingest, "due": self.due, "not_due": self.not_due, "job": self.job,
@@ -148,7 +148,7 @@ class Daemon:
         self._owns_requests = requests is None
         self.requests = Requests() if requests is None else requests
         self.watch = InboxWatch()  # settling and reported folders, across this process's cycles
-        self._base_checked = False  # this process looked at training.model's base model (edgerev_daemon.base)
+        self._base_checked = False  # this process looked at training.model's base model (edgerev_daemon.learning.base)
         self.usage = DiskUsage(config.layout)  # caches each blob folder's sum between cycles
         self._say_if_budget_cannot_fit()
 
@@ -171,7 +171,7 @@ class Daemon:
         """Finish the current training step (or ingest batch), checkpoint, and leave (SIGTERM).
 
         Safe to call from a signal handler, any number of times, re-entered or not: it sets a flag and
-        writes a byte to a pipe, and takes no lock (see :mod:`edgerev_daemon.signals`).
+        writes a byte to a pipe, and takes no lock (see :mod:`edgerev_daemon.service.signals`).
         """
         self.requests.ask_stop()
 
@@ -315,7 +315,7 @@ class Daemon:
         return self.registry.path(name), int(v.metrics.get("data_batch_id", 0)) if v else 0, name
 
     def _install_base(self) -> str | None:
-        """Make ``training.model``'s base model version ``v0001`` when it is due (:mod:`edgerev_daemon.base`):
+        """Make ``training.model``'s base model version ``v0001`` when it is due (:mod:`edgerev_daemon.learning.base`):
         a base model with class names, and no version yet (or the base recorded and not yet promoted).
         Returns the version installed, or None."""
         t = self.config.training
@@ -346,11 +346,11 @@ class Daemon:
         return version.id
 
     def due(self, now: float) -> str | None:
-        """Why a job should run now, or None (:func:`edgerev_daemon.schedule.next_job` says why not)."""
+        """Why a job should run now, or None (:func:`edgerev_daemon.learning.schedule.next_job` says why not)."""
         return self.schedule(now).due
 
     def schedule(self, now: float) -> Schedule:
-        """When the next job runs, or why not yet (:func:`edgerev_daemon.schedule.next_job`)."""
+        """When the next job runs, or why not yet (:func:`edgerev_daemon.learning.schedule.next_job`)."""
         return daemon_schedule(self.config, self.store, self.registry.current_classes(), now)
 
     def cycle(self, now: float | None = None) -> CycleReport:
@@ -421,7 +421,7 @@ class Daemon:
             self.store.add_event(EventKind.INFO, {"message": f"job {job.id} skipped: {outcome.reason}"})
             shutil.rmtree(out, ignore_errors=True)
             return {"job": job.id, "status": "skipped", "reason": outcome.reason}
-        gate = self.config.promotion.gate
+        gate = self.config.promotion
         try:
             held = held_out(self.store, self.blobs, job, gate.recent_window_days, outcome.held_back)
             decision = decide(outcome.run_dir, current, held, gate, self._alive)
@@ -435,7 +435,7 @@ class Daemon:
                    "held_back": outcome.held_back}
         return self.record_decision(job, out, metrics, decision.reason)
 
-    # a job's steps, for a job another module drives (a fleet round: edgerev_daemon.fleet) ----------
+    # a job's steps, for a job another module drives (a fleet round: edgerev_daemon.learning.fleet) ----------
 
     def train(self, job: Job, start: Path | None, base_batch: int, stop: Callable[[], bool] | None = None,
               config: DaemonConfig | None = None) -> JobOutcome:
@@ -516,7 +516,7 @@ class Daemon:
         """Export, write the version directory, switch ``current`` to it, prune old versions.
 
         A stop is honoured until the version directory is written (:class:`Stopped`): the export runs in
-        a child process that a stop kills (:mod:`edgerev_daemon.exporting`). From the write on, the
+        a child process that a stop kills (:mod:`edgerev_daemon.learning.exporting`). From the write on, the
         promotion finishes (a fraction of a second: files of a few MB fsynced, a link renamed), so a
         stop finds ``current`` on the old version or the new one, and the store saying the same.
         """
@@ -552,7 +552,7 @@ class Daemon:
 
     def rollback(self, to: str | None = None) -> str:
         """Switch ``current`` to version ``to`` (default: the promoted version before the current one)."""
-        from edgerev_daemon.registry import RegistryError
+        from edgerev_daemon.storage.registry import RegistryError
 
         if not self._recovered and not self._try_recover():
             raise RegistryError("the data directory cannot be written now (a storage fault, see the log); "
@@ -586,7 +586,7 @@ class Daemon:
 
         The logging a signal deserves happens here, never in its handler: the handler only set a flag.
         Under systemd (``Type=notify``) it says ``READY=1`` before the first cycle, a ``STATUS=`` line after
-        each, and pings the watchdog (:mod:`edgerev_daemon.notify`).
+        each, and pings the watchdog (:mod:`edgerev_daemon.service.notify`).
         """
         log.info("serving %s (inbox %s)", self.config.data_dir, self.config.inbox_path)
         self.notifier.ready(f"serving {self.config.data_dir}")

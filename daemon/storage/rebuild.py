@@ -1,7 +1,7 @@
 """The store is an index: refuse to start on a lost one, and rebuild it from the files.
 
 What cannot be recreated is the images (the blobs, after ingest the only copy) and what is known about
-them (the journal, :mod:`edgerev_daemon.journal`). A store that is missing, empty (zero bytes after a
+them (the journal, :mod:`edgerev_daemon.storage.journal`). A store that is missing, empty (zero bytes after a
 power cut or an fsck) or damaged, next to blobs, a journal or model versions, is not a fresh start:
 :func:`guard_start` refuses it with the way out, before anything opens (opening would create an empty
 store, which would call every blob an orphan). :func:`rebuild` is that way out: a new store from the
@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerev.atomic import fsync_dir
-from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import StoreError
-from edgerev_daemon.faults import storage_fault
-from edgerev_daemon.journal import Journal, JournalContents
 from edgerev_daemon.layout import Layout
-from edgerev_daemon.registry import Registry
-from edgerev_daemon.store import Store
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.faults import storage_fault
+from edgerev_daemon.storage.journal import Journal, JournalContents
+from edgerev_daemon.storage.registry import Registry
+from edgerev_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgerev_daemon.records import EventKind
+from edgerev_daemon.storage.records import EventKind
 
 log = logging.getLogger("edgerev.daemon")
 

@@ -26,11 +26,11 @@ from edgerev.train.data import decode_image
 from edgerev.train.labeled import LabeledImages
 from edgerev.train.progress import Progress
 from edgerev.train.state import has_checkpoint
-from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
-from edgerev_daemon.records import Job, Sample, Split
-from edgerev_daemon.schedule import held_back, listed
-from edgerev_daemon.store import Store
+from edgerev_daemon.learning.schedule import held_back, listed
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.records import Job, Sample, Split
+from edgerev_daemon.storage.store import Store
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,22 @@
 """Ingest: inbox files to stored samples, in batches, safe against a crash at any instant.
 
-For each batch of at most ``ingest.batch_files`` files (see :mod:`edgerev_daemon.inbox` for what a
+For each batch of at most ``ingest.batch_files`` files (see :mod:`edgerev_daemon.intake.inbox` for what a
 scan finds):
 
 1. Examine each file: a symbolic link or anything but a regular file (a FIFO, a socket, a device), a
    label that is not a valid name, an extension not allowed, an empty file or one above
    ``limits.max_file_size`` is quarantined at once; otherwise its bytes are read and hashed (SHA-256).
    Every file is reached from the inbox's descriptor, folder by folder, without following a link
-   (:mod:`edgerev_daemon.confined`): a folder swapped for a link at any instant makes the file vanish
+   (:mod:`edgerev_daemon.intake.confined`): a folder swapped for a link at any instant makes the file vanish
    for this batch, never reach outside the inbox.
 2. A hash already stored (or seen earlier in the batch) is a *duplicate*: not stored again, recorded
    as a duplicate event, removed from the inbox in step 6. When the stored copy came from the same
    inbox path, or this path's duplicate event is already recorded, the file is a *leftover* of a
    crash between steps 5 and 6: removed, no second event.
-3. The rest are validated and normalized (:mod:`edgerev_daemon.images`); a decompression bomb or a
+3. The rest are validated and normalized (:mod:`edgerev_daemon.intake.images`); a decompression bomb or a
    file that does not decode is quarantined.
 4. Each normalized image is written as blob ``blobs/<hash>`` (temporary file, rename); then the
-   batch's blobs are made durable at once (:meth:`~edgerev_daemon.blobs.BlobStore.sync`).
+   batch's blobs are made durable at once (:meth:`~edgerev_daemon.storage.blobs.BlobStore.sync`).
 5. One transaction records the batch, its samples, new labels and the batch's events; the commit is
    durable when it returns (``synchronous=FULL``).
 6. Only then are the batch's stored, duplicate and leftover files deleted from the inbox (each only
@@ -35,13 +35,13 @@ Why a crash (``kill -9``, power cut) at any instant loses no file and records no
   the primary key), and never points at a missing or torn blob (step 4's sync comes first).
 - A quarantined file is moved (one rename) before its event is committed: a crash between the two
   leaves it safe in ``quarantine/`` (or hidden in the inbox, across file systems) with its reason
-  file, and only the event row missing. It is never copied (see :mod:`edgerev_daemon.quarantine`).
+  file, and only the event row missing. It is never copied (see :mod:`edgerev_daemon.intake.quarantine`).
 - A manifest is deleted only after every file it listed was stored, found a duplicate or
   quarantined; re-read after a crash, its entries whose files are gone are recognized (stored, or
   quarantined with an event or a reason file, from that path) and skipped.
 
 No file can stop the batch: whatever its name (recorded in the escaped form of
-:mod:`edgerev_daemon.names`), type or content, it ends stored, a duplicate, quarantined, refused (a
+:mod:`edgerev_daemon.intake.names`), type or content, it ends stored, a duplicate, quarantined, refused (a
 manifest line) or, when it cannot be moved or removed, *stuck* (reported, retried next scan); the
 rest of the batch goes on.
 
@@ -60,17 +60,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edgerev_daemon import confined
-from edgerev_daemon.blobs import BlobStore
 from edgerev_daemon.config import DaemonConfig
-from edgerev_daemon.confined import Identity, NotConfined
-from edgerev_daemon.images import ImageRejected, normalize
-from edgerev_daemon.inbox import LABEL_RULE, Candidate, Scan, scan_inbox, valid_label
-from edgerev_daemon.names import shown
-from edgerev_daemon.quarantine import quarantine, quarantined_from
-from edgerev_daemon.records import EventKind, NewSample, Sample
-from edgerev_daemon.store import Store
-from edgerev_daemon.watch import InboxWatch
+from edgerev_daemon.intake import confined
+from edgerev_daemon.intake.confined import Identity, NotConfined
+from edgerev_daemon.intake.images import ImageRejected, normalize
+from edgerev_daemon.intake.inbox import LABEL_RULE, Candidate, Scan, scan_inbox, valid_label
+from edgerev_daemon.intake.names import shown
+from edgerev_daemon.intake.quarantine import quarantine, quarantined_from
+from edgerev_daemon.intake.watch import InboxWatch
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.records import EventKind, NewSample, Sample
+from edgerev_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -60,8 +60,8 @@ def run_demo(folder: Path, images: int = 600) -> int:
 
     from edgerev.export.predict import Predictor
     from edgerev_daemon.config import load_config
-    from edgerev_daemon.service import Daemon
-    from edgerev_daemon.status import format_status, status
+    from edgerev_daemon.service.daemon import Daemon
+    from edgerev_daemon.service.status import format_status, status
 
     folder.mkdir(parents=True, exist_ok=True)
     config_path = folder / "daemon.yaml"

@@ -6,7 +6,7 @@ judges the *recent* samples: for each class, those that arrived within ``promoti
 before that class's newest held-out sample (:func:`recent_flags`), so a device whose world drifts is
 judged on how each class looks now, and a class that stopped arriving on how it last looked.
 
-The gate (:func:`judge`; the tests are :mod:`edgerev_daemon.evidence`), whose reason names the first
+The gate (:func:`judge`; the tests are :mod:`edgerev_daemon.learning.evidence`), whose reason names the first
 rule a candidate fails, forgetting first (the most specific):
 
 1. *Better now.* On the recent samples of every class, the candidate must be better with confidence:
@@ -30,7 +30,7 @@ on the old and new classes, per class, the paired counts and p-values, and the c
 matrix on all held-out samples.
 
 Promotion writes the version directory completely (weights, ONNX, resolved config, metrics) before
-``current`` switches (:class:`edgerev_daemon.registry.Registry`); any failure on the way (a full
+``current`` switches (:class:`edgerev_daemon.storage.registry.Registry`); any failure on the way (a full
 disk) leaves the current model in service and is recorded.
 """
 
@@ -46,12 +46,13 @@ from edgerev.train.checkpoint import load_model
 from edgerev.train.evaluate import confusion as confusion_of
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages
-from edgerev_daemon.blobs import BlobStore
+from edgerev_daemon.config import PromotionConfig
 from edgerev_daemon.errors import Stopped
-from edgerev_daemon.evidence import Paired, p_text, paired
-from edgerev_daemon.jobs import load_samples
-from edgerev_daemon.records import Job, Sample, Split
-from edgerev_daemon.store import Store
+from edgerev_daemon.learning.evidence import Paired, p_text, paired
+from edgerev_daemon.learning.jobs import load_samples
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.records import Job, Sample, Split
+from edgerev_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +64,6 @@ class Decision:
     promote: bool
     reason: str
     metrics: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Gate:
-    """The promotion policy (``promotion:`` in the daemon config; see the module docstring)."""
-
-    alpha: float = 0.05
-    forgetting_margin: float = 0.02
-    min_heldout_per_class: int = 5
-    refuse_class_at_zero: bool = True
-    recent_window_days: float | None = 30.0
 
 
 @dataclass(frozen=True)
@@ -146,7 +136,7 @@ def held_out(store: Store, blobs: BlobStore, job: Job, window_days: float | None
                    load_samples(samples, blobs, store.labels()))
 
 
-def decide(candidate: Path, current: Path | None, held: HeldOut, gate: Gate,
+def decide(candidate: Path, current: Path | None, held: HeldOut, gate: PromotionConfig,
            stop: Callable[[], bool] = lambda: False) -> Decision:
     """Score both models on the same held-out samples and apply :func:`judge`.
 
@@ -209,14 +199,14 @@ def comparisons(held: HeldOut, cand: Scores, cur: Scores) -> tuple[Paired, Paire
 
 # the rules ---------------------------------------------------------------------------------------------
 
-def dead_classes(held: HeldOut, cand: Scores, gate: Gate) -> list[tuple[str, int]]:
+def dead_classes(held: HeldOut, cand: Scores, gate: PromotionConfig) -> list[tuple[str, int]]:
     """Classes the candidate knows, with at least ``gate.min_heldout_per_class`` recent held-out samples, of
     which it gets none right: ``(label, samples)``."""
     return [(c, n) for c, (right, n) in per_class(held, cand).items()
             if c in cand.known and n >= gate.min_heldout_per_class and right == 0]
 
 
-def dead_reason(held: HeldOut, cand: Scores, gate: Gate) -> str | None:
+def dead_reason(held: HeldOut, cand: Scores, gate: PromotionConfig) -> str | None:
     """Why the candidate is refused for a class at 0 % (:func:`dead_classes`), or None: none, or the gate
     does not refuse for it (``promotion.refuse_class_at_zero``)."""
     dead = dead_classes(held, cand, gate) if gate.refuse_class_at_zero else []
@@ -235,7 +225,7 @@ def _counts(p: Paired) -> str:
     return f"{p.gained} gained, {p.lost} lost of {p.n}"
 
 
-def forgetting_reason(old: Paired, gate: Gate) -> str | None:
+def forgetting_reason(old: Paired, gate: PromotionConfig) -> str | None:
     """Why the candidate is refused for its loss on the old classes (rule 2), or None."""
     p = old.p_worse(gate.forgetting_margin)
     if p > gate.alpha:
@@ -245,7 +235,7 @@ def forgetting_reason(old: Paired, gate: Gate) -> str | None:
             f"p = {p_text(p)} <= {gate.alpha:g} that it lost{beyond})")
 
 
-def judge(held: HeldOut, cand: Scores, cur: Scores | None, gate: Gate) -> Decision:
+def judge(held: HeldOut, cand: Scores, cur: Scores | None, gate: PromotionConfig) -> Decision:
     """The gate of the module docstring on two models' outcomes; the metrics hold every figure compared."""
     if len(cand.right) != len(held.labels) or (cur is not None and len(cur.right) != len(held.labels)):
         raise ValueError("both models must be scored on the held-out samples given")

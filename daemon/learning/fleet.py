@@ -6,7 +6,7 @@ from the daemon to the fleet but weights and per-class sample counts:
 - **a round** (:func:`train_round`): the fleet model arrives as the shared tensors (which ones is the
   fleet's ``sharing`` setting) and the fleet's class list (the head's rows, in the fleet registry's
   order). The daemon composes a model directory from them and from what it keeps locally (the
-  tensors not shared, batch-norm statistics: FedBN), and runs :func:`edgerev_daemon.jobs.run_job` on it
+  tensors not shared, batch-norm statistics: FedBN), and runs :func:`edgerev_daemon.learning.jobs.run_job` on it
   as the model to start from (at the fleet's ``lr``; when the fleet shares batch-norm statistics, with
   them frozen at the fleet's, and the device's own measured after the job, layer after layer, go back
   with the weights: :func:`measure_norms`): the device's own training samples, the device's
@@ -48,7 +48,7 @@ from edgerev.atomic import fsync_dir, fsync_tree
 from edgerev.errors import EdgerevError
 from edgerev.train.checkpoint import ModelInfo, load_tensors, read_info, save_model
 from edgerev.train.config import ModelConfig
-from edgerev_daemon.records import EventKind, Job, JobState, Split
+from edgerev_daemon.storage.records import EventKind, Job, JobState, Split
 
 log = logging.getLogger("edgerev.daemon.fleet")
 
@@ -339,7 +339,7 @@ def measure_norms(daemon, folder: Path) -> dict[str, torch.Tensor]:
     lags compound over the depth (measured: a fleet of the preset at chance for six rounds)."""
     from edgerev.train.checkpoint import load_model, normalize
     from edgerev.train.norms import calibrate, norms
-    from edgerev_daemon.jobs import load_samples
+    from edgerev_daemon.learning.jobs import load_samples
 
     model, info, _ = load_model(folder)
     images = load_samples(daemon.store.samples(Split.TRAIN), daemon.blobs, daemon.store.labels()).images
@@ -376,7 +376,7 @@ def _round_job(daemon, fm: FleetModel) -> Job:
 
 
 def _job_out(daemon, job: Job) -> Path:
-    from edgerev_daemon.jobs import job_dir
+    from edgerev_daemon.learning.jobs import job_dir
 
     return job_dir(daemon.config, job)
 
@@ -401,7 +401,7 @@ def _train(daemon, job: Job, base: Path, stop, config, what: str, failed: str):
 
 
 def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False) -> RoundResult:
-    """Run one federated round as a job of ``daemon`` (a :class:`edgerev_daemon.service.Daemon`).
+    """Run one federated round as a job of ``daemon`` (a :class:`edgerev_daemon.service.daemon.Daemon`).
 
     Raises:
         FleetError: the weights do not fit, the cap cannot train the fleet's model, a local job is under
@@ -410,7 +410,7 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
     import time
 
     from edgerev.config import ConfigError
-    from edgerev_daemon.jobs import check_training
+    from edgerev_daemon.learning.jobs import check_training
 
     try:
         fresh = check_shared(fm)
@@ -473,10 +473,10 @@ def peak_of(plan: Mapping) -> int | None:
 def fleet_judge(held, cand, cur, gate) -> tuple[bool, str]:
     """The gate for a fleet model: not worse than the model in service on this device's recent held-out
     samples beyond ``gate.forgetting_margin`` with a p-value at most ``gate.alpha`` (a fleet model knows
-    more classes; it need not beat a local model on the local ones: :mod:`edgerev_daemon.evidence`), and
+    more classes; it need not beat a local model on the local ones: :mod:`edgerev_daemon.learning.evidence`), and
     no known class at 0 % (``promotion.refuse_class_at_zero``)."""
-    from edgerev_daemon.evidence import p_text
-    from edgerev_daemon.promote import comparisons, dead_reason
+    from edgerev_daemon.learning.evidence import p_text
+    from edgerev_daemon.learning.promote import comparisons, dead_reason
 
     if not any(held.recent):
         return False, "no held-out sample on this device to judge the fleet model on"
@@ -515,8 +515,8 @@ def consider(daemon, fm: FleetModel) -> Consideration:
     """Put the aggregated model ``fm`` through this device's gate; promote it (the daemon's own promotion:
     export, version directory, ``current`` switched) when it passes. The decision and its reason are
     recorded on a version row either way."""
-    from edgerev_daemon.jobs import job_dir
-    from edgerev_daemon.promote import figures, held_out, score
+    from edgerev_daemon.learning.jobs import job_dir
+    from edgerev_daemon.learning.promote import figures, held_out, score
 
     try:
         fresh = check_shared(fm)
@@ -548,7 +548,7 @@ def consider(daemon, fm: FleetModel) -> Consideration:
         _fine_tune(daemon, job, fm, fresh, out)
     else:
         write_model(out, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
-    gate = daemon.config.promotion.gate
+    gate = daemon.config.promotion
     held = held_out(store, daemon.blobs, job, gate.recent_window_days)
     cand = score(out, held)
     cur = score(current, held) if current is not None else None

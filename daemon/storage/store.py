@@ -12,7 +12,7 @@ Connection settings, and why:
   back on any exception (:meth:`Store.transaction`): the write lock is taken at the start of a
   transaction, so it never fails halfway with ``SQLITE_BUSY`` on upgrade.
 
-Every sample recorded is also appended to the journal beside the database (:mod:`edgerev_daemon.journal`),
+Every sample recorded is also appended to the journal beside the database (:mod:`edgerev_daemon.storage.journal`),
 inside the transaction and before its ``COMMIT``: the store can be rebuilt from the journal and the blobs.
 
 Times are given by an injected ``clock`` (seconds since the epoch) so tests drive them. The order in
@@ -30,9 +30,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from edgerev_daemon.errors import StoreError
-from edgerev_daemon.journal import NAME as JOURNAL_NAME
-from edgerev_daemon.journal import Journal, JournalRecord
-from edgerev_daemon.records import (
+from edgerev_daemon.storage.journal import NAME as JOURNAL_NAME
+from edgerev_daemon.storage.journal import Journal, JournalRecord
+from edgerev_daemon.storage.records import (
     JOB_TRANSITIONS,
     Event,
     EventKind,
@@ -44,7 +44,7 @@ from edgerev_daemon.records import (
     Version,
     dumps,
 )
-from edgerev_daemon.schema import migrate
+from edgerev_daemon.storage.schema import migrate
 
 
 def split_of(sha256: str, heldout_fraction: float) -> Split:
@@ -235,14 +235,14 @@ class Store:
     def remove_samples(self, shas: Sequence[str], why: str, event: dict | None = None) -> int:
         """Remove samples (the retention policy's choice) in one transaction: their removal lines are
         appended to the journal and fsynced before the ``COMMIT`` that deletes the rows (see
-        :mod:`edgerev_daemon.journal`); the caller deletes the blobs after it. The count by reason grows
+        :mod:`edgerev_daemon.storage.journal`); the caller deletes the blobs after it. The count by reason grows
         and one ``removed`` event says what went and why; returns how many rows went.
 
         Args:
-            why: a :class:`~edgerev_daemon.records.RemovalReason` value.
+            why: a :class:`~edgerev_daemon.storage.records.RemovalReason` value.
             event: more for the event's message (bytes freed, the budget).
         """
-        from edgerev_daemon.journal import Removal
+        from edgerev_daemon.storage.journal import Removal
 
         now = self.clock()
         with self.transaction() as c:
@@ -408,7 +408,7 @@ class Store:
 
     def set_job_state(self, job_id: int, state: JobState, error: str | None = None,
                       checkpoint_dir: str | None = None) -> Job:
-        """Move a job along :data:`~edgerev_daemon.records.JOB_TRANSITIONS` (and record an event).
+        """Move a job along :data:`~edgerev_daemon.storage.records.JOB_TRANSITIONS` (and record an event).
 
         Raises:
             StoreError: no such job, or the change is not allowed (``done`` and ``failed`` are final).
@@ -599,7 +599,7 @@ class Store:
     def unjournaled_history(self) -> dict[str, int]:
         """Rows no file on disk can recreate: the job history, the versions that were not promoted (a
         promoted one is a directory with its metrics; a rebuild records it again), the events. A rebuild
-        salvages them from a readable old store (:func:`edgerev_daemon.rebuild.rebuild`); from a lost
+        salvages them from a readable old store (:func:`edgerev_daemon.storage.rebuild.rebuild`); from a lost
         one, these are lost (``check`` names them)."""
         return {"jobs": self._one("SELECT COUNT(*) FROM jobs")[0],
                 "versions_not_promoted": self._one("SELECT COUNT(*) FROM versions WHERE promoted = 0")[0],

@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
-from edgerev_daemon.records import JobState, Split
-from edgerev_daemon.registry import Registry, RegistryError
-from edgerev_daemon.schedule import daemon_schedule, held_back, listed
-from edgerev_daemon.store import Store
+from edgerev_daemon.learning.schedule import daemon_schedule, held_back, listed
+from edgerev_daemon.storage.records import JobState, Split
+from edgerev_daemon.storage.registry import Registry, RegistryError
+from edgerev_daemon.storage.store import Store
 
 
 def holder_pid(config: DaemonConfig) -> int | None:
@@ -48,9 +48,9 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
         DaemonError: the data directory holds no store yet (the daemon never ran there).
     """
     from edgerev_daemon.errors import StoreError
-    from edgerev_daemon.faults import free_bytes, storage_fault
-    from edgerev_daemon.rebuild import evidence, store_state
-    from edgerev_daemon.retention import budget_status
+    from edgerev_daemon.storage.faults import free_bytes, storage_fault
+    from edgerev_daemon.storage.rebuild import evidence, store_state
+    from edgerev_daemon.storage.retention import budget_status
 
     db = config.layout.database
     why = store_state(db, thorough=False)  # read-only: a lost store is reported, never replaced by an empty one here

@@ -45,7 +45,7 @@ class EventKind(str, Enum):
 
 
 class RemovalReason(str, Enum):
-    """Why the retention policy removed a sample (:mod:`edgerev_daemon.retention`)."""
+    """Why the retention policy removed a sample (:mod:`edgerev_daemon.storage.retention`)."""
 
     BYTES = "max_bytes"          # the data directory was over storage.max_bytes
     SAMPLES = "max_samples"      # the store held more than storage.max_samples

@@ -8,7 +8,7 @@ left the inbox: only a commit removes them) or a journal that lacks stored sampl
 be rebuilt); and, when a registry is given, a version in service that is not complete or not intact
 (its files against the SHA-256 recorded in its manifest). Not problems: samples being removed (the
 journal says so, the store's commit did not come: the next start finishes it), and what a rebuild would
-lose (``rebuild_would_lose``: the rows only the store holds, which :func:`edgerev_daemon.rebuild.rebuild`
+lose (``rebuild_would_lose``: the rows only the store holds, which :func:`edgerev_daemon.storage.rebuild.rebuild`
 salvages from a readable old store and otherwise cannot recreate). Garbage (harmless, removable with
 :func:`remove_garbage` while the daemon's lock is held): orphan blobs that neither a sample nor the journal
 names (written by a batch that a crash cut short before its journal lines) and stray files (a crash's
@@ -22,9 +22,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgerev_daemon.blobs import BlobStore
-from edgerev_daemon.registry import Registry
-from edgerev_daemon.store import Store
+from edgerev_daemon.storage.blobs import BlobStore
+from edgerev_daemon.storage.registry import Registry
+from edgerev_daemon.storage.store import Store
 
 
 @dataclass
@@ -134,7 +134,7 @@ def remove_garbage(report: CheckReport, blobs: BlobStore) -> int:
     holding the data directory's lock: an orphan may be a blob of a batch not yet committed.
 
     Blobs are deleted only on the word of an intact store that holds samples and a journal that does
-    not name them either: a store that was emptied or lost rows (see :mod:`edgerev_daemon.rebuild`)
+    not name them either: a store that was emptied or lost rows (see :mod:`edgerev_daemon.storage.rebuild`)
     would call every blob an orphan.
     """
     n = 0

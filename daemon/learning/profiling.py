@@ -4,7 +4,7 @@ The planner of a job under ``training.memory.budget`` needs the model's stage pr
 keeps and costs in each mode, measured on this machine (or estimated) the first time and cached
 (:func:`edgerev.memory.profile.load_or_measure`). The measurement runs every stage in every mode: minutes
 on a small CPU (6.5 min for the CPU preset's model on this loaded 2-core machine), and nothing in it asks
-a stop flag. So the daemon measures it in a child process (:mod:`edgerev_daemon.children`) that a stop
+a stop flag. So the daemon measures it in a child process (:mod:`edgerev_daemon.learning.children`) that a stop
 kills, before the job's training, whenever the cache lacks it; the trainer's plan then finds it cached.
 A killed measurement writes nothing (the cache file is renamed into place) and runs again at the next job.
 """
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edgerev.errors import EdgerevError
-from edgerev_daemon import children
 from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.learning import children
 
 LOG = "profile.log"
 
@@ -74,11 +74,11 @@ def ensure_profile(config: DaemonConfig, folder: Path, stop: Callable[[], bool])
 
 def command(spec: dict) -> list[str]:
     """The child's command line: what to measure, as JSON."""
-    return [sys.executable, "-m", "edgerev_daemon.profiling", json.dumps(spec)]
+    return [sys.executable, "-m", "edgerev_daemon.learning.profiling", json.dumps(spec)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m edgerev_daemon.profiling", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m edgerev_daemon.learning.profiling", description=__doc__.splitlines()[0])
     p.add_argument("spec", help="JSON: arch, weights, args, size, device, estimate, threads")
     spec = json.loads(p.parse_args(argv).spec)
     children.end_with_parent()

@@ -8,12 +8,12 @@ Off unless ``http.enabled``; the service starts a :class:`StatusServer` beside i
 
 Routes (GET and HEAD; any other method is 405, any other path 404):
 
-- ``/``: a small HTML page of :func:`~edgerev_daemon.status.status` (every value escaped);
+- ``/``: a small HTML page of :func:`~edgerev_daemon.service.status.status` (every value escaped);
 - ``/status.json``: the same snapshot as JSON;
 - ``/metrics``: Prometheus text exposition format 0.0.4;
 - ``/healthz``: ``ok``, for container health checks (it reads nothing).
 
-Every request reads through a connection of its own (:func:`~edgerev_daemon.status.status` opens the
+Every request reads through a connection of its own (:func:`~edgerev_daemon.service.status.status` opens the
 store and closes it before it returns): the write-ahead log lets it read while the daemon writes, and
 no request writes anything. A store that cannot be read answers 503 with one line, never a traceback.
 
@@ -45,8 +45,8 @@ from urllib.parse import urlsplit
 from edgerev.errors import EdgerevError
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
-from edgerev_daemon.registry import VERSION_RE
-from edgerev_daemon.status import format_status, status
+from edgerev_daemon.service.status import format_status, status
+from edgerev_daemon.storage.registry import VERSION_RE
 
 log = logging.getLogger("edgerev.daemon.http")
 
@@ -161,7 +161,7 @@ _PROGRESS = (  # the running job's latest report: (its key, the metric, help); a
 
 
 def format_metrics(s: dict) -> str:
-    """A :func:`~edgerev_daemon.status.status` snapshot in Prometheus text exposition format 0.0.4.
+    """A :func:`~edgerev_daemon.service.status.status` snapshot in Prometheus text exposition format 0.0.4.
 
     Counters are what only grows (samples stored counts the removed ones too; failed jobs stay failed);
     everything that may go down is a gauge (a version's ``promoted`` flag flips from false to true, events are
@@ -291,7 +291,7 @@ def readable(message: object) -> str:
 
 
 def format_html(s: dict) -> str:
-    """A :func:`~edgerev_daemon.status.status` snapshot as a small HTML page (every value escaped): the
+    """A :func:`~edgerev_daemon.service.status.status` snapshot as a small HTML page (every value escaped): the
     summary, each version once (with links to its curves and per-class picture while its folder is on
     disk), the events in local time."""
     versions = _table(("version", "promoted", "job", "reason", "pictures"),
@@ -375,7 +375,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _picture(self, version: str, name: str) -> bytes | None:
         """A version's ``NAME.png``, or None (no such version or file on disk): the name matched
         :data:`_PICTURE` and the file is opened without following a link out of the version folder."""
-        from edgerev_daemon.registry import Registry
+        from edgerev_daemon.storage.registry import Registry
 
         folder = Registry(self.server.config.layout.root).path(version)
         try:
