@@ -1,8 +1,9 @@
 """When the next fine-tuning job runs, and why not yet: one function for the service and ``status``.
 
 A job is due when one is interrupted (it resumes), when ``schedule.min_new_samples`` new samples
-arrived since the data of the last finished job, when a new class became trainable since that job (a
-label the model in service does not know reached ``training.min_samples_per_label`` training samples;
+arrived since the data of the last finished job, when a new class became ready since that job (a label
+the model in service does not know reached ``training.min_samples_per_label`` training samples and
+``promotion.min_heldout_per_class`` held-out ones, so the gate can judge what the job learns of it;
 ``schedule.new_classes``), or when there is at least one new sample and ``schedule.max_interval_seconds``
 passed since that job (or since the first sample). A failed job
 holds the schedule back for ``schedule.retry_seconds`` after it failed: retried, not in a loop.
@@ -39,13 +40,16 @@ class Schedule:
                 "samples_needed": self.samples_needed, "retry_at": self.retry_at}
 
 
-def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str] = (), minimum: int = 1) -> Schedule:
+def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str] = (), minimum: int = 1,
+             minimum_heldout: int = 0) -> Schedule:
     """Whether a job is due at ``now``, and if not, why not.
 
     Args:
         known: the classes of the model in service (() before the first: its first job waits for the
             thresholds like any other).
         minimum: the training samples a label needs to be trained (``training.min_samples_per_label``).
+        minimum_heldout: the held-out samples a new class needs before it makes a job due (the gate's
+            ``promotion.min_heldout_per_class``: fewer cannot show what the job learned of it).
     """
     if store.active_job() is not None:
         return Schedule("resume the interrupted job", None)
@@ -59,7 +63,7 @@ def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str]
                                   f"{retry_at - now:.0f} s ({n} new samples wait)", n, needed, retry_at)
     if n >= s.min_new_samples:
         return Schedule(f"{n} new samples (threshold {s.min_new_samples})", None, n, 0)
-    ready = new_classes_ready(store, known, minimum) if s.new_classes else {}
+    ready = new_classes_ready(store, known, minimum, minimum_heldout) if s.new_classes else {}
     if ready:
         return Schedule(f"new class{'es' if len(ready) > 1 else ''} to learn: {listed(ready)}", None, n, needed)
     if n == 0:
@@ -75,12 +79,14 @@ def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str]
 
 def daemon_schedule(config: DaemonConfig, store: Store, known: Collection[str], now: float) -> Schedule:
     """:func:`next_job` with the daemon's settings; ``known``: the classes of the version in service."""
-    return next_job(store, config.schedule, now, known, config.training.min_samples_per_label)
+    return next_job(store, config.schedule, now, known, config.training.min_samples_per_label,
+                    config.promotion.min_heldout_per_class)
 
 
-def new_classes_ready(store: Store, known: Collection[str], minimum: int) -> dict[str, int]:
-    """Labels the model in service does not know that became trainable since the last finished job (fewer
-    than ``minimum`` training samples in its data, at least that many now): label -> training samples.
+def new_classes_ready(store: Store, known: Collection[str], minimum: int, minimum_heldout: int = 0) -> dict[str, int]:
+    """Labels the model in service does not know that became ready since the last finished job (at least
+    ``minimum`` training and ``minimum_heldout`` held-out samples now, not in that job's data): label ->
+    training samples.
 
     Each new class makes one job due, the first after it has enough samples: a job that then trains it
     (promoted or refused) moves the comparison past it, so a refused class waits for the thresholds.
@@ -88,10 +94,14 @@ def new_classes_ready(store: Store, known: Collection[str], minimum: int) -> dic
     if not known:
         return {}
     last = store.last_job(JobState.DONE)
-    before = store.label_counts(Split.TRAIN, upto_batch=last.data_batch_id) if last is not None else {}
-    now = store.label_counts(Split.TRAIN)
-    return {label: n for label, n in sorted(now.items())
-            if label not in known and n >= minimum and before.get(label, 0) < minimum}
+
+    def ready(upto: int | None) -> dict[str, int]:
+        train = store.label_counts(Split.TRAIN, upto_batch=upto)
+        held = store.label_counts(Split.HELDOUT, upto_batch=upto)
+        return {label: n for label, n in train.items() if n >= minimum and held.get(label, 0) >= minimum_heldout}
+
+    before = ready(last.data_batch_id) if last is not None else {}
+    return {label: n for label, n in sorted(ready(None).items()) if label not in known and label not in before}
 
 
 def held_back(store: Store, upto_batch: int | None, minimum: int) -> dict[str, int]:

@@ -55,8 +55,27 @@ def test_a_new_class_makes_one_job_due_once_it_can_be_trained(datadir):
     assert next_job(store, s, datadir.clock(), (), minimum=5).due is None  # no model in service: thresholds
     off = ScheduleConfig(min_new_samples=500, max_interval_seconds=10**9, new_classes=False)
     assert next_job(store, off, datadir.clock(), known, minimum=5).due is None
+    assert next_job(store, s, datadir.clock(), known, minimum=5, minimum_heldout=1000).due is None
     job = store.create_job("new class")
     store.set_job_state(job.id, JobState.RUNNING)
     store.set_job_state(job.id, JobState.DONE)  # refused or not: the class was trained
     store.record_batch([sample(300 + i, label="dog") for i in range(5)], [], 0.1)
     assert next_job(store, s, datadir.clock(), known, minimum=5).due is None
+
+
+def test_a_new_class_waits_for_the_held_out_samples_the_gate_judges_it_on(datadir):
+    """Due at the first batch that gives the new label both minimums (train and held-out), not before."""
+    from edgerev_daemon.storage.records import Split
+
+    store = datadir.store
+    s = ScheduleConfig(min_new_samples=10**6, max_interval_seconds=10**9)
+    store.record_batch([sample(i, label="cat") for i in range(40)], [], 0.1)
+    for i in range(400):
+        counts = (store.label_counts(Split.TRAIN).get("dog", 0), store.label_counts(Split.HELDOUT).get("dog", 0))
+        due = next_job(store, s, datadir.clock(), ("cat",), minimum=5, minimum_heldout=3).due
+        assert (due is not None) == (counts[0] >= 5 and counts[1] >= 3), (i, counts, due)
+        if due is not None:
+            assert due == f"new class to learn: dog ({counts[0]})"
+            return
+        store.record_batch([sample(1000 + i, label="dog")], [], 0.1)
+    raise AssertionError("400 samples never gave 3 held-out ones")
