@@ -57,7 +57,7 @@ def test_journald_priorities(monkeypatch, capsys):
 
 def test_once_says_why_no_job_runs_and_exits_1_when_its_job_failed(tmp_path, capsys, monkeypatch):
     from edgerev.errors import EdgerevError
-    from edgerev_daemon.service.daemon import daemon as service
+    from edgerev_daemon.service import daemon as service
     from tests.daemon.conftest import image_bytes, write
 
     config = tmp_path / "d.yaml"
