@@ -111,6 +111,23 @@ def datadir(tmp_path):
     d.lock.release()
 
 
+@pytest.fixture(scope="session")
+def served(tmp_path_factory) -> Path:
+    """A data directory the daemon made, with v0001 in service (one real job, trained once for every test
+    that asks: test_service's SMALL config, 160 images of 2 classes). Read it, or copy it to change it."""
+    from edgerev_daemon.service.daemon import Daemon
+    from tests.daemon.test_service import drop
+    from tests.daemon.test_service import make_config as service_config
+
+    tmp = tmp_path_factory.mktemp("served")
+    config, _ = service_config(tmp)
+    drop(config, 160, range(2))
+    with Daemon(config, clock=Clock()) as d:
+        job = d.cycle().job
+    assert job["promoted"] and job["version"] == "v0001", job
+    return tmp / "data"
+
+
 @contextmanager
 def tmpfs(folder: Path, size: str) -> Iterator[Path]:
     """A real file system of ``size`` (``"2m"``) mounted on ``folder`` for the block: root only, so the

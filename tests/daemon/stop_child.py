@@ -57,7 +57,7 @@ def main() -> None:
     from edgerev.cli import main as cli
     from edgerev_daemon.intake import ingest
     from edgerev_daemon.learning import children, exporting, promote
-    from edgerev_daemon.service.daemon import signals
+    from edgerev_daemon.service import signals
     from edgerev_daemon.storage import registry
 
     config, phase = sys.argv[1], sys.argv[2]

@@ -29,18 +29,6 @@ from tests.daemon.test_service import SMALL, assert_current_complete, drop, make
 CHILD = Path(__file__).with_name("stop_child.py")
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Path:
-    """A data directory with v0001 in service (trained in this process once for the module's tests)."""
-    tmp = tmp_path_factory.mktemp("served")
-    config, _ = make_config(tmp)
-    drop(config, 160, range(2))
-    with Daemon(config, clock=Clock()) as d:
-        job = d.cycle().job
-    assert job["promoted"] and job["version"] == "v0001", job
-    return tmp / "data"
-
-
 def _second_job(served: Path, tmp_path: Path) -> tuple:
     """A copy of ``served`` with a second job's images (a new class among them) in its inbox."""
     shutil.copytree(served, tmp_path / "data", symlinks=True)
