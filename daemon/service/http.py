@@ -8,7 +8,9 @@ Off unless ``http.enabled``; the service starts a :class:`StatusServer` beside i
 
 Routes (GET and HEAD; any other method is 405, any other path 404):
 
-- ``/``: a small HTML page of :func:`~edgerev_daemon.service.status.status` (every value escaped);
+- ``/``: the status page (:mod:`edgerev_daemon.service.page`: the model in service with its curves inline,
+  what comes next, the versions, the latest events; every value escaped, no script, inline style only);
+- ``/versions/vNNNN/curves.png``, ``/versions/vNNNN/classes.png``: a version's plots, while on disk;
 - ``/status.json``: the same snapshot as JSON;
 - ``/metrics``: Prometheus text exposition format 0.0.4;
 - ``/healthz``: ``ok``, for container health checks (it reads nothing).
@@ -25,7 +27,6 @@ same machine cannot read it through a DNS name rebound to 127.0.0.1.
 
 from __future__ import annotations
 
-import html
 import ipaddress
 import json
 import logging
@@ -45,7 +46,8 @@ from urllib.parse import urlsplit
 from edgerev.errors import EdgerevError
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
-from edgerev_daemon.service.status import format_status, status
+from edgerev_daemon.service.page import format_html
+from edgerev_daemon.service.status import status
 from edgerev_daemon.storage.registry import VERSION_RE
 
 log = logging.getLogger("edgerev.daemon.http")
@@ -229,83 +231,6 @@ def format_metrics(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# HTML ---------------------------------------------------------------------------------------------------
-
-_PAGE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta http-equiv="refresh" content="30">
-<title>edgerev daemon</title>
-<style>body{{font-family:sans-serif;margin:1.5em}}pre{{background:#f4f4f4;padding:.8em;white-space:pre-wrap}}
-td,th{{padding:.2em .8em;text-align:left}}</style>
-</head>
-<body>
-<h1>edgerev daemon</h1>
-<pre>{summary}</pre>
-<h2>Versions</h2>
-{versions}
-<h2>Recent events</h2>
-{events}
-<p>Times are the device's local time. <a href="/status.json">status.json</a> &middot; <a href="/metrics">metrics</a></p>
-</body>
-</html>
-"""
-
-
-class _Links(tuple):
-    """A cell of links to paths of this server, ``(text, path)`` pairs (built here, never from stored text)."""
-
-
-def _table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
-    rows = list(rows)
-    if not rows:
-        return "<p>none</p>"
-
-    def cell(tag: str, v: object) -> str:
-        if isinstance(v, _Links):
-            links = " ".join(f'<a href="{html.escape(p, quote=True)}">{html.escape(t)}</a>' for t, p in v)
-            return f"<{tag}>{links}</{tag}>"
-        return f"<{tag}>{html.escape('' if v is None else str(v))}</{tag}>"
-
-    head = "<tr>" + "".join(cell("th", h) for h in header) + "</tr>"
-    body = "".join("<tr>" + "".join(cell("td", v) for v in r) + "</tr>" for r in rows)
-    return f"<table>{head}{body}</table>"
-
-
-def local_time(at: float | None) -> str:
-    """``2026-11-23 14:05:09 CET``: a stored time in the device's own time zone."""
-    if at is None:
-        return ""
-    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(at)).strip()
-
-
-def readable(message: object) -> str:
-    """An event's message as text: its ``message`` when that is all it says, else ``key: value`` pairs."""
-    if not isinstance(message, dict):
-        return str(message)
-    if set(message) == {"message"}:
-        return str(message["message"])
-    return "; ".join(f"{k}: {v if isinstance(v, str) else json.dumps(v, sort_keys=True)}"
-                     for k, v in sorted(message.items()))
-
-
-def format_html(s: dict) -> str:
-    """A :func:`~edgerev_daemon.service.status.status` snapshot as a small HTML page (every value escaped): the
-    summary, each version once (with links to its curves and per-class picture while its folder is on
-    disk), the events in local time."""
-    versions = _table(("version", "promoted", "job", "reason", "pictures"),
-                      ((v["version"], "yes" if v["promoted"] else "no", v["job"], v["reason"],
-                        _Links((n, f"/versions/{v['version']}/{n}.png") for n in ("curves", "classes"))
-                        if v["on_disk"] else "pruned")
-                       for v in reversed(s["versions"][-20:])))
-    events = _table(("at", "kind", "message"),
-                    ((local_time(e["at"]) + (f" (x{e['repeats']}, last {local_time(e['last_at'])})"
-                                             if e.get("repeats", 1) > 1 else ""), e["kind"], readable(e["message"]))
-                     for e in reversed(s["events"])))
-    return _PAGE.format(summary=html.escape(format_status(s, versions=False)), versions=versions, events=events)
-
-
 # server -------------------------------------------------------------------------------------------------
 
 
@@ -326,7 +251,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'")
+        # nothing from outside the device, no script: the page's own style and the plots this server serves
+        self.send_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'")
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()

@@ -41,8 +41,10 @@ def holder_pid(config: DaemonConfig) -> int | None:
 def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = time.time) -> dict:
     """A JSON-ready snapshot: samples, labels, the model in service, versions, jobs, recent events.
 
-    ``clock`` gives the time the schedule is judged at (injected by tests: two snapshots of an idle
-    daemon taken a second apart are then equal).
+    ``events``: how many of the latest events to include, as lines (:func:`~edgerev_daemon.service.events.fold`:
+    a version's decision and its promotion are one line, a job's states one line). ``clock`` gives the time the
+    schedule is judged at (injected by tests: two snapshots of an idle daemon taken a second apart are then
+    equal).
 
     Raises:
         DaemonError: the data directory holds no store yet (the daemon never ran there).
@@ -70,6 +72,7 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             raise
         store, snapshot = Store.snapshot(db), True  # a full disk: SQLite cannot create its shared memory
     with store:
+        oldest = store.events(limit=1) if events else []  # read before the counts: see _latest_events
         counts = store.counts()
         try:
             current = registry.current()
@@ -96,8 +99,7 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             "quarantined_files": sum(1 for p in quarantine.iterdir() if not p.name.endswith(".reason.json"))
             if quarantine.is_dir() else 0,
             "current": None if current is None else _current(current, cur, registry),
-            "versions": [{"version": v.id, "promoted": v.promoted, "on_disk": (registry.versions_dir / v.id).is_dir(),
-                          "job": v.job_id, "reason": v.reason} for v in versions],
+            "versions": [_version(v, registry) for v in versions],
             "job": None if (active or last) is None else _job(active or last),
             "jobs_failed": sum(1 for j in store.jobs(limit=1000) if j.state == JobState.FAILED),
             "counts": counts,
@@ -108,8 +110,44 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             "disk": {"min_free_bytes": floor, "below_floor": low} | ({"free_bytes": free} if low else {}),
             # what the data directory holds against storage.max_bytes, and what the retention policy removed
             "storage": budget_status(config, store),
-            "events": [e.to_json() for e in store.events(limit=events)] if events else [],
+            "events": _latest_events(store, events, oldest, counts["events"], versions) if events else [],
         }
+
+
+def _latest_events(store: Store, n: int, oldest: list, total: int, versions: list) -> list[dict]:
+    """The latest ``n`` lines of the event log, oldest first, from its latest ``2 n`` rows (a promotion's two
+    rows fold into one line: :func:`~edgerev_daemon.service.events.fold`).
+
+    :meth:`Store.events` reads from the oldest row on; ids only grow, so with ``oldest`` the first row and
+    ``total`` the rows counted after it was read, every one of the latest ``k`` rows has an id above
+    ``oldest.id - 1 + total - k`` (ids may have gaps, which only makes the read longer).
+    """
+    from edgerev_daemon.service.events import fold
+
+    if not oldest:
+        return []
+    rows = 2 * n
+    after = oldest[0].id - 1 + max(0, total - rows)
+    latest = store.events(after_id=after, limit=total + rows)[-rows:]  # + rows: those written since
+    decisions = {v.id: v.metrics.get("promote") for v in versions}
+    return fold([e.to_json() for e in latest], decisions)[-n:]
+
+
+def _pictures(folder) -> list[str]:
+    """The plots a version folder holds (``curves``, ``classes``), as the status page serves them."""
+    return [name for name in ("curves", "classes") if (folder / f"{name}.png").is_file()]
+
+
+def _version(v, registry: Registry) -> dict:
+    """A version as JSON: whether it was promoted and why, when the gate decided (``decided_at``), what it
+    decided (``promote``: None where not recorded), its held-out accuracy, and its plots while on disk."""
+    folder = registry.versions_dir / v.id
+    on_disk = folder.is_dir()
+    figures = v.metrics.get("evaluation", {}).get("candidate", {})
+    return {"version": v.id, "promoted": v.promoted, "on_disk": on_disk, "job": v.job_id, "reason": v.reason,
+            "decided_at": v.created_at, "promote": v.metrics.get("promote"),
+            "heldout_accuracy": figures.get("all"), "recent_heldout_accuracy": figures.get("recent"),
+            "pictures": _pictures(folder) if on_disk else []}
 
 
 def _current(name: str, version, registry: Registry) -> dict:
@@ -123,6 +161,8 @@ def _current(name: str, version, registry: Registry) -> dict:
         "path": str(registry.path(name)) if version else None,
         "onnx": str(registry.path(name) / "model.onnx") if version else None,
         "reason": version.reason if version else None,
+        "decided_at": version.created_at if version else None,
+        "pictures": _pictures(registry.path(name)) if version else [],
         "heldout_accuracy": figures.get("all"),
         "recent_heldout_accuracy": figures.get("recent"),
         "heldout_samples": {"all": samples.get("all"), "recent": samples.get("recent")},
@@ -233,13 +273,20 @@ def format_status(s: dict, versions: bool = True) -> str:
         lines.append(f"{what}: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
         if (line := progress_line(j.get("progress"))) is not None:
             lines.append(f"  {line}")
+    if (line := next_job_text(s)) is not None:
+        lines.append(f"next job: {line}")
+    return "\n".join(lines)
+
+
+def next_job_text(s: dict) -> str | None:
+    """When the next job runs, or why not yet (None: the schedule says nothing)."""
     sched = s.get("schedule") or {}
     job = s.get("job") or {}
     if job.get("state") in ("queued", "running"):  # the job above is the next one: not "due", under way
-        lines.append(f"next job: job {job['id']} " + ("runs now" if s.get("daemon_pid") else
-                                                       "resumes from its checkpoint at the next start"))
-    elif sched.get("due"):
-        lines.append(f"next job: due now ({sched['due']})")
-    elif sched.get("waiting"):
-        lines.append(f"next job: not yet: {sched['waiting']}")
-    return "\n".join(lines)
+        when = "runs now" if s.get("daemon_pid") else "resumes from its checkpoint at the next start"
+        return f"job {job['id']} {when}"
+    if sched.get("due"):
+        return f"due now ({sched['due']})"
+    if sched.get("waiting"):
+        return f"not yet: {sched['waiting']}"
+    return None

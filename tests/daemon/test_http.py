@@ -155,9 +155,11 @@ def test_html_page_escapes_the_status(server):
     assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
     assert "v0002" in text and "out of memory" in text
     # the recent window's figure beside the all-time one
-    assert ("model in service: v0002, held-out accuracy 0.8750 on all 8, 0.7500 on the recent 4 (30 days before "
-            "each class&#x27;s newest)") in text
-    assert "&lt;script&gt;x&lt;/script&gt;" in text and "<script>" not in text
+    assert ("<td>all held-out samples</td><td><span class=\"big\">87.5 %</span></td><td><span class=\"num\">8</span>"
+            "</td></tr><tr><td>the recent window (the 30 days before each class&#x27;s newest sample)</td>"
+            "<td><span class=\"big\">75.0 %</span></td><td><span class=\"num\">4</span></td>") in text
+    assert "<dt>labels</dt><dd>cat, dog, &lt;script&gt;x&lt;/script&gt;</dd>" in text and "<script>" not in text
+    assert "&lt;script&gt;x&lt;/script&gt; (0): too few training samples yet</dd>" in text  # held back
 
 
 def test_status_json(server, config):
@@ -268,21 +270,24 @@ def test_the_page_shows_each_version_once_events_readable_in_local_time(server):
     text = get(server, "/")[2].decode()
     rows = re.findall(r"<tr><td>(v\d{4})</td>", text)
     assert rows == ["v0002", "v0001"]  # the table, newest first; the summary above it lists none
-    assert "kept out: first" not in text
+    assert re.findall(r"<tr><td>v\d{4}</td><td><span[^>]*>[^<]*</span></td><td><span[^>]*>([^<]*)</span>", text) == [
+        "in service", "not promoted"]
     assert time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1000.0)) in text  # the events' stored time, local
-    assert "reason: not an image; source: bad.png" in text and "&quot;reason&quot;" not in text
+    assert "quarantined bad.png: not an image" in text and "&quot;reason&quot;" not in text
     assert "<td>1000.0</td>" not in text
 
 
-def test_each_version_on_disk_links_its_curves(server, config):
+def test_each_version_on_disk_shows_its_curves(server, config):
     png = b"\x89PNG\r\n\x1a\nplot"
     (config.layout.root / "versions" / "v0002" / "curves.png").write_bytes(png)
     text = get(server, "/")[2].decode()
-    assert '<a href="/versions/v0002/curves.png">curves</a> <a href="/versions/v0002/classes.png">classes</a>' in text
-    assert "/versions/v0001/curves.png" not in text and "pruned" in text  # v0001 has no folder
+    assert '<img src="/versions/v0002/curves.png" alt="training curves of v0002">' in text  # shown in the page
+    assert '<a href="/versions/v0002/curves.png">curves</a></td>' in text  # and linked from its version's row
+    assert "classes.png" not in text and "/versions/v0001/" not in text  # no such file; v0001 has no folder
     status, headers, body = get(server, "/versions/v0002/curves.png")
     assert (status, headers["Content-Type"], body) == (200, "image/png", png)
     (config.layout.root / "versions" / "v0002" / "classes.png").write_bytes(png + b"2")
+    assert '<img src="/versions/v0002/classes.png" alt="accuracy per class of v0002">' in get(server, "/")[2].decode()
     assert get(server, "/versions/v0002/classes.png")[2] == png + b"2"
     for path in ("/versions/v0001/curves.png", "/versions/../versions/v0002/curves.png",
                  "/versions/v0002/model.json", "/versions/x/curves.png", "/versions/v0002%2Fcurves.png"):
