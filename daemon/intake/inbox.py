@@ -2,9 +2,12 @@
 
 Two ways to drop images:
 
-- ``inbox/<label>/<any sub-folders>/<file>``: the label is the top-level folder's name.
+- ``inbox/<label>/<any sub-folders>/<file>``: the label is the top-level folder's name; images in
+  ``inbox/unlabeled/`` (or ``unlabelled/``) have none (see :data:`~edgerev_daemon.storage.records.UNLABELED`):
+  they are stored unlabelled, and the same image dropped later under a label folder labels them.
 - ``inbox/<name>.jsonl``: one ``{"path": ..., "label": ...}`` object per line (see
-  :mod:`edgerev_daemon.intake.manifest` for what a line may hold); ``path`` is relative to the inbox and must
+  :mod:`edgerev_daemon.intake.manifest` for what a line may hold; a line without a label, or with
+  ``"label": null`` or ``"unlabeled"``, names an unlabelled image); ``path`` is relative to the inbox and must
   stay inside it (no ``..``, not absolute, no symbolic link on the way, not a link itself). Such an
   entry is *refused*: recorded with its reason, and nothing it names is touched. Put a manifest's
   files in a hidden folder (``inbox/.upload-1/``), which the folder scan skips, and write the
@@ -26,7 +29,6 @@ recorded is their :func:`~edgerev_daemon.intake.names.shown` form. The scan only
 from __future__ import annotations
 
 import os
-import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,9 +38,8 @@ from edgerev_daemon.intake.confined import NotConfined
 from edgerev_daemon.intake.manifest import Entry, LineRefused, lines, parse_line
 from edgerev_daemon.intake.names import shown, shown_path
 from edgerev_daemon.intake.watch import InboxWatch
+from edgerev_daemon.storage.records import LABEL, UNLABELED
 
-LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-LABEL_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
 MANIFEST_SUFFIX = ".jsonl"
 MAX_DEPTH = 32  # folders below a label folder; deeper ones are reported, not walked
 
@@ -51,14 +52,17 @@ def valid_label(name: object) -> bool:
 class Candidate:
     """A file to examine: ``parts`` its path from the inbox, names as the file system gives them;
     ``source`` the recorded form of that path (what events name); ``label`` is ``None`` for a file
-    with no label folder; ``manifest`` names the manifest that listed it, if one did; ``inode``: its
-    device and inode when the scan saw it (what may be moved to quarantine: nothing swapped in since)."""
+    with no label: ``unlabeled`` says it was dropped so on purpose (``inbox/unlabeled/``, a manifest line
+    without a label), else it lies outside any label folder; ``manifest`` names the manifest that listed it,
+    if one did; ``inode``: its device and inode when the scan saw it (what may be moved to quarantine:
+    nothing swapped in since)."""
 
     parts: tuple[str, ...]
     source: str
     label: str | None
     manifest: str | None = None
     inode: tuple[int, int] | None = None
+    unlabeled: bool = False
 
     @property
     def name(self) -> str:
@@ -121,9 +125,9 @@ class _Scanner:
             else:
                 self.scan.candidates.append(Candidate((name,), shown(name), None, inode=(st.st_dev, st.st_ino)))
         for name in folders:
-            self.folder(self.root_fd, (name,), name, 0)
+            self.folder(self.root_fd, (name,), None if name in UNLABELED else name, 0)
 
-    def folder(self, parent_fd: int, parts: tuple[str, ...], label: str, depth: int) -> None:
+    def folder(self, parent_fd: int, parts: tuple[str, ...], label: str | None, depth: int) -> None:
         """Walk one folder (opened from its parent without following a link) and those below it."""
         try:
             fd = confined.open_dir(parent_fd, parts[-1])
@@ -150,7 +154,8 @@ class _Scanner:
                 if stat.S_ISDIR(st.st_mode):
                     below.append(path)
                 elif path not in self.claimed and self.settled(path, st):
-                    self.scan.candidates.append(Candidate(path, shown_path(path), label, inode=(st.st_dev, st.st_ino)))
+                    self.scan.candidates.append(Candidate(path, shown_path(path), label, inode=(st.st_dev, st.st_ino),
+                                                          unlabeled=label is None))
             for path in below:
                 if depth + 1 > MAX_DEPTH:
                     self.scan.problems[shown_path(path)] = f"deeper than {MAX_DEPTH} folders below its label folder"
@@ -213,7 +218,8 @@ class _Scanner:
         if stat.S_ISDIR(st.st_mode):
             raise LineRefused("is a directory", raw)
         self.claimed[entry.parts] = manifest
-        return Candidate(entry.parts, source, entry.label, manifest, inode=(st.st_dev, st.st_ino))
+        label = None if entry.label in UNLABELED else entry.label
+        return Candidate(entry.parts, source, label, manifest, inode=(st.st_dev, st.st_ino), unlabeled=label is None)
 
 
 def scan_inbox(root_fd: int, now: float, settle_seconds: float, max_manifest_bytes: int,

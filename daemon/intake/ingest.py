@@ -12,13 +12,17 @@ scan finds):
 2. A hash already stored (or seen earlier in the batch) is a *duplicate*: not stored again, recorded
    as a duplicate event, removed from the inbox in step 6. When the stored copy came from the same
    inbox path, or this path's duplicate event is already recorded, the file is a *leftover* of a
-   crash between steps 5 and 6: removed, no second event.
+   crash between steps 5 and 6: removed, no second event. The one exception: a file with a label
+   whose image is stored *unlabelled* (or waits unlabelled earlier in the batch) *labels* it (step 5
+   journals the label and records a ``labeled`` event) instead of being a duplicate; it is not stored
+   twice, and after a crash between steps 5 and 6 its recorded label event makes it a leftover.
 3. The rest are validated and normalized (:mod:`edgerev_daemon.intake.images`); a decompression bomb or a
    file that does not decode is quarantined.
 4. Each normalized image is written as blob ``blobs/<hash>`` (temporary file, rename); then the
    batch's blobs are made durable at once (:meth:`~edgerev_daemon.storage.blobs.BlobStore.sync`).
-5. One transaction records the batch, its samples, new labels and the batch's events; the commit is
-   durable when it returns (``synchronous=FULL``).
+5. One transaction records the batch, its samples (an image from ``inbox/unlabeled/`` or a manifest
+   line without a label is stored unlabelled), new labels, the labels given to stored unlabelled
+   samples and the batch's events; the commit is durable when it returns (``synchronous=FULL``).
 6. Only then are the batch's stored, duplicate and leftover files deleted from the inbox (each only
    if it is still the very file that was read: same device, inode, size and modification time,
    looked up in the folder reached again by descriptor).
@@ -36,9 +40,9 @@ Why a crash (``kill -9``, power cut) at any instant loses no file and records no
 - A quarantined file is moved (one rename) before its event is committed: a crash between the two
   leaves it safe in ``quarantine/`` (or hidden in the inbox, across file systems) with its reason
   file, and only the event row missing. It is never copied (see :mod:`edgerev_daemon.intake.quarantine`).
-- A manifest is deleted only after every file it listed was stored, found a duplicate or
-  quarantined; re-read after a crash, its entries whose files are gone are recognized (stored, or
-  quarantined with an event or a reason file, from that path) and skipped.
+- A manifest is deleted only after every file it listed was stored, found a duplicate, gave a label
+  or was quarantined; re-read after a crash, its entries whose files are gone are recognized (stored,
+  labelling, or quarantined with an event or a reason file, from that path) and skipped.
 
 No file can stop the batch: whatever its name (recorded in the escaped form of
 :mod:`edgerev_daemon.intake.names`), type or content, it ends stored, a duplicate, quarantined, refused (a
@@ -58,30 +62,33 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.intake import confined
 from edgerev_daemon.intake.confined import Identity, NotConfined
 from edgerev_daemon.intake.images import ImageRejected, normalize
-from edgerev_daemon.intake.inbox import LABEL_RULE, Candidate, Scan, scan_inbox, valid_label
+from edgerev_daemon.intake.inbox import Candidate, Scan, scan_inbox, valid_label
 from edgerev_daemon.intake.names import shown
 from edgerev_daemon.intake.quarantine import quarantine, quarantined_from
 from edgerev_daemon.intake.watch import InboxWatch
 from edgerev_daemon.storage.blobs import BlobStore
-from edgerev_daemon.storage.records import EventKind, NewSample, Sample
-from edgerev_daemon.storage.store import Store
+from edgerev_daemon.storage.records import LABEL_RULE, EventKind, NewLabel, NewSample, Sample
+from edgerev_daemon.storage.store import Store, split_of
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class IngestReport:
-    """What one :func:`ingest_inbox` call did; ``quarantined``, ``refused`` and ``stuck`` hold
-    ``(inbox path, reason)`` pairs; ``problems``: folders newly found unreadable, ``(folder, reason)``;
-    ``stopped``: the call ended early, files wait for the next."""
+    """What one :func:`ingest_inbox` call did; ``accepted`` counts the samples stored (``unlabeled`` of them
+    without a label); ``labeled``: stored unlabelled samples that got their label from a file; ``quarantined``,
+    ``refused`` and ``stuck`` hold ``(inbox path, reason)`` pairs; ``problems``: folders newly found
+    unreadable, ``(folder, reason)``; ``stopped``: the call ended early, files wait for the next."""
 
     accepted: int = 0
+    unlabeled: int = 0
+    labeled: int = 0
     duplicates: int = 0
     leftovers: int = 0
     quarantined: list[tuple[str, str]] = field(default_factory=list)
@@ -98,7 +105,8 @@ class IngestReport:
         return self.accepted / self.seconds if self.seconds > 0 else 0.0
 
     def to_json(self) -> dict:
-        return {"accepted": self.accepted, "duplicates": self.duplicates, "leftovers": self.leftovers,
+        return {"accepted": self.accepted, "unlabeled": self.unlabeled, "labeled": self.labeled,
+                "duplicates": self.duplicates, "leftovers": self.leftovers,
                 "quarantined": [list(q) for q in self.quarantined], "refused": [list(r) for r in self.refused],
                 "stuck": [list(s) for s in self.stuck], "problems": [list(p) for p in self.problems],
                 "unsettled": self.unsettled, "batches": self.batches, "stopped": self.stopped,
@@ -119,9 +127,10 @@ class _Batch:
 
     def __init__(self) -> None:
         self.samples: list[NewSample] = []
+        self.labels: list[NewLabel] = []
         self.events: list[tuple[EventKind, dict]] = []
         self.remove: list[tuple[Candidate, Identity]] = []
-        self.seen: dict[str, Candidate] = {}
+        self.seen: dict[str, Candidate | Sample] = {}
         self.duplicates = self.quarantined = self.refused = 0
 
 
@@ -186,9 +195,9 @@ def _precheck(root_fd: int, c: Candidate, extensions: tuple[str, ...]) -> str | 
         return "symbolic link (not followed)"
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
-    if c.label is None:
-        return "not in a label folder: drop images into inbox/<label>/"
-    if not valid_label(c.label):
+    if c.label is None and not c.unlabeled:
+        return "not in a label folder: drop images into inbox/<label>/ (or inbox/unlabeled/ without a label)"
+    if c.label is not None and not valid_label(c.label):
         return f"label '{shown(c.label)}' is not a valid name ({LABEL_RULE})"
     suffix = os.path.splitext(c.name)[1].lower()
     if suffix not in extensions:
@@ -241,6 +250,9 @@ class _Ingest:
         except ImageRejected as e:
             return self._quarantine(batch, c, e.reason)
         first = batch.seen.get(got.sha256) or self.store.get_sample(got.sha256)
+        if first is not None and first.label is None and c.label is not None:
+            self._label(batch, first, c, got)
+            return True
         if first is not None:
             if self._leftover(first, c, got.sha256):
                 self.report.leftovers += 1
@@ -249,7 +261,8 @@ class _Ingest:
                 self.report.duplicates += 1
                 batch.events.append((EventKind.DUPLICATE, {
                     "source": c.source, "sha256": got.sha256, "existing": first.source, "label": c.label,
-                    "existing_label": first.label, "label_conflict": c.label != first.label}))
+                    "existing_label": first.label,
+                    "label_conflict": c.label is not None and c.label != first.label}))
             batch.remove.append((c, got.identity))
             return True
         try:
@@ -263,6 +276,22 @@ class _Ingest:
         batch.remove.append((c, got.identity))
         return True
 
+    def _label(self, batch: _Batch, first: Candidate | Sample, c: Candidate, got: _Read) -> None:
+        """``c``, a file with a label, is the image of an unlabelled sample: stored (``first`` a
+        :class:`Sample`) or waiting earlier in this batch (a :class:`Candidate`, whose new sample takes the
+        label before it is recorded). Not stored twice; its removal waits for the commit like any file's."""
+        if isinstance(first, Candidate):
+            i = next(i for i, s in enumerate(batch.samples) if s.sha256 == got.sha256)
+            batch.samples[i] = replace(batch.samples[i], label=c.label)
+            split = split_of(got.sha256, self.config.heldout_fraction).value
+            batch.events.append((EventKind.LABELED, {"sha256": got.sha256, "label": c.label, "split": split,
+                                                     "source": c.source, "sample_source": first.source}))
+        else:
+            batch.labels.append(NewLabel(got.sha256, c.label, c.source))
+        batch.seen[got.sha256] = replace(first, label=c.label)  # a later copy in the batch is a duplicate of it
+        log.info("%s labels the unlabelled image %s: %s", c.source, shown(first.source), c.label)
+        batch.remove.append((c, got.identity))
+
     def _remove(self, source: str, parts: tuple[str, ...], ident: Identity, what: str) -> None:
         try:
             if not confined.remove_if_same(self.root_fd, parts, ident):
@@ -271,12 +300,15 @@ class _Ingest:
             self.report.stuck.append((source, f"{what}, but could not be removed: {e.strerror or e}"))
 
     def commit(self, batch: _Batch) -> None:
-        if batch.samples or batch.events:  # a batch of leftovers only has nothing to record
+        if batch.samples or batch.events or batch.labels:  # a batch of leftovers only has nothing to record
             self.blobs.sync()
             self.store.record_batch(batch.samples, batch.events, self.config.heldout_fraction,
-                                    duplicates=batch.duplicates, quarantined=batch.quarantined, refused=batch.refused)
+                                    duplicates=batch.duplicates, quarantined=batch.quarantined, refused=batch.refused,
+                                    labels=batch.labels)
             self.report.batches += 1
             self.report.accepted += len(batch.samples)
+            self.report.unlabeled += sum(1 for s in batch.samples if s.label is None)
+            self.report.labeled += len(batch.labels) + sum(1 for k, _ in batch.events if k is EventKind.LABELED)
         for c, ident in batch.remove:
             self._remove(c.source, c.parts, ident, "stored")
 
@@ -351,15 +383,17 @@ def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] 
             (``edgerev daemon once``) still ingests files that are complete.
 
     Raises:
-        StoreError: the store holds images of another size than ``config.image_size``.
+        StoreError: the store holds images of another size than ``config.image_size``, or a class named like
+            the folder of unlabelled images (:meth:`~edgerev_daemon.storage.store.Store.check_labels`).
         OSError: the data directory cannot be written (disk full), or the inbox cannot be opened:
             the current batch is abandoned.
     """
     started = time.perf_counter()
     store.check_image_size(config.image_size)
+    store.check_labels()
 
     def seen(source: str) -> bool:
-        return (store.has_source(source) or store.quarantined_source(source)
+        return (store.has_source(source) or store.labeled_from(source) or store.quarantined_source(source)
                 or quarantined_from(config.layout.quarantine, source))
 
     watch = watch if watch is not None else InboxWatch()
@@ -378,7 +412,8 @@ def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] 
         os.close(root_fd)
     job.report.seconds = time.perf_counter() - started
     r = job.report
-    if r.accepted or r.duplicates or r.quarantined or r.refused or r.leftovers:
-        log.info("ingest: %d stored, %d duplicates, %d quarantined, %d refused, %d leftovers in %.2fs",
-                 r.accepted, r.duplicates, len(r.quarantined), len(r.refused), r.leftovers, r.seconds)
+    if r.accepted or r.labeled or r.duplicates or r.quarantined or r.refused or r.leftovers:
+        log.info("ingest: %d stored (%d unlabelled), %d labelled, %d duplicates, %d quarantined, %d refused, "
+                 "%d leftovers in %.2fs", r.accepted, r.unlabeled, r.labeled, r.duplicates, len(r.quarantined),
+                 len(r.refused), r.leftovers, r.seconds)
     return r

@@ -9,7 +9,8 @@ line is what a person or a script wrote, so it is parsed defensively:
 - strict JSON: ``NaN`` and ``Infinity`` are refused, and so is an object with a key twice (which of
   two ``path`` values counts would be a guess), and a number too long to convert;
 - ``path``: a non-empty string of valid text, relative to the inbox, without ``..`` and without a
-  NUL; ``label``: a string (its validity as a label is checked with the file, like a folder's name).
+  NUL; ``label``: a string (its validity as a label is checked with the file, like a folder's name),
+  or absent or ``null`` for an image without a label (stored unlabelled).
 
 Other keys are allowed and ignored.
 """
@@ -27,8 +28,10 @@ MAX_DEPTH = 16
 
 @dataclass(frozen=True)
 class Entry:
+    """A manifest line's file (path components from the inbox) and its label (``None``: none given)."""
+
     parts: tuple[str, ...]
-    label: str
+    label: str | None
 
 
 class LineRefused(ValueError):
@@ -124,9 +127,10 @@ def parse_line(line: str) -> Entry:
         raise LineRefused(f"not JSON: {e.msg}") from None
     except (ValueError, RecursionError) as e:
         raise LineRefused(f"not valid JSON: {e}") from None
-    if not isinstance(obj, dict) or "path" not in obj or "label" not in obj:
-        raise LineRefused('expected an object with "path" and "label"')
+    if not isinstance(obj, dict) or "path" not in obj:
+        raise LineRefused('expected an object with "path" and "label" (or "path" alone: an image without a label)')
     parts = _parts(obj["path"])
-    if not isinstance(obj["label"], str):
-        raise LineRefused(f'"label" must be a string, got {type(obj["label"]).__name__}', obj["path"])
-    return Entry(parts, obj["label"])
+    label = obj.get("label")
+    if label is not None and not isinstance(label, str):
+        raise LineRefused(f'"label" must be a string or null, got {type(label).__name__}', obj["path"])
+    return Entry(parts, label)

@@ -1,7 +1,9 @@
 """A fine-tuning job: the store's samples in, a trained candidate model directory out.
 
-A job sees the samples of every ingest batch up to its ``data_batch_id`` (fixed when it is created),
-so a job resumed after a crash trains on exactly the data it started with. It runs the trainer
+A job sees the labelled samples of every ingest batch up to its ``data_batch_id`` (fixed when it is
+created), so a job resumed after a crash trains on exactly the data it started with. An unlabelled
+sample enters neither its training nor its held-out evaluation (it is in no split); once it gets a label
+it is data of the batch that labelled it, so the next job sees it as new. It runs the trainer
 (:func:`edgerev.train.trainer.train`) in ``DATA_DIR/jobs/<id>/``:
 
 - with no model in service, from scratch on every training sample;
@@ -43,8 +45,16 @@ class JobOutcome:
 
 
 def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[str]) -> LabeledImages:
-    """Decode the normalized blobs of ``samples`` into memory; labels index ``classes``."""
+    """Decode the normalized blobs of ``samples`` into memory; labels index ``classes``.
+
+    Raises:
+        ValueError: a sample has no label (unlabelled samples are never trained or judged on as labelled).
+    """
     classes = tuple(classes)
+    unlabeled = [s.sha256[:12] for s in samples if s.label is None]
+    if unlabeled:
+        raise ValueError(f"{len(unlabeled)} unlabelled samples ({', '.join(unlabeled[:3])}) among labelled ones: "
+                         "an unlabelled sample enters training or the held-out evaluation only with a label")
     if not samples:
         return LabeledImages(torch.zeros(0, 3, 1, 1, dtype=torch.uint8), torch.zeros(0, dtype=torch.long), classes)
     images = torch.stack([decode_image(blobs.path(s.sha256)) for s in samples])

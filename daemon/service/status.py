@@ -88,8 +88,10 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             "data_dir": config.data_dir,
             "inbox": str(config.inbox_path),
             "daemon_pid": holder_pid(config),
+            # labelled samples are in a split; unlabelled ones wait for a label (no training, no held-out)
             "samples": {"total": store.count_samples(), "train": store.count_samples(Split.TRAIN),
-                        "heldout": store.count_samples(Split.HELDOUT)},
+                        "heldout": store.count_samples(Split.HELDOUT), "labeled": store.count_samples(labeled=True),
+                        "unlabeled": store.count_samples(labeled=False)},
             "labels": store.labels(),
             # too few training samples to be trained as a class yet: label -> its training samples
             "labels_held_back": held_back(store, None, config.training.min_samples_per_label),
@@ -233,10 +235,11 @@ def storage_line(st: dict) -> str:
 def format_status(s: dict, versions: bool = True) -> str:
     """The human-readable form of :func:`status` (``edgerev daemon status``); ``versions``: list the last
     five (the HTML page has a table of its own)."""
+    n = s["samples"]
     lines = [f"data directory {s['data_dir']} (inbox {s['inbox']})",
              "daemon: " + (f"running, pid {s['daemon_pid']}" if s["daemon_pid"] else "not running"),
-             f"samples: {s['samples']['total']} ({s['samples']['train']} train, {s['samples']['heldout']} held out), "
-             f"labels: {', '.join(s['labels']) or 'none'}; "
+             f"samples: {n['total']}: {n.get('labeled', n['total'])} labelled ({n['train']} train, {n['heldout']} "
+             f"held out), {n.get('unlabeled', 0)} unlabelled; labels: {', '.join(s['labels']) or 'none'}; "
              f"{s['new_samples_since_last_job']} new samples since the last job; "
              f"{s['quarantined_files']} files in quarantine"]
     disk = s.get("disk") or {}

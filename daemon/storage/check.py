@@ -5,11 +5,14 @@ Problems (``ok`` is false): a sample whose blob is missing, a blob whose bytes d
 the sample row recorded (damaged on disk), and anything ``PRAGMA integrity_check`` or
 ``foreign_key_check`` reports; a store that lost rows (journal samples the store lacks whose files have
 left the inbox: only a commit removes them) or a journal that lacks stored samples (the store could not
-be rebuilt); and, when a registry is given, a version in service that is not complete or not intact
-(its files against the SHA-256 recorded in its manifest). Not problems: samples being removed (the
-journal says so, the store's commit did not come: the next start finishes it), and what a rebuild would
-lose (``rebuild_would_lose``: the rows only the store holds, which :func:`edgerev_daemon.storage.rebuild.rebuild`
-salvages from a readable old store and otherwise cannot recreate). Garbage (harmless, removable with
+be rebuilt); a sample whose label or split the journal says otherwise (``relabeled``: a rebuild would
+give it another); and, when a registry is given, a version in service that is not complete or not
+intact (its files against the SHA-256 recorded in its manifest). Not problems: samples being removed
+(the journal says so, the store's commit did not come: the next start finishes it), unlabelled samples
+the journal gave a label (``labeling``: the labelling's commit did not come; the next start replays it),
+and what a rebuild would lose (``rebuild_would_lose``: the rows only the store holds, which
+:func:`edgerev_daemon.storage.rebuild.rebuild` salvages from a readable old store and otherwise cannot
+recreate). Garbage (harmless, removable with
 :func:`remove_garbage` while the daemon's lock is held): orphan blobs that neither a sample nor the journal
 names (written by a batch that a crash cut short before its journal lines) and stray files (a crash's
 temporary files).
@@ -44,12 +47,15 @@ class CheckReport:
     removing: list[str] = field(default_factory=list)   # stored samples the journal says were removed (a crash
     #                                                     before the removal's commit; the next start finishes it)
     history: dict[str, int] = field(default_factory=dict)  # what a rebuild would lose: rows the journal lacks
+    labeling: list[str] = field(default_factory=list)   # unlabelled here, labelled by the journal (replayed at start)
+    relabeled: list[str] = field(default_factory=list)  # a label or split the journal says otherwise
 
     @property
     def ok(self) -> bool:
         """No sample lost or damaged, a sound database, a journal that knows every sample, and an intact
         version in service (garbage and pending journal lines allowed)."""
-        return not (self.missing or self.corrupt or self.database or self.lost or self.unjournaled or self.service)
+        return not (self.missing or self.corrupt or self.database or self.lost or self.unjournaled or self.service
+                    or self.relabeled)
 
     @property
     def clean(self) -> bool:
@@ -61,7 +67,8 @@ class CheckReport:
                 "missing": self.missing, "corrupt": self.corrupt, "orphans": self.orphans,
                 "strays": [str(p) for p in self.strays], "database": self.database, "journal": self.journal,
                 "lost": self.lost, "pending": self.pending, "unjournaled": self.unjournaled, "service": self.service,
-                "removing": self.removing, "rebuild_would_lose": self.history}
+                "removing": self.removing, "labeling": self.labeling, "relabeled": self.relabeled,
+                "rebuild_would_lose": self.history}
 
 
 def check_consistency(store: Store, blobs: BlobStore, verify: bool = True, inbox: Path | None = None,
@@ -115,6 +122,13 @@ def _compare_journal(store: Store, report: CheckReport, inbox: Path | None) -> s
             report.pending.append(sha)
     gone = set(report.removing)
     report.unjournaled = sorted(sha for sha in stored if sha not in journaled and sha not in gone)
+    for sha, (label, split) in store.labels_by_hash().items():
+        r = journaled.get(sha)
+        if r is None or (r.label, r.split) == (label, split):
+            continue
+        (report.labeling if label is None else report.relabeled).append(sha)
+    report.labeling.sort()
+    report.relabeled.sort()
     report.history = store.unjournaled_history()
     return set(journaled)
 

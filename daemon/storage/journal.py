@@ -8,7 +8,16 @@ from, its split, the ingest batch it arrived in) is also written here, one JSON 
      "blob_sha256": "...", "source": "cat/IMG_0001.jpg", "added_at": 1790000000.0}
 
 so that ``edgerev daemon rebuild`` can recreate the store from this file and the blobs (like git's
-objects and index) when the store is lost, emptied or damaged. A sample the retention policy removes
+objects and index) when the store is lost, emptied or damaged. An unlabelled sample's record has
+``"label": null, "split": null``; the label it gets later is a line of its own, journaled like a record
+(inside the transaction, fsynced before its commit)::
+
+    {"labeled": "<sha256>", "label": "cat", "split": "heldout", "batch": 9, "source": "cat/IMG_0001.jpg",
+     "at": 1790000500.0}
+
+from which line on the sample is labelled, in that split, and new data as of that batch.
+
+A sample the retention policy removes
 (:mod:`edgerev_daemon.storage.retention`) gets a line of its own, ``{"removed": "<sha256>", "why": "policy",
 "at": ...}``; the sample is gone from the journal's view from that line on (a later record of the same
 hash, the file dropped again, brings it back).
@@ -25,8 +34,9 @@ a problem, and ``rebuild`` leaves them out, so the two agree. Between 2 and 3 th
 that neither the store nor the journal names: garbage, deleted at the next start.
 
 Compaction (:meth:`Journal.compact`) rewrites the file as the samples it holds now, each once, without
-the removal lines; the header carries the count of removals by reason it drops, so nothing the journal
-said is lost but the removed samples' own lines. It writes a temporary file, fsyncs it, renames it
+the removal lines (a labelling line is folded into its sample's record: label, split, batch); the header
+carries the count of removals by reason it drops, so nothing the journal said is lost but the removed
+samples' own lines and what gave a label. It writes a temporary file, fsyncs it, renames it
 over the journal and fsyncs the folder: a crash leaves the old file or the new one, and both read as
 the same samples. It runs between transactions, holding the data directory's lock, so no append can
 fall between the read and the rename.
@@ -51,25 +61,26 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from edgerev.atomic import fsync_dir
 
 NAME = "journal.jsonl"
-FORMAT = 2  # 2: removal lines and the header's count of removals
+FORMAT = 3  # 2: removal lines and the header's count of removals; 3: unlabelled samples and labelling lines
 KIND = "edgerev-samples"
 _CHUNK = 65536
 
 
 @dataclass(frozen=True)
 class JournalRecord:
-    """One stored sample, as the journal keeps it (the store's ``samples`` row with its label name)."""
+    """One stored sample, as the journal keeps it (the store's ``samples`` row with its label name);
+    ``label`` and ``split`` are ``None`` for an unlabelled sample."""
 
     batch: int
     sha256: str
-    label: str
-    split: str
+    label: str | None
+    split: str | None
     width: int
     height: int
     blob_sha256: str
@@ -85,12 +96,44 @@ class JournalRecord:
         if not isinstance(obj, dict):
             raise ValueError("not a JSON object")
         try:
-            r = cls(int(obj["batch"]), str(obj["sha256"]), str(obj["label"]), str(obj["split"]), int(obj["width"]),
-                    int(obj["height"]), str(obj["blob_sha256"]), str(obj["source"]), float(obj["added_at"]))
+            label, split = obj["label"], obj["split"]
+            r = cls(int(obj["batch"]), str(obj["sha256"]), None if label is None else str(label),
+                    None if split is None else str(split), int(obj["width"]), int(obj["height"]),
+                    str(obj["blob_sha256"]), str(obj["source"]), float(obj["added_at"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a sample record ({e})") from None
-        if len(r.sha256) != 64 or len(r.blob_sha256) != 64 or r.split not in ("train", "heldout"):
-            raise ValueError("not a sample record (bad hash or split)")
+        if len(r.sha256) != 64 or len(r.blob_sha256) != 64:
+            raise ValueError("not a sample record (bad hash)")
+        if (r.label is None) != (r.split is None) or r.split not in ("train", "heldout", None):
+            raise ValueError("not a sample record (a label without a split, or a bad split)")
+        return r
+
+
+@dataclass(frozen=True)
+class Labeling:
+    """A stored unlabelled sample given ``label`` (in ``split``, new data as of ingest batch ``batch``) at
+    ``at``; ``source``: what gave it (an inbox path, or an answer)."""
+
+    labeled: str
+    label: str
+    split: str
+    batch: int
+    source: str
+    at: float
+
+    def line(self) -> bytes:
+        return (json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
+
+    @classmethod
+    def from_obj(cls, obj: dict) -> Labeling:
+        """Raises ``ValueError`` for anything but a complete labelling line."""
+        try:
+            r = cls(str(obj["labeled"]), str(obj["label"]), str(obj["split"]), int(obj["batch"]),
+                    str(obj["source"]), float(obj["at"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a labelling ({e})") from None
+        if len(r.labeled) != 64 or obj["label"] is None or r.split not in ("train", "heldout"):
+            raise ValueError("not a labelling (bad hash, label or split)")
         return r
 
 
@@ -119,13 +162,13 @@ class Removal:
 
 @dataclass
 class JournalContents:
-    """What :meth:`Journal.read` found: the header, the sample records and removals in order (``lines``;
-    ``records`` holds the sample records alone), lines that did not parse (1-based numbers; the torn
-    last line of a power cut is counted apart, in ``torn_tail``)."""
+    """What :meth:`Journal.read` found: the header, the sample records, labellings and removals in order
+    (``lines``; ``records`` holds the sample records alone), lines that did not parse (1-based numbers; the
+    torn last line of a power cut is counted apart, in ``torn_tail``)."""
 
     header: dict = field(default_factory=dict)
     records: list[JournalRecord] = field(default_factory=list)
-    lines: list[JournalRecord | Removal] = field(default_factory=list)
+    lines: list[JournalRecord | Removal | Labeling] = field(default_factory=list)
     bad_lines: list[int] = field(default_factory=list)
     torn_tail: bool = False
 
@@ -136,13 +179,28 @@ class JournalContents:
 
     def samples(self) -> dict[str, JournalRecord]:
         """``{sha256: record}`` of the samples the journal holds now: a sample journaled twice (a crash
-        before its commit) is one sample (its first record); a removal line ends it."""
+        before its commit) is one sample (its first record); a labelling line gives it its label, split and
+        batch; a removal line ends it."""
         out: dict[str, JournalRecord] = {}
         for r in self.lines:
             if isinstance(r, Removal):
                 out.pop(r.removed, None)
+            elif isinstance(r, Labeling):
+                if r.labeled in out:
+                    out[r.labeled] = replace(out[r.labeled], label=r.label, split=r.split, batch=r.batch)
             else:
                 out.setdefault(r.sha256, r)
+        return out
+
+    def labelings(self) -> dict[str, Labeling]:
+        """The labelling line of each sample the journal holds now that got its label after it arrived (a
+        removal ends what a line said: the same image dropped again is a sample of its own)."""
+        out: dict[str, Labeling] = {}
+        for r in self.lines:
+            if isinstance(r, Removal):
+                out.pop(r.removed, None)
+            elif isinstance(r, Labeling):
+                out[r.labeled] = r
         return out
 
     def removed(self) -> set[str]:
@@ -151,7 +209,7 @@ class JournalContents:
         for r in self.lines:
             if isinstance(r, Removal):
                 last[r.removed] = True
-            else:
+            elif isinstance(r, JournalRecord):
                 last[r.sha256] = False
         return {sha for sha, gone in last.items() if gone}
 
@@ -222,7 +280,7 @@ class Journal:
         self.create(contents.image_size, list(contents.samples().values()), contents.removal_counts())
         return before, self.path.stat().st_size
 
-    def append(self, records: list[JournalRecord | Removal]) -> None:
+    def append(self, records: list[JournalRecord | Removal | Labeling]) -> None:
         """Append ``records`` durably (one write, one fsync); on any failure the file is cut back to the
         length it had, so no partial line stays behind.
 
@@ -264,6 +322,9 @@ class Journal:
                     continue
                 if isinstance(obj, dict) and "removed" in obj:
                     out.lines.append(Removal.from_obj(obj))
+                    continue
+                if isinstance(obj, dict) and "labeled" in obj:
+                    out.lines.append(Labeling.from_obj(obj))
                     continue
                 record = JournalRecord.from_obj(obj)
                 out.records.append(record)

@@ -8,9 +8,10 @@ store, which would call every blob an orphan). :func:`rebuild` is that way out: 
 journal (samples, labels, splits, batches, the count of removed samples), the blobs it names, and the
 version directories on disk (their ``metrics.json`` and ``model.json``); the job history, the versions
 that were refused and the events, which only the store holds, are copied from the old store as far as it
-can still be read (``check`` names what a rebuild from a lost store would lose). :func:`replay` records,
-at start, journal lines an intact store lacks (a crash between the journal's fsync and the commit, or
-lost rows).
+can still be read (``check`` names what a rebuild from a lost store would lose). Unlabelled samples come
+back unlabelled, and those labelled later with the label, split and batch their labelling line gave.
+:func:`replay` records, at start, journal lines an intact store lacks (samples or labels: a crash between
+the journal's fsync and the commit, or lost rows).
 """
 
 from __future__ import annotations
@@ -131,11 +132,15 @@ def guard_start(config: DaemonConfig, config_path: str | Path | None = None) -> 
 
 
 def replay(store: Store, blobs: BlobStore, contents: JournalContents | None = None) -> int:
-    """Record journal samples the store lacks whose blob exists; returns how many."""
+    """Record journal samples the store lacks whose blob exists, and journal labels that stored samples
+    still lack (a crash between the journal's fsync and the commit); returns how many samples changed."""
     contents = contents if contents is not None else store.journal.read()
     known = store.blob_hashes()
     todo = [r for r in contents.samples().values() if r.sha256 not in known and blobs.exists(r.sha256)]
-    return store.restore_samples(todo) if todo else 0
+    added = store.restore_samples(todo) if todo else 0
+    unlabeled = set(store.unlabeled_hashes())
+    labels = [r for sha, r in contents.labelings().items() if sha in unlabeled]
+    return added + (store.restore_labels(labels) if labels else 0)
 
 
 @dataclass

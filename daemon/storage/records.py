@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum
+
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+LABEL_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+#: the names that mean *no label*: the inbox folder of unlabelled images (both spellings), and the same word
+#: as a manifest line's label; never a class
+UNLABELED = ("unlabeled", "unlabelled")
+
+
+def label_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a label (a class), or ``None`` when it can."""
+    if not isinstance(name, str) or LABEL.fullmatch(name) is None:
+        return f"label '{name}' is not a valid name ({LABEL_RULE})"
+    if name in UNLABELED:
+        return f"'{name}' means no label (the inbox folder of unlabelled images), never a class"
+    return None
 
 
 class Split(str, Enum):
@@ -41,7 +57,8 @@ class EventKind(str, Enum):
     ROLLBACK = "rollback"        # from, to
     ERROR = "error"              # where, error
     INFO = "info"                # message
-    REMOVED = "removed"          # why, samples, bytes, by_label (retention), or quarantine files and bytes
+    REMOVED = "removed"          # why, samples, bytes, by_label, unlabeled (retention), or quarantine files and bytes
+    LABELED = "labeled"          # sha256, label, split, source (the inbox path or answer that gave it), sample_source
 
 
 class RemovalReason(str, Enum):
@@ -54,10 +71,11 @@ class RemovalReason(str, Enum):
 @dataclass(frozen=True)
 class NewSample:
     """A sample about to be recorded: ``sha256`` of the dropped file, ``blob_sha256`` of the stored
-    normalized PNG, the original ``width`` and ``height``, and ``source`` (its path in the inbox)."""
+    normalized PNG, the original ``width`` and ``height``, and ``source`` (its path in the inbox);
+    ``label`` is ``None`` for an unlabelled image."""
 
     sha256: str
-    label: str
+    label: str | None
     width: int
     height: int
     blob_sha256: str
@@ -65,16 +83,36 @@ class NewSample:
 
 
 @dataclass(frozen=True)
-class Sample:
+class NewLabel:
+    """A label given to a stored unlabelled sample: ``source`` is what gave it (the inbox path of the same
+    image dropped again with a label, or an answer such as ``"answer"``)."""
+
     sha256: str
     label: str
-    split: Split
+    source: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A stored sample. An unlabelled one has ``label`` and ``split`` ``None``: it enters no training, no
+    held-out evaluation, no gate; its split is decided when it gets its label (:meth:`labeled`).
+
+    ``batch_id`` orders samples for the schedule and the jobs: the ingest batch it arrived in, or, for one
+    labelled later, the batch that gave it its label (from then on it is new data)."""
+
+    sha256: str
+    label: str | None
+    split: Split | None
     width: int
     height: int
     blob_sha256: str
     source: str
     added_at: float
     batch_id: int
+
+    @property
+    def labeled(self) -> bool:
+        return self.label is not None
 
 
 @dataclass(frozen=True)

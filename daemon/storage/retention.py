@@ -11,14 +11,18 @@ a cycle's ingest, a job's checkpoints and the version it writes; above the budge
    The version in service and the one a rollback goes back to are version directories, never samples;
    ``promotion.keep_last`` bounds those, and when only protected samples remain and the bytes are still
    above the target, the other version directories go too (:func:`prune_versions`), never those two.
-2. **The held-out share stays fixed.** Of the samples removed, as many come from the held-out split as
+2. **Unlabelled samples first, oldest first.** An image nobody labelled teaches less than one with a
+   label (semi-supervised training and the label questions use them, nothing judges on them), so they
+   go before any labelled sample, in arrival order. Only when none is left do labelled samples go, by
+   the rules below.
+3. **The held-out share stays fixed.** Of the samples removed, as many come from the held-out split as
    keep it at ``heldout_fraction`` of what is kept (a split with nothing left to remove gives the rest).
-3. **Every class stays, with its newest samples.** The newest ``storage.keep_newest_per_class`` samples
+4. **Every class stays, with its newest samples.** The newest ``storage.keep_newest_per_class`` samples
    of each class in each split are never removed, so the recent window the promotion gate judges on is
    the last to thin.
-4. **The largest class gives first** (water-filling): each removal comes from the class that holds the
+5. **The largest class gives first** (water-filling): each removal comes from the class that holds the
    most samples in that split, so a rare or vanished class keeps its history while a frequent one thins.
-5. **Within a class, oldest first, a reservoir last.** A sample whose hash falls in the first
+6. **Within a class, oldest first, a reservoir last.** A sample whose hash falls in the first
    ``storage.reservoir`` share of the hash space belongs to the reservoir: the others go oldest first;
    reservoir samples go after them, in a fixed order of their hashes, so what remains of a class's past
    is an even sample of its whole history (nested: a smaller budget keeps a subset of what a larger one
@@ -117,25 +121,32 @@ def plan(totals: dict[Group, int], count: int, heldout_fraction: float, keep_new
 
 def choose(samples: Sequence[Sample], count: int, heldout_fraction: float, keep_newest: int,
            reservoir: float) -> list[Sample]:
-    """The ``count`` samples (in arrival order) the policy removes first; fewer when only protected ones remain.
-    :func:`enforce` makes the same choice from the store's counts, reading one class's hashes at a time."""
+    """The ``count`` samples the policy removes first (the unlabelled oldest first, then the labelled ones in
+    arrival order); fewer when only protected ones remain. :func:`enforce` makes the same choice from the
+    store's counts, reading one class's hashes at a time."""
+    unlabeled = sorted((s for s in samples if s.label is None), key=lambda s: (s.batch_id, s.sha256))[:count]
     groups: dict[Group, list[Sample]] = {}
     for s in samples:
-        groups.setdefault((s.split, s.label), []).append(s)
-    counts = plan({g: len(v) for g, v in groups.items()}, count, heldout_fraction, keep_newest)
+        if s.label is not None:
+            groups.setdefault((s.split, s.label), []).append(s)
+    counts = plan({g: len(v) for g, v in groups.items()}, count - len(unlabeled), heldout_fraction, keep_newest)
     by_hash = {s.sha256: s for s in samples}
-    return [by_hash[h] for g, n in counts.items()
-            for h in victim_order([s.sha256 for s in groups[g]], keep_newest, reservoir)[:n]]
+    return unlabeled + [by_hash[h] for g, n in counts.items()
+                        for h in victim_order([s.sha256 for s in groups[g]], keep_newest, reservoir)[:n]]
 
 
 def _choose_in_store(store: Store, count: int, heldout_fraction: float, keep_newest: int,
                      reservoir: float) -> list[str]:
-    """:func:`choose` on the store: counts by split and label, then the hashes of only the classes that give
-    (memory bounded by the largest class, not by the store: a year of samples is never loaded at once)."""
+    """:func:`choose` on the store: the unlabelled hashes, then counts by split and label and the hashes of only
+    the classes that give (memory bounded by the largest class or the count, not by the store: a year of
+    samples is never loaded at once)."""
+    unlabeled = store.unlabeled_hashes(limit=count)
+    if len(unlabeled) == count:
+        return unlabeled
     totals = store.split_label_counts()
-    counts = plan(totals, count, heldout_fraction, keep_newest)
-    return [h for (split, label), n in counts.items()
-            for h in victim_order(store.hashes(label, split), keep_newest, reservoir)[:n]]
+    counts = plan(totals, count - len(unlabeled), heldout_fraction, keep_newest)
+    return unlabeled + [h for (split, label), n in counts.items()
+                        for h in victim_order(store.hashes(label, split), keep_newest, reservoir)[:n]]
 
 
 @dataclass

@@ -83,6 +83,31 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE events ADD COLUMN last_at REAL",
         "CREATE INDEX events_at ON events(at)",
     ),
+    # 3: unlabelled samples (no label, no split until they get a label); a batch may label stored samples.
+    # SQLite cannot drop a NOT NULL, so the table is made again with the same rows, in the same order.
+    (
+        """CREATE TABLE samples_v3 (
+            sha256 TEXT PRIMARY KEY CHECK (length(sha256) = 64),
+            label_id INTEGER REFERENCES labels(id),
+            split TEXT CHECK (split IN ('train', 'heldout')),
+            width INTEGER NOT NULL CHECK (width > 0),
+            height INTEGER NOT NULL CHECK (height > 0),
+            blob_sha256 TEXT NOT NULL CHECK (length(blob_sha256) = 64),
+            source TEXT NOT NULL,
+            added_at REAL NOT NULL,
+            batch_id INTEGER NOT NULL REFERENCES ingest_batches(id),
+            CHECK ((label_id IS NULL) = (split IS NULL))
+        )""",
+        "INSERT INTO samples_v3 (sha256, label_id, split, width, height, blob_sha256, source, added_at, batch_id) "
+        "SELECT sha256, label_id, split, width, height, blob_sha256, source, added_at, batch_id FROM samples "
+        "ORDER BY rowid",
+        "DROP TABLE samples",
+        "ALTER TABLE samples_v3 RENAME TO samples",
+        "CREATE INDEX samples_batch ON samples(batch_id)",
+        "CREATE INDEX samples_label ON samples(label_id)",
+        "CREATE INDEX samples_unlabeled ON samples(batch_id) WHERE label_id IS NULL",
+        "ALTER TABLE ingest_batches ADD COLUMN labeled INTEGER NOT NULL DEFAULT 0",
+    ),
 )
 
 LATEST = len(MIGRATIONS)

@@ -15,6 +15,13 @@ Connection settings, and why:
 Every sample recorded is also appended to the journal beside the database (:mod:`edgerev_daemon.storage.journal`),
 inside the transaction and before its ``COMMIT``: the store can be rebuilt from the journal and the blobs.
 
+Unlabelled samples are samples like the others (one blob, one row, one journal record, the same dedupe by
+hash and the same budget) with no label and no split: :meth:`Store.unlabeled_samples` lists them, and every
+reading by split (training, the held-out evaluation, the gate) leaves them out. A label given later
+(:meth:`Store.label_sample`, or the same image dropped again with a label, through :meth:`Store.record_batch`)
+turns one into a labelled sample in place: its split is then decided by :func:`split_of`, and it counts as
+data of the batch that labelled it, so the schedule and the next job see it as new.
+
 Times are given by an injected ``clock`` (seconds since the epoch) so tests drive them. The order in
 which samples arrived is the ingest batch id (monotonic), never a time: a device without a real-time
 clock may jump back.
@@ -31,18 +38,21 @@ from pathlib import Path
 
 from edgerev_daemon.errors import StoreError
 from edgerev_daemon.storage.journal import NAME as JOURNAL_NAME
-from edgerev_daemon.storage.journal import Journal, JournalRecord
+from edgerev_daemon.storage.journal import Journal, JournalRecord, Labeling, Removal
 from edgerev_daemon.storage.records import (
     JOB_TRANSITIONS,
+    UNLABELED,
     Event,
     EventKind,
     Job,
     JobState,
+    NewLabel,
     NewSample,
     Sample,
     Split,
     Version,
     dumps,
+    label_problem,
 )
 from edgerev_daemon.storage.schema import migrate
 
@@ -51,8 +61,9 @@ def split_of(sha256: str, heldout_fraction: float) -> Split:
     """The split of a sample, a pure function of its hash: the first 4 bytes as an integer, modulo
     1000, against the held-out share in thousandths.
 
-    The split is computed once, at ingest, and stored: changing ``heldout_fraction`` later applies to
-    new samples only, so no sample a model trained on ever moves into the held-out set.
+    The split is computed once, at ingest (for an unlabelled sample: when it gets its label), and stored:
+    changing ``heldout_fraction`` later applies to new samples only, so no sample a model trained on ever
+    moves into the held-out set.
     """
     return Split.HELDOUT if int(sha256[:8], 16) % 1000 < round(heldout_fraction * 1000) else Split.TRAIN
 
@@ -139,14 +150,34 @@ class Store:
                 raise StoreError(f"{self.path}: the stored images are {row[0]}x{row[0]}, the config asks for "
                                  f"image_size {size}; keep {row[0]} or start a new data directory")
 
+    def check_labels(self) -> None:
+        """Refuse a store that holds a class named like the folder of unlabelled images (made by an edgerev
+        before unlabelled images existed, when ``inbox/unlabeled/`` was a label folder like any other).
+
+        Such a store is not migrated: its samples may be a real class a model in service was trained on, or
+        images the owner meant as unlabelled, and only the owner knows which.
+
+        Raises:
+            StoreError: samples carry such a label (how many, and the ways out).
+        """
+        marks = ", ".join("?" * len(UNLABELED))
+        rows = self._conn.execute("SELECT l.name, COUNT(s.sha256) FROM labels l LEFT JOIN samples s "
+                                  f"ON s.label_id = l.id WHERE l.name IN ({marks}) GROUP BY l.id", UNLABELED).fetchall()
+        if rows:
+            held = ", ".join(f"{n} under '{name}'" for name, n in rows)
+            raise StoreError(f"{self.path} holds a class named like the folder of unlabelled images ({held}): "
+                             f"inbox/{UNLABELED[0]}/ now holds images without a label, so this store is not "
+                             "ingested into; keep the edgerev that made it, or start a new data directory and "
+                             "drop those images again under inbox/<a label>/ (a class) or inbox/unlabeled/")
+
     # samples ----------------------------------------------------------------------------------------
 
     _SAMPLE = ("SELECT s.sha256, l.name, s.split, s.width, s.height, s.blob_sha256, s.source, s.added_at, s.batch_id "
-               "FROM samples s JOIN labels l ON l.id = s.label_id")
+               "FROM samples s LEFT JOIN labels l ON l.id = s.label_id")
 
     @staticmethod
     def _sample(row: tuple) -> Sample:
-        return Sample(row[0], row[1], Split(row[2]), *row[3:])
+        return Sample(row[0], row[1], None if row[2] is None else Split(row[2]), *row[3:])
 
     def get_sample(self, sha256: str) -> Sample | None:
         row = self._one(self._SAMPLE + " WHERE s.sha256 = ?", (sha256,))
@@ -158,35 +189,140 @@ class Store:
         return self._one("SELECT 1 FROM samples WHERE source = ? LIMIT 1", (source,)) is not None
 
     def record_batch(self, samples: Sequence[NewSample], events: Sequence[tuple[EventKind, dict]],
-                     heldout_fraction: float, duplicates: int = 0, quarantined: int = 0, refused: int = 0) -> int:
-        """Record one ingest batch, its samples (new labels too) and its events in one transaction.
+                     heldout_fraction: float, duplicates: int = 0, quarantined: int = 0, refused: int = 0,
+                     labels: Sequence[NewLabel] = ()) -> int:
+        """Record one ingest batch in one transaction: its samples (new labels too; a sample without a label
+        is stored unlabelled), the labels it gives stored unlabelled samples (``labels``: each journaled, its
+        split decided, a ``labeled`` event) and its events.
 
         Returns:
             The batch id.
 
         Raises:
             sqlite3.IntegrityError: a sample is already stored (nothing of the batch is recorded).
+            StoreError: a sample of ``labels`` is not a stored unlabelled one (nothing is recorded).
         """
         now = self.clock()
         with self.transaction() as c:
-            batch = c.execute("INSERT INTO ingest_batches (at, accepted, duplicates, quarantined, refused) "
-                              "VALUES (?, ?, ?, ?, ?)", (now, len(samples), duplicates, quarantined, refused)).lastrowid
-            label_ids: dict[str, int] = {}
-            for s in samples:
-                if s.label not in label_ids:
-                    c.execute("INSERT OR IGNORE INTO labels (name, added_at) VALUES (?, ?)", (s.label, now))
-                    label_ids[s.label] = c.execute("SELECT id FROM labels WHERE name = ?", (s.label,)).fetchone()[0]
-            records = [JournalRecord(batch, s.sha256, s.label, split_of(s.sha256, heldout_fraction).value, s.width,
-                                     s.height, s.blob_sha256, s.source, now) for s in samples]
-            self._journal(c, records)
+            batch = c.execute("INSERT INTO ingest_batches (at, accepted, duplicates, quarantined, refused, labeled) "
+                              "VALUES (?, ?, ?, ?, ?, ?)",
+                              (now, len(samples), duplicates, quarantined, refused, len(labels))).lastrowid
+            records = [JournalRecord(batch, s.sha256, s.label,
+                                     None if s.label is None else split_of(s.sha256, heldout_fraction).value,
+                                     s.width, s.height, s.blob_sha256, s.source, now) for s in samples]
+            labelings = [self._labeling(c, n.sha256, n.label, n.source, batch, heldout_fraction, now) for n in labels]
+            self._journal(c, [*records, *labelings])
+            label_ids = {label: self._label_id(c, label, now) for label in dict.fromkeys(r.label for r in records)}
             c.executemany(
                 "INSERT INTO samples (sha256, label_id, split, width, height, blob_sha256, source, added_at, batch_id) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(r.sha256, label_ids[r.label], r.split, r.width, r.height, r.blob_sha256, r.source, now, batch)
                  for r in records])
+            for labeling in labelings:
+                self._apply_labeling(c, labeling)
             c.executemany("INSERT INTO events (at, kind, message) VALUES (?, ?, ?)",
                           [(now, EventKind(k).value, dumps(m)) for k, m in events])
         return batch
+
+    @staticmethod
+    def _label_id(c: sqlite3.Connection, label: str | None, now: float) -> int | None:
+        """The id of ``label`` (added at ``now`` when new); ``None`` for no label."""
+        if label is None:
+            return None
+        c.execute("INSERT OR IGNORE INTO labels (name, added_at) VALUES (?, ?)", (label, now))
+        return c.execute("SELECT id FROM labels WHERE name = ?", (label,)).fetchone()[0]
+
+    def _labeling(self, c: sqlite3.Connection, sha256: str, label: str, source: str, batch: int,
+                  heldout_fraction: float, now: float) -> Labeling:
+        """The journal line that gives the stored unlabelled sample ``sha256`` its label, as of ``batch``.
+
+        Raises:
+            StoreError: ``label`` cannot be a class, or the sample is not a stored unlabelled one.
+        """
+        why = label_problem(label)
+        if why is not None:
+            raise StoreError(why)
+        row = c.execute("SELECT label_id FROM samples WHERE sha256 = ?", (sha256,)).fetchone()
+        if row is None or row[0] is not None:
+            raise StoreError(f"sample {sha256[:12]} is {'not stored' if row is None else 'already labelled'}")
+        return Labeling(sha256, label, split_of(sha256, heldout_fraction).value, batch, source, now)
+
+    def _apply_labeling(self, c: sqlite3.Connection, r: Labeling, replayed: bool = False) -> None:
+        """Give the row its label, split and batch, and record a ``labeled`` event (call after journaling)."""
+        label_id = self._label_id(c, r.label, r.at)
+        source = c.execute("SELECT source FROM samples WHERE sha256 = ?", (r.labeled,)).fetchone()[0]
+        c.execute("UPDATE samples SET label_id = ?, split = ?, batch_id = ? WHERE sha256 = ? AND label_id IS NULL",
+                  (label_id, r.split, r.batch, r.labeled))
+        message = {"sha256": r.labeled, "label": r.label, "split": r.split, "source": r.source,
+                   "sample_source": source} | ({"replayed": "from the journal"} if replayed else {})
+        self._event(c, EventKind.LABELED, message)
+
+    def label_sample(self, ref: str, label: str, heldout_fraction: float, source: str = "answer") -> Sample:
+        """Give a stored unlabelled sample its label (what ``edgerev daemon label --set SAMPLE=LABEL`` calls):
+        in one transaction of its own, a batch that labels it, the journal line (fsynced before the commit,
+        so ``rebuild`` reproduces it), the row's label and split (:func:`split_of` with ``heldout_fraction``)
+        and a ``labeled`` event. The caller holds the data directory's lock.
+
+        Args:
+            ref: the sample's hash, or a prefix of it (at least :data:`MIN_PREFIX` hex digits) that only it has.
+            source: what gave the label (recorded in the journal and the event).
+
+        Returns:
+            The sample, labelled. A sample that already carries this very label is returned unchanged.
+
+        Raises:
+            StoreError: the label cannot be a class; no sample (or more than one) matches ``ref``, with why
+                (removed by the retention policy, never stored); the sample already carries another label.
+        """
+        why = label_problem(label)
+        if why is not None:
+            raise StoreError(why)
+        sample = self.resolve_sample(ref)
+        if sample.label == label:
+            return sample
+        if sample.label is not None:
+            raise StoreError(f"sample {sample.sha256[:12]} is already labelled '{sample.label}'; a label is given "
+                             "once (a model may have trained on it)")
+        now = self.clock()
+        with self.transaction() as c:
+            batch = c.execute("INSERT INTO ingest_batches (at, accepted, duplicates, quarantined, refused, labeled) "
+                              "VALUES (?, 0, 0, 0, 0, 1)", (now,)).lastrowid
+            labeling = self._labeling(c, sample.sha256, label, source, batch, heldout_fraction, now)
+            self._journal(c, [labeling])
+            self._apply_labeling(c, labeling)
+        return self.get_sample(sample.sha256)
+
+    MIN_PREFIX = 6
+
+    def resolve_sample(self, ref: str) -> Sample:
+        """The stored sample ``ref`` names: its hash, or a prefix of it that no other sample has.
+
+        Raises:
+            StoreError: ``ref`` is not hexadecimal or too short; no sample has it (with why, where the journal
+                still says: removed by the retention policy); more than one has it.
+        """
+        ref = ref.strip().lower()
+        if not (self.MIN_PREFIX <= len(ref) <= 64) or any(ch not in "0123456789abcdef" for ch in ref):
+            raise StoreError(f"'{ref}' names no sample: give its hash, or at least {self.MIN_PREFIX} of its first "
+                             "hexadecimal digits")
+        rows = self._conn.execute(self._SAMPLE + " WHERE s.sha256 >= ? AND s.sha256 < ? ORDER BY s.sha256 LIMIT 2",
+                                  (ref, ref + "g")).fetchall()
+        if len(rows) > 1:
+            raise StoreError(f"'{ref}' is the start of more than one sample's hash ({rows[0][0][:12]}, "
+                             f"{rows[1][0][:12]}, ...): give more digits")
+        if not rows:
+            raise StoreError(f"no sample {ref} in the store: {self._gone(ref)}")
+        return self._sample(rows[0])
+
+    def _gone(self, ref: str) -> str:
+        """Why no stored sample's hash starts with ``ref``, as far as the journal still says."""
+        last = None
+        for r in self.journal.read().lines:
+            if isinstance(r, Removal) and r.removed.startswith(ref):
+                last = r
+        if last is not None:
+            return f"removed by the retention policy ({last.why}) at {last.at:.0f}"
+        return "never stored, or removed before the journal's last compaction"
 
     def _journal(self, c: sqlite3.Connection, records: list) -> None:
         """Append ``records`` to the journal (inside the caller's transaction, before its commit). A data
@@ -202,7 +338,8 @@ class Store:
 
     def _records(self, c: sqlite3.Connection) -> list[JournalRecord]:
         rows = c.execute("SELECT s.batch_id, s.sha256, l.name, s.split, s.width, s.height, s.blob_sha256, s.source, "
-                         "s.added_at FROM samples s JOIN labels l ON l.id = s.label_id ORDER BY s.batch_id, s.rowid")
+                         "s.added_at FROM samples s LEFT JOIN labels l ON l.id = s.label_id "
+                         "ORDER BY s.batch_id, s.rowid")
         return [JournalRecord(*r) for r in rows]
 
     def ensure_journal(self) -> bool:
@@ -215,14 +352,14 @@ class Store:
 
     def restore_samples(self, records: Sequence[JournalRecord]) -> int:
         """Record samples from the journal that the store lacks, with their own batch ids, splits and
-        times (labels are added in the order the records name them); returns how many were added."""
+        times (labels are added in the order the records name them; an unlabelled record stays unlabelled);
+        returns how many were added."""
         added = 0
         with self.transaction() as c:
             for r in records:
                 if c.execute("SELECT 1 FROM samples WHERE sha256 = ?", (r.sha256,)).fetchone():
                     continue
-                c.execute("INSERT OR IGNORE INTO labels (name, added_at) VALUES (?, ?)", (r.label, r.added_at))
-                label = c.execute("SELECT id FROM labels WHERE name = ?", (r.label,)).fetchone()[0]
+                label = self._label_id(c, r.label, r.added_at)
                 c.execute("INSERT OR IGNORE INTO ingest_batches (id, at, accepted, duplicates, quarantined, refused) "
                           "VALUES (?, ?, 0, 0, 0, 0)", (r.batch, r.added_at))
                 c.execute("UPDATE ingest_batches SET accepted = accepted + 1 WHERE id = ?", (r.batch,))
@@ -231,6 +368,23 @@ class Store:
                           (r.sha256, label, r.split, r.width, r.height, r.blob_sha256, r.source, r.added_at, r.batch))
                 added += 1
         return added
+
+    def restore_labels(self, labelings: Sequence[Labeling]) -> int:
+        """Apply journal labellings to stored samples still unlabelled here (a crash between the journal's
+        fsync and the commit), each with its own split and batch and a ``labeled`` event saying it was
+        replayed; returns how many samples got their label."""
+        done = 0
+        with self.transaction() as c:
+            for r in labelings:
+                row = c.execute("SELECT label_id FROM samples WHERE sha256 = ?", (r.labeled,)).fetchone()
+                if row is None or row[0] is not None:
+                    continue
+                c.execute("INSERT OR IGNORE INTO ingest_batches (id, at, accepted, duplicates, quarantined, refused) "
+                          "VALUES (?, ?, 0, 0, 0, 0)", (r.batch, r.at))
+                c.execute("UPDATE ingest_batches SET labeled = labeled + 1 WHERE id = ?", (r.batch,))
+                self._apply_labeling(c, r, replayed=True)
+                done += 1
+        return done
 
     def remove_samples(self, shas: Sequence[str], why: str, event: dict | None = None) -> int:
         """Remove samples (the retention policy's choice) in one transaction: their removal lines are
@@ -242,14 +396,12 @@ class Store:
             why: a :class:`~edgerev_daemon.storage.records.RemovalReason` value.
             event: more for the event's message (bytes freed, the budget).
         """
-        from edgerev_daemon.storage.journal import Removal
-
         now = self.clock()
         with self.transaction() as c:
-            by_label = self._labels_of(c, shas)
+            by_label, unlabeled = self._labels_of(c, shas)
             self._journal(c, [Removal(sha, why, now) for sha in shas])
             n = self._delete(c, shas, why)
-            message = {"why": why, "samples": n, "by_label": by_label} | (event or {})
+            message = {"why": why, "samples": n, "by_label": by_label, "unlabeled": unlabeled} | (event or {})
             self._event(c, EventKind.REMOVED, message)
         return n
 
@@ -257,22 +409,29 @@ class Store:
         """Delete the rows of samples the journal already says were removed (a crash came between the
         journal's fsync and the commit); returns how many went."""
         with self.transaction() as c:
-            by_label = self._labels_of(c, shas)
+            by_label, unlabeled = self._labels_of(c, shas)
             n = self._delete(c, shas, why)
             if n:
                 self._event(c, EventKind.REMOVED, {"why": why, "samples": n, "by_label": by_label,
+                                                   "unlabeled": unlabeled,
                                                    "finished": "a removal the journal recorded before a crash"})
         return n
 
     @staticmethod
-    def _labels_of(c: sqlite3.Connection, shas: Sequence[str]) -> dict[str, int]:
+    def _labels_of(c: sqlite3.Connection, shas: Sequence[str]) -> tuple[dict[str, int], int]:
+        """How many of the stored ``shas`` each label holds, and how many are unlabelled."""
         out: dict[str, int] = {}
+        unlabeled = 0
         for sha in shas:
-            row = c.execute("SELECT l.name FROM samples s JOIN labels l ON l.id = s.label_id WHERE s.sha256 = ?",
-                            (sha,)).fetchone()
-            if row is not None:
-                out[row[0]] = out.get(row[0], 0) + 1
-        return out
+            row = c.execute("SELECT s.label_id, l.name FROM samples s LEFT JOIN labels l ON l.id = s.label_id "
+                            "WHERE s.sha256 = ?", (sha,)).fetchone()
+            if row is None:
+                continue
+            if row[0] is None:
+                unlabeled += 1
+            else:
+                out[row[1]] = out.get(row[1], 0) + 1
+        return out, unlabeled
 
     def _delete(self, c: sqlite3.Connection, shas: Sequence[str], why: str) -> int:
         n = 0
@@ -282,7 +441,8 @@ class Store:
             if row is None:
                 continue
             n += c.execute("DELETE FROM samples WHERE sha256 = ?", (sha,)).rowcount
-            splits[row[0]] = splits.get(row[0], 0) + 1
+            split = row[0] or "unlabeled"
+            splits[split] = splits.get(split, 0) + 1
         if n:
             counts = self._removal_counts(c)
             counts[why] = counts.get(why, 0) + n
@@ -301,8 +461,9 @@ class Store:
                   "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, dumps(counts)))
 
     def removal_counts(self, by_split: bool = False) -> dict[str, int]:
-        """Samples removed over the data directory's life, by reason (or by split: kept since the store was
-        made; a rebuild restores the counts by reason only, from the journal)."""
+        """Samples removed over the data directory's life, by reason (or by split, unlabelled ones under
+        ``unlabeled``: kept since the store was made; a rebuild restores the counts by reason only, from the
+        journal)."""
         return self._removal_counts(self._conn, "removed_by_split" if by_split else "removed")
 
     def restore_removal_counts(self, counts: dict[str, int]) -> None:
@@ -315,8 +476,11 @@ class Store:
         head grows at the end when a new class appears."""
         return [r[0] for r in self._conn.execute("SELECT name FROM labels ORDER BY id")]
 
-    def _filter(self, split: Split | None, after_batch: int | None, upto_batch: int | None) -> tuple[str, list]:
+    def _filter(self, split: Split | None, after_batch: int | None, upto_batch: int | None,
+                labeled: bool | None = None) -> tuple[str, list]:
         where, args = [], []
+        if labeled is not None:
+            where.append("s.label_id IS NOT NULL" if labeled else "s.label_id IS NULL")
         if split is not None:
             where.append("s.split = ?")
             args.append(Split(split).value)
@@ -329,9 +493,10 @@ class Store:
         return (" WHERE " + " AND ".join(where)) if where else "", args
 
     def count_samples(self, split: Split | None = None, after_batch: int | None = None,
-                      upto_batch: int | None = None) -> int:
-        """Samples in ``split``, from batches in ``(after_batch, upto_batch]``."""
-        where, args = self._filter(split, after_batch, upto_batch)
+                      upto_batch: int | None = None, labeled: bool | None = None) -> int:
+        """Samples in ``split``, from batches in ``(after_batch, upto_batch]``; ``labeled``: only the labelled
+        (True) or the unlabelled (False) ones (a split names labelled samples only)."""
+        where, args = self._filter(split, after_batch, upto_batch, labeled)
         return self._one("SELECT COUNT(*) FROM samples s" + where, args)[0]
 
     def label_counts(self, split: Split | None = None, upto_batch: int | None = None) -> dict[str, int]:
@@ -349,14 +514,26 @@ class Store:
         return {name: n for name, n in rows}
 
     def samples(self, split: Split | None = None, after_batch: int | None = None,
-                upto_batch: int | None = None) -> list[Sample]:
-        """Samples in ``split``, from batches in ``(after_batch, upto_batch]``, in arrival order."""
-        where, args = self._filter(split, after_batch, upto_batch)
+                upto_batch: int | None = None, labeled: bool | None = None) -> list[Sample]:
+        """Samples in ``split``, from batches in ``(after_batch, upto_batch]``, in arrival order; ``labeled``:
+        only the labelled (True) or the unlabelled (False) ones."""
+        where, args = self._filter(split, after_batch, upto_batch, labeled)
         rows = self._conn.execute(self._SAMPLE + where + " ORDER BY s.batch_id, s.sha256", args)
         return [self._sample(r) for r in rows]
 
+    def unlabeled_samples(self, upto_batch: int | None = None) -> list[Sample]:
+        """The unlabelled samples (label and split ``None``) from batches up to ``upto_batch``, in arrival
+        order: what semi-supervised training and the label questions read."""
+        return self.samples(upto_batch=upto_batch, labeled=False)
+
+    def unlabeled_hashes(self, limit: int = -1) -> list[str]:
+        """The unlabelled samples' hashes, oldest first (the order the retention policy removes them in), at
+        most ``limit`` (-1: all)."""
+        return [r[0] for r in self._conn.execute("SELECT sha256 FROM samples WHERE label_id IS NULL "
+                                                 "ORDER BY batch_id, sha256 LIMIT ?", (limit,))]
+
     def split_label_counts(self) -> dict[tuple[Split, str], int]:
-        """Samples per (split, label), labels in arrival order (only pairs that hold samples)."""
+        """Labelled samples per (split, label), labels in arrival order (only pairs that hold samples)."""
         rows = self._conn.execute("SELECT s.split, l.name, COUNT(*) FROM samples s JOIN labels l ON l.id = s.label_id "
                                   "GROUP BY l.id, s.split ORDER BY l.id, s.split DESC")
         return {(Split(split), name): n for split, name, n in rows}
@@ -368,13 +545,20 @@ class Store:
                                   (label, Split(split).value))
         return [r[0] for r in rows]
 
+    def labels_by_hash(self) -> dict[str, tuple[str | None, str | None]]:
+        """``{sample sha256: (label, split)}`` of every sample, ``(None, None)`` for an unlabelled one (for the
+        consistency check)."""
+        rows = self._conn.execute("SELECT s.sha256, l.name, s.split FROM samples s LEFT JOIN labels l "
+                                  "ON l.id = s.label_id")
+        return {sha: (label, split) for sha, label, split in rows}
+
     def blob_hashes(self) -> dict[str, str]:
         """``{sample sha256: blob sha256}`` of every sample (for the consistency check)."""
         return dict(self._conn.execute("SELECT sha256, blob_sha256 FROM samples"))
 
     def first_sample_time(self) -> float | None:
-        """When the first sample (in arrival order) was recorded; None before any."""
-        row = self._one("SELECT added_at FROM samples ORDER BY batch_id, sha256 LIMIT 1")
+        """When the first labelled sample (in arrival order) was recorded; None before any."""
+        row = self._one("SELECT added_at FROM samples WHERE label_id IS NOT NULL ORDER BY batch_id, sha256 LIMIT 1")
         return None if row is None else row[0]
 
     def last_batch_id(self) -> int:
@@ -460,9 +644,10 @@ class Store:
         return [self._job(r) for r in self._conn.execute(self._JOB + " ORDER BY id DESC LIMIT ?", (limit,))]
 
     def new_samples_since_last_job(self) -> int:
-        """Samples recorded after the data of the last finished (done) job: what the schedule counts."""
+        """Labelled samples recorded (or labelled) after the data of the last finished (done) job: what the
+        schedule counts (an unlabelled image alone makes no job due)."""
         job = self.last_job(JobState.DONE)
-        return self.count_samples(after_batch=job.data_batch_id if job else 0)
+        return self.count_samples(after_batch=job.data_batch_id if job else 0, labeled=True)
 
     # versions ---------------------------------------------------------------------------------------
 
@@ -567,9 +752,17 @@ class Store:
         return row is not None
 
     def duplicate_recorded(self, sha256: str, source: str) -> bool:
-        """Whether a duplicate event for this file (hash and inbox path) is recorded (see :meth:`has_source`)."""
-        row = self._one("SELECT 1 FROM events WHERE kind = 'duplicate' AND json_extract(message, '$.sha256') = ? "
-                        "AND json_extract(message, '$.source') = ? LIMIT 1", (sha256, source))
+        """Whether a duplicate event for this file (hash and inbox path), or the label it gave a stored
+        sample, is recorded (see :meth:`has_source`)."""
+        row = self._one("SELECT 1 FROM events WHERE kind IN ('duplicate', 'labeled') "
+                        "AND json_extract(message, '$.sha256') = ? AND json_extract(message, '$.source') = ? LIMIT 1",
+                        (sha256, source))
+        return row is not None
+
+    def labeled_from(self, source: str) -> bool:
+        """Whether a file from this inbox path gave a stored sample its label (see :meth:`has_source`)."""
+        row = self._one("SELECT 1 FROM events WHERE kind = 'labeled' AND json_extract(message, '$.source') = ? "
+                        "LIMIT 1", (source,))
         return row is not None
 
     def inbox_problems(self) -> dict[str, str]:
@@ -662,9 +855,11 @@ class Store:
         return out
 
     def counts(self) -> dict[str, int]:
-        """Rows per table, and samples per split (for ``status``)."""
+        """Rows per table, samples per split, labelled and unlabelled samples (for ``status``)."""
         out = {t: self._one(f"SELECT COUNT(*) FROM {t}")[0]
                for t in ("samples", "labels", "ingest_batches", "jobs", "versions", "events")}
         for split in Split:
             out[f"samples_{split.value}"] = self.count_samples(split)
+        out["samples_labeled"] = self.count_samples(labeled=True)
+        out["samples_unlabeled"] = self.count_samples(labeled=False)
         return out
