@@ -23,7 +23,7 @@ from edgerev_daemon.service.status import format_status, status
 from edgerev_daemon.storage.journal import Labeling
 from edgerev_daemon.storage.rebuild import rebuild, replay
 from edgerev_daemon.storage.records import JobState, NewSample, Split
-from edgerev_daemon.storage.retention import choose, enforce
+from edgerev_daemon.storage.retention import choose, enforce, finish_removals
 from edgerev_daemon.storage.schema import MIGRATIONS
 from edgerev_daemon.storage.store import Store, split_of
 from edgerev_daemon.storage.usage import DiskUsage
@@ -485,3 +485,31 @@ def test_status_counts_labelled_and_unlabelled_samples(d):
     assert s["counts"]["samples_unlabeled"] == 3 and s["counts"]["samples_labeled"] == 1
     line = next(x for x in format_status(s).splitlines() if x.startswith("samples:"))
     assert line.startswith(f"samples: 4: 1 labelled ({n['train']} train, {n['heldout']} held out), 3 unlabelled;")
+
+
+def test_a_removal_of_unlabelled_samples_cut_short_is_finished_at_start(tmp_path, monkeypatch):
+    config = make_config(tmp_path, storage={"min_free_space": 0, "max_samples": 50})
+    d = open_data_dir(config)
+    try:
+        _record(d, 30, {"cat": 30})
+        real = type(d.store.journal).append
+
+        def append_then_crash(self, records):
+            real(self, records)
+            raise Crash
+
+        monkeypatch.setattr(type(d.store.journal), "append", append_then_crash)
+        with pytest.raises(Crash):
+            enforce(config, d.store, d.blobs, DiskUsage(config.layout))
+        monkeypatch.undo()
+        report = check_consistency(d.store, d.blobs, inbox=d.inbox)
+        assert report.ok and len(report.removing) == 60 - 42 and d.store.count_samples(labeled=False) == 30
+        assert rebuilt(config, tmp_path)[0] == {x for x in snapshot(d.store) if x[0] not in report.removing}
+        assert finish_removals(d.store, d.blobs) == 18  # what the next start does
+        assert d.store.count_samples(labeled=False) == 12 and d.store.count_samples(labeled=True) == 30
+        assert d.store.events(kind=EventKind.REMOVED)[-1].message["unlabeled"] == 18
+        assert check_consistency(d.store, d.blobs, inbox=d.inbox).ok
+        assert rebuilt(config, tmp_path)[0] == snapshot(d.store)
+    finally:
+        d.store.close()
+        d.lock.release()
