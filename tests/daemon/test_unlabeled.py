@@ -28,7 +28,7 @@ from edgerev_daemon.storage.schema import MIGRATIONS
 from edgerev_daemon.storage.store import Store, split_of
 from edgerev_daemon.storage.usage import DiskUsage
 
-from .conftest import Clock, image_bytes, make_config, open_data_dir
+from .conftest import Clock, image_bytes, make_config, open_data_dir, write
 
 
 def sha(data: bytes) -> str:
@@ -513,3 +513,28 @@ def test_a_removal_of_unlabelled_samples_cut_short_is_finished_at_start(tmp_path
     finally:
         d.store.close()
         d.lock.release()
+
+
+def test_a_daemon_cycle_trains_and_judges_on_labelled_samples_only(tmp_path):
+    """The real loop: 60 unlabelled images beside 160 labelled ones make no job due by themselves, and the job
+    the labelled ones make trains on the labelled training split alone and is judged on the labelled held-out."""
+    from edgerev_daemon.service.daemon import Daemon
+    from tests.daemon.test_service import drop
+    from tests.daemon.test_service import make_config as service_config
+
+    config, _ = service_config(tmp_path)
+    for i in range(60):
+        write(config.inbox_path / "unlabeled" / f"{i:03d}.png", image_bytes(900 + i, (16, 16)))
+    with Daemon(config, clock=Clock()) as daemon:
+        r = daemon.cycle()
+        assert r.ingest["unlabeled"] == 60 and r.due is None and r.job is None  # 60 unlabelled: no job
+        drop(config, 160, range(2))
+        r = daemon.cycle()
+        assert r.job is not None and r.job.get("version") == "v0001", r.job
+        store = daemon.store
+        metrics = store.get_version("v0001").metrics
+        train, held = store.count_samples(Split.TRAIN), store.count_samples(Split.HELDOUT)
+        assert train + held == 160 and store.count_samples(labeled=False) == 60
+        assert metrics["training"]["train_samples"] <= train  # a share of the training split is validation
+        assert metrics["evaluation"]["heldout_samples"]["all"] == held
+        assert "unlabeled" not in metrics["classes"] and len(metrics["classes"]) == 2
