@@ -283,6 +283,23 @@ class HttpConfig:
         check(1 <= self.port <= 65535, "port", f"must lie in 1..65535, got {self.port}")
 
 
+@dataclass(frozen=True)
+class QuestionsConfig:
+    """The label questions (:mod:`edgerev_daemon.learning.questions`): after each job the version in service
+    scores the newest ``max_scored`` unlabelled samples (the bound on the time a refresh takes) and asks about
+    ``count`` of them, picked for spread among the ``pool`` x ``count`` it is least sure of."""
+
+    count: int = 20
+    max_scored: int = 2000
+    pool: int = 4
+
+    def __post_init__(self) -> None:
+        check(1 <= self.count <= 1000, "count", f"must lie in 1..1000, got {self.count}")
+        check(self.max_scored >= self.count, "max_scored",
+              f"must be at least count ({self.count}), got {self.max_scored}")
+        check(1 <= self.pool <= 100, "pool", f"must lie in 1..100, got {self.pool}")
+
+
 DEFAULT_IMAGE_SIZE = 32  # a daemon's image size when neither its config nor its model names one
 
 
@@ -307,6 +324,7 @@ class DaemonConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     promotion: PromotionConfig = field(default_factory=PromotionConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    questions: QuestionsConfig = field(default_factory=QuestionsConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -1,4 +1,5 @@
-"""``edgerev daemon ...``: run, once, status, rollback, check, rebuild, demo (thin: parse, build, call, print)."""
+"""``edgerev daemon ...``: run, once, status, label, rollback, check, rebuild, demo (thin: parse, build, call,
+print)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def _http(daemon):
         return None
     from edgerev_daemon.service.http import StatusServer
 
-    return StatusServer(daemon.config).start()  # which logs the one "status page on" line
+    # an answer from the page is handed to this daemon: wake its loop to apply it
+    return StatusServer(daemon.config, wakeup=daemon.requests.wakeup.notify).start()  # logs "status page on"
 
 
 def cmd_once(args: argparse.Namespace) -> int:
@@ -89,6 +91,48 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     s = status(_config(args), events=args.events)
     print(json.dumps(s, indent=2) if args.json else format_status(s))
+    return 0
+
+
+def cmd_label(args: argparse.Namespace) -> int:
+    from edgerev_daemon.errors import DaemonError
+    from edgerev_daemon.learning.answers import Answer, parse_set
+    from edgerev_daemon.learning.questions import waiting
+    from edgerev_daemon.service.labelling import give, pending_text
+    from edgerev_daemon.storage.store import Store
+
+    config = _config(args)
+    setup_logging("WARNING")
+    try:
+        answers = [parse_set(t, args.new_label) for t in args.set] + [Answer(t.strip(), None) for t in args.skip]
+    except ValueError as e:
+        raise DaemonError(str(e)) from None
+    if not config.layout.database.exists():
+        raise DaemonError(f"{config.data_dir} holds no store yet: start the daemon (edgerev daemon run or once)")
+    if answers:
+        given = give(config, answers, wait=args.wait)
+        if given.outcomes is None:
+            print(json.dumps({"pending": given.request}) if args.json else pending_text(given))
+            return 0
+        if args.json:
+            print(json.dumps([o.__dict__ for o in given.outcomes], indent=2))
+        else:
+            for o in given.outcomes:
+                print(f"{o.sample[:12]}: {o.text}")
+        return 0 if all(o.ok for o in given.outcomes) else 1
+    with Store(config.layout.database) as store:
+        asked, labels = waiting(config.layout.root, store), store.labels()
+    if args.json:
+        print(json.dumps({"labels": labels, "questions": [q.to_json() for q in asked]}, indent=2))
+        return 0
+    if not asked:
+        print("no question waits (the daemon asks after each job, about the unlabelled images it is least sure of)")
+        return 0
+    print(f"{len(asked)} questions, the most useful first (labels: {', '.join(labels) or 'none yet'}):")
+    for q in asked:
+        print(f"  {q.sample[:12]}  guess {q.guess} (margin {q.margin:.2f})  from {q.source}")
+    print(f"answer: edgerev daemon label --config {args.config} --set {asked[0].sample[:12]}=LABEL "
+          f"[--set ...] [--skip SAMPLE] [--new-label]")
     return 0
 
 
@@ -209,6 +253,19 @@ def add_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--events", type=int, default=10, help="recent events to include (default 10)")
     s.set_defaults(fn=cmd_status)
+    lab = with_config(dsub.add_parser("label", help="the questions: the unlabelled images whose label would help "
+                                                      "most; answer with --set SAMPLE=LABEL or --skip SAMPLE"))
+    lab.add_argument("--set", action="append", default=[], metavar="SAMPLE=LABEL",
+                     help="label a sample (its hash or first 6+ digits, as listed); repeatable")
+    lab.add_argument("--skip", action="append", default=[], metavar="SAMPLE",
+                     help="do not ask about this sample again; repeatable")
+    lab.add_argument("--new-label", action="store_true",
+                     help="allow a label the store does not know yet (without it, one is refused as a likely typo)")
+    lab.add_argument("--wait", type=float, default=30.0,
+                     help="seconds to wait for a running daemon to apply the answers (default 30; it takes them "
+                          "between cycles, after a job under way)")
+    lab.add_argument("--json", action="store_true", help="print JSON")
+    lab.set_defaults(fn=cmd_label)
     b = with_config(dsub.add_parser("rollback", help="put an earlier version back in service (stop the daemon "
                                                      "first)"))
     b.add_argument("--to", help="version (default: the promoted version before the current one)")

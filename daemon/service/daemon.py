@@ -49,6 +49,7 @@ from edgerev_daemon.errors import Stopped
 from edgerev_daemon.intake.ingest import ingest_inbox
 from edgerev_daemon.intake.watch import InboxWatch
 from edgerev_daemon.layout import prepare
+from edgerev_daemon.learning import answers, questions
 from edgerev_daemon.learning.base import names_base, write_base
 from edgerev_daemon.learning.exporting import export
 from edgerev_daemon.learning.handoff import serve_requests
@@ -84,10 +85,13 @@ class CycleReport:
     fleet: int = 0  # fleet requests carried out (edgerev_daemon.learning.handoff)
     base: str | None = None  # the version the base model was installed as (edgerev_daemon.learning.base)
     storage: dict | None = None  # the storage budget's check (edgerev_daemon.storage.retention)
+    answers: int = 0  # requests of answers applied (edgerev_daemon.learning.answers)
+    questions: int | None = None  # the questions of a new list, when this cycle made one
 
     def to_json(self) -> dict:
         return {"ingest": self.ingest, "due": self.due, "not_due": self.not_due, "job": self.job,
-                "waiting": self.waiting, "fleet": self.fleet, "storage": self.storage}
+                "waiting": self.waiting, "fleet": self.fleet, "storage": self.storage, "answers": self.answers,
+                "questions": self.questions}
 
     def summary(self) -> str:
         """One line for systemd's STATUS=: what this cycle did."""
@@ -383,12 +387,17 @@ class Daemon:
                 return report
             # a fleet's requests (a SuperNode beside this running daemon) come before the daemon's own job
             report.fleet = serve_requests(self, self._alive)
+            # the owner's answers handed over by `edgerev daemon label` or the page: they may make a job due
+            report.answers = answers.serve(self.config, self.store)
             if self.stopping:
                 return report
             schedule = self.schedule(now)
             report.due, report.not_due = schedule.due, schedule.waiting
             if report.due is not None:
                 report.job = self.run_job(report.due)
+            if not self.stopping:  # after a job (promoted or not), a rollback, or new unlabelled samples
+                asked = questions.refresh_if_due(self.config, self.store, self.blobs, self.registry, self.clock())
+                report.questions = None if asked is None else len(asked.questions)
         except CYCLE_ERRORS as e:
             why = storage_fault(e)
             if why is None:
@@ -571,6 +580,10 @@ class Daemon:
         self.store.set_in_service(to)
         self.store.add_event(EventKind.ROLLBACK, {"from": current, "to": to})
         log.info("rolled back from %s to %s", current, to)
+        try:  # the questions were the old version's doubts
+            questions.refresh(self.config, self.store, self.blobs, self.registry, self.clock())
+        except CYCLE_ERRORS as e:
+            log.warning("questions not refreshed after the rollback (the next cycle tries again): %s", e)
         return to
 
     # the long-running loop --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The optional read-only status page: HTML, JSON and Prometheus metrics, on the loopback only.
+"""The optional status page: HTML, JSON and Prometheus metrics, and the labelling page, on the loopback only.
 
 Off unless ``http.enabled``; the service starts a :class:`StatusServer` beside its loop::
 
@@ -6,18 +6,26 @@ Off unless ``http.enabled``; the service starts a :class:`StatusServer` beside i
     ...
     server.stop()
 
-Routes (GET and HEAD; any other method is 405, any other path 404):
+Routes (GET and HEAD, and POST to ``/label``; any other method is 405, any other path 404):
 
 - ``/``: the status page (:mod:`edgerev_daemon.service.page`: the model in service with its curves inline,
   what comes next, the versions, the latest events; every value escaped, no script, inline style only);
 - ``/versions/vNNNN/curves.png``, ``/versions/vNNNN/classes.png``: a version's plots, while on disk;
 - ``/status.json``: the same snapshot as JSON;
 - ``/metrics``: Prometheus text exposition format 0.0.4;
-- ``/healthz``: ``ok``, for container health checks (it reads nothing).
+- ``/healthz``: ``ok``, for container health checks (it reads nothing);
+- ``/label``: the questions waiting (:mod:`edgerev_daemon.service.labelling`), and ``POST /label`` an answer;
+- ``/blobs/<sha256>.png``: a stored sample's normalized image, by its hash alone (never a path from the request).
+
+The one write, ``POST /label``, takes the path every answer takes
+(:func:`~edgerev_daemon.service.labelling.give`: under the data directory's lock, through the daemon when it
+holds it). It is refused with 403 unless the form carries the token this server made at its start (random,
+compared in constant time; the pages carry it, and another site's page cannot read them), and unless an
+``Origin`` header, when the browser sends one, is this page's own: no cross-site request can label.
 
 Every request reads through a connection of its own (:func:`~edgerev_daemon.service.status.status` opens the
 store and closes it before it returns): the write-ahead log lets it read while the daemon writes, and
-no request writes anything. A store that cannot be read answers 503 with one line, never a traceback.
+no request but an answer writes anything. A store that cannot be read answers 503 with one line, never a traceback.
 
 The page is for the machine itself. The server refuses to listen anywhere but a loopback address,
 whatever the config says (it may have been built without validation), and it answers 403 to a
@@ -27,27 +35,30 @@ same machine cannot read it through a DNS name rebound to 127.0.0.1.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 import logging
 import math
 import os
 import re
+import secrets
 import socket
 import socketserver
 import sqlite3
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from edgerev.errors import EdgerevError
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
 from edgerev_daemon.service.page import format_html
-from edgerev_daemon.service.status import status
+from edgerev_daemon.service.status import holder_pid, status
 from edgerev_daemon.storage.registry import VERSION_RE
 
 log = logging.getLogger("edgerev.daemon.http")
@@ -58,6 +69,9 @@ ALLOW = "GET, HEAD"
 _PICTURE = re.compile(r"/versions/(v\d{4,})/(curves|classes)\.png")
 _PICTURE_LIMIT = 16 * 1024 * 1024  # a plot is well under 1 MiB; a bigger file is not read whole
 _DRAIN_LIMIT = 64 * 1024  # request body bytes read (and dropped) before a 405, so the reply is not lost to a reset
+_BLOB = re.compile(r"/blobs/([0-9a-f]{64})\.png")
+_FORM_LIMIT = 16 * 1024  # an answer's form is a few hundred bytes
+_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'"
 
 
 def loopback_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
@@ -224,6 +238,17 @@ def format_metrics(s: dict) -> str:
     for key, name, help_text in _PROGRESS:
         value = progress.get(key)
         lines += _family(name, "gauge", help_text, [({}, value)] if isinstance(value, int | float) else [])
+    q = s.get("questions") or {}
+    if q:
+        gain = (q.get("gain") or {}).get("gained")
+        lines += _family("edgerev_questions_waiting", "gauge", "Unlabelled samples the daemon asks its owner to label.",
+                         [({}, q["waiting"])])
+        lines += _family("edgerev_answers", "gauge", "Samples an owner's answer labelled (while stored and the event "
+                         "log keeps the answer).", [({}, q["answers"])])
+        lines += _family("edgerev_answers_accuracy_gain", "gauge",
+                         "Held-out accuracy gained from the last answers (the version in service after the first job "
+                         "that trained on them minus before it, on that job's held-out samples); absent: not yet.",
+                         [({}, float(gain))] if isinstance(gain, int | float) else [])
     lines += _family("edgerev_jobs_failed_total", "counter", "Fine-tuning jobs that failed (of the latest 1000).",
                      [({}, s["jobs_failed"])])
     lines += _family("edgerev_store_rows", "gauge", "Rows per table of the store (events are pruned).",
@@ -244,7 +269,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
     def _send(self, code: int, body: bytes | str, content_type: str = "text/plain; charset=utf-8",
-              headers: dict[str, str] | None = None) -> None:
+              headers: dict[str, str] | None = None, csp: str = _CSP) -> None:
         data = body.encode() if isinstance(body, str) else body
         self.send_response(code)
         self.send_header("Content-Type", content_type)
@@ -252,7 +277,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
         # nothing from outside the device, no script: the page's own style and the plots this server serves
-        self.send_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'")
+        self.send_header("Content-Security-Policy", csp)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
@@ -288,6 +313,10 @@ class _Handler(BaseHTTPRequestHandler):
                     self._send(HTTPStatus.OK, format_metrics(s), METRICS_CONTENT_TYPE)
             elif (m := _PICTURE.fullmatch(path)) is not None and (png := self._picture(*m.groups())) is not None:
                 self._send(HTTPStatus.OK, png, "image/png")
+            elif path == "/label":
+                self._label_page()
+            elif (m := _BLOB.fullmatch(path)) is not None and (png := self._blob(m.group(1))) is not None:
+                self._send(HTTPStatus.OK, png, "image/png")
             else:
                 self._send(HTTPStatus.NOT_FOUND, "not found\n")
         except (BrokenPipeError, ConnectionResetError):
@@ -311,16 +340,108 @@ class _Handler(BaseHTTPRequestHandler):
         with os.fdopen(fd, "rb") as f:
             return f.read(_PICTURE_LIMIT)
 
+    def _blob(self, sha256: str) -> bytes | None:
+        """A stored sample's normalized image, or None: the hash matched :data:`_BLOB` (64 hex digits), and the
+        file the blob store keeps under it is opened without following a link."""
+        from edgerev_daemon.storage.blobs import BlobStore
+
+        try:
+            fd = os.open(BlobStore(self.server.config.layout.blobs).path(sha256), os.O_RDONLY | os.O_NOFOLLOW)
+        except (OSError, ValueError):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(_PICTURE_LIMIT)
+
+    def _label_page(self, code: int = HTTPStatus.OK, notes: list | None = None) -> None:
+        from edgerev_daemon.learning.questions import waiting
+        from edgerev_daemon.service.labelling import format_label_page
+        from edgerev_daemon.storage.store import Store
+
+        config = self.server.config
+        try:
+            with Store(config.layout.database) as store:
+                questions, labels = waiting(config.layout.root, store), store.labels()
+        except (EdgerevError, sqlite3.Error, OSError) as e:
+            line = " ".join(str(e).split()) or type(e).__name__
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"store unavailable: {line}\n")
+            return
+        nonce = secrets.token_urlsafe(16)
+        shown = list(self.server.notes) if notes is None else notes
+        page = format_label_page(questions, labels, self.server.token, nonce, shown,
+                                 running=holder_pid(config) is not None)
+        self._send(code, page, "text/html; charset=utf-8",
+                   csp=f"{_CSP}; script-src 'nonce-{nonce}'; form-action 'self'; base-uri 'none'; "
+                       "frame-ancestors 'none'")
+
+    def _own_origin(self) -> bool:
+        """Whether the ``Origin`` header is absent or names this page (``http://`` and the ``Host`` it was
+        asked for, which :func:`_loopback_host_header` checked)."""
+        origin = self.headers.get("Origin")
+        if origin is None:
+            return True
+        host = self.headers.get("Host") or ""
+        return bool(host) and origin == f"http://{host}"
+
+    def do_POST(self) -> None:  # noqa: N802 (the base class dispatches on this name)
+        from edgerev_daemon.learning.answers import Answer
+        from edgerev_daemon.service.labelling import give, pending_text
+
+        if urlsplit(self.path).path != "/label":
+            self._not_allowed()
+            return
+        length = self.headers.get("Content-Length", "")
+        if not length.isdigit() or int(length) > _FORM_LIMIT:
+            self.close_connection = True
+            self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE if length.isdigit() else HTTPStatus.LENGTH_REQUIRED,
+                       "an answer is a small form\n")
+            return
+        body = self.rfile.read(int(length))
+        if not _loopback_host_header(self.headers.get("Host")):
+            self._send(HTTPStatus.FORBIDDEN, "forbidden: the Host header names no loopback address\n")
+            return
+        if not self._own_origin():
+            self._send(HTTPStatus.FORBIDDEN, "forbidden: the request comes from another page than this one\n")
+            return
+        try:
+            form = {k: v[0] for k, v in parse_qs(body.decode("utf-8"), strict_parsing=False).items()}
+        except UnicodeDecodeError:
+            form = {}
+        token = form.get("token", "")
+        if not hmac.compare_digest(token.encode(), self.server.token.encode()):
+            log.warning("status page: an answer without this server's token refused")
+            self._send(HTTPStatus.FORBIDDEN, "forbidden: the form lacks this page's token (reload the page)\n")
+            return
+        sample = form.get("sample", "")
+        if "skip" in form:
+            answer = Answer(sample, None)
+        elif "add" in form:
+            answer = Answer(sample, form.get("new_label", "").strip(), new_label=True)
+        else:
+            answer = Answer(sample, form.get("label", ""))
+        try:
+            given = give(self.server.config, [answer], wait=self.server.answer_wait, wakeup=self.server.wakeup)
+        except (EdgerevError, sqlite3.Error, OSError) as e:
+            line = " ".join(str(e).split()) or type(e).__name__
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"store unavailable: {line}\n")
+            return
+        notes = given.outcomes if given.outcomes is not None else [pending_text(given)]
+        for n in notes:
+            self.server.notes.appendleft(n)
+        if given.outcomes is not None and not all(o.ok for o in given.outcomes):
+            self._label_page(HTTPStatus.CONFLICT, notes)  # the reason, at once, with the questions still waiting
+            return
+        self._send(HTTPStatus.SEE_OTHER, "answered\n", headers={"Location": "/label"})
+
     def _not_allowed(self) -> None:
         length = self.headers.get("Content-Length", "")
         if length.isdigit() and int(length) <= _DRAIN_LIMIT:
             self.rfile.read(int(length))
         self.close_connection = True
-        self._send(HTTPStatus.METHOD_NOT_ALLOWED, "method not allowed: this page is read-only\n",
+        self._send(HTTPStatus.METHOD_NOT_ALLOWED, "method not allowed: the only write is POST /label\n",
                    headers={"Allow": ALLOW})
 
     def __getattr__(self, name: str):
-        # every method but GET and HEAD (POST, PUT, DELETE, made-up ones) is refused alike
+        # every method but GET, HEAD and POST (PUT, DELETE, made-up ones) is refused alike
         if name.startswith("do_"):
             return self._not_allowed
         raise AttributeError(name)
@@ -329,6 +450,10 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     config: DaemonConfig
+    token: str  # the answers' token, made at the start
+    notes: deque  # the latest outcomes of answers, newest first, for the labelling page
+    wakeup: Callable[[], None] | None
+    answer_wait: float
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind asks for the host's FQDN, a DNS lookup that can hang on a device offline
@@ -349,11 +474,17 @@ class StatusServer:
             business: this class serves whenever it is started.
         poll_interval: seconds between the serving thread's checks for :meth:`stop`.
         clock: the time snapshots are taken at (``time.time``; tests inject a fixed one).
+        wakeup: wakes the daemon's loop when an answer is handed to it (the service passes its own).
+        answer_wait: seconds a POST waits for the daemon to apply an answer before the page says it is pending.
     """
 
     def __init__(self, config: DaemonConfig, poll_interval: float = 0.5,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, wakeup: Callable[[], None] | None = None,
+                 answer_wait: float = 5.0) -> None:
         self.config = config
+        self.wakeup = wakeup
+        self.answer_wait = answer_wait
+        self.token = ""
         self.poll_interval = poll_interval
         self.clock = clock
         self._server: _Server | None = None
@@ -397,6 +528,10 @@ class StatusServer:
                               f"{e.strerror or e}") from None
         server.config = self.config
         server.clock = self.clock
+        # per start: a page served before a restart cannot answer after it (the token is in no file)
+        self.token = server.token = secrets.token_urlsafe(32)
+        server.notes = deque(maxlen=10)
+        server.wakeup, server.answer_wait = self.wakeup, self.answer_wait
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, args=(self.poll_interval,),
                                         name="edgerev-http", daemon=True)

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from edgerev_daemon.learning.schedule import listed
 from edgerev_daemon.service.events import readable
-from edgerev_daemon.service.status import next_job_text, progress_line, storage_line
+from edgerev_daemon.service.status import next_job_text, progress_line, questions_text, storage_line
 from edgerev_daemon.storage.registry import VERSION_RE
 
 PICTURES = {"curves": "training curves", "classes": "accuracy per class"}
@@ -156,6 +156,9 @@ def _next(s: dict) -> str:
         items.append(("storage", esc(storage_line(st).removeprefix("storage: ")) + bar))
     waiting = s.get("labels_held_back") or {}
     items.append(("labels held back", esc(f"{listed(waiting)}: too few training samples yet" if waiting else "none")))
+    if (q := s.get("questions")) is not None:
+        link = ' <a href="/label">answer them</a>' if q["waiting"] else ""
+        items.append(("questions", esc(questions_text(q)) + link))
     return '<section id="next"><h2>What comes next</h2>' + _definitions(items) + "</section>"
 
 

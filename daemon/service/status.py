@@ -113,7 +113,68 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             # what the data directory holds against storage.max_bytes, and what the retention policy removed
             "storage": budget_status(config, store),
             "events": _latest_events(store, events, oldest, counts["events"], versions) if events else [],
+            "questions": _questions(config, store, versions),
         }
+
+
+def _questions(config: DaemonConfig, store: Store, versions: list) -> dict:
+    """The questions waiting (:mod:`edgerev_daemon.learning.questions`), the answers given and what the last
+    ones gained (:func:`answer_gain`)."""
+    from edgerev_daemon.learning.questions import read_list, skipped, waiting
+
+    root = config.layout.root
+    ql = read_list(root)
+    answered = store.answered_batches()
+    return {"waiting": len(waiting(root, store)), "skipped": len(skipped(root)), "answers": len(answered),
+            "asked_by": None if ql is None else ql.version, "asked_at": None if ql is None else ql.made_at,
+            "gain": answer_gain(store, answered, versions)}
+
+
+def answer_gain(store: Store, answered: dict[str, int], versions: list) -> dict | None:
+    """The accuracy gained from the last answers, or None ("not yet": no job has trained on an answer).
+
+    The last answers are those a finished job trained on first (labelled after the data of the finished job
+    before it, up to its own); the figure is, on that job's held-out samples, the accuracy of the version in
+    service after the job (the candidate if the gate promoted it, else the same version as before) minus
+    the accuracy of the version in service before it. A first model (nothing before it) has no gain.
+    """
+    batches = sorted(set(answered.values()))
+    done = sorted((j for j in store.jobs(limit=1000) if j.state == JobState.DONE), key=lambda j: j.id)
+    last, before_batch = None, 0
+    for job in done:
+        n = sum(1 for b in batches if before_batch < b <= job.data_batch_id)
+        if n:
+            last = (job, n)
+        before_batch = job.data_batch_id
+    if last is None:
+        return None
+    job, n = last
+    version = next((v for v in versions if v.job_id == job.id), None)
+    if version is None:
+        return None
+    ev = version.metrics.get("evaluation", {})
+    cand, cur = ev.get("candidate", {}).get("all"), (ev.get("current") or {}).get("all")
+    after = cand if version.promoted else cur
+    return {"job": job.id, "version": version.id, "promoted": version.promoted, "answers": n,
+            "heldout_samples": ev.get("heldout_samples", {}).get("all"), "before": cur, "after": after,
+            "gained": None if cur is None or after is None else after - cur}
+
+
+def questions_text(q: dict) -> str:
+    """``12 waiting, 5 answers given; accuracy gained from the last answers: ...`` (status and the page)."""
+    gain = q.get("gain")
+    if gain is None:
+        gained = "not yet (no job has trained on an answer)"
+    elif gain["gained"] is None:
+        gained = f"none to tell: job {gain['job']} made the first model ({gain['version']})"
+    else:
+        kept = "" if gain["promoted"] else f", not promoted: {gain['version']} kept out"
+        gained = (f"{100 * gain['gained']:+.1f} points (job {gain['job']} trained on {gain['answers']} answers"
+                  f"{kept}: {100 * gain['before']:.1f} % -> {100 * gain['after']:.1f} % on its "
+                  f"{gain['heldout_samples']} held-out samples)")
+    return (f"{q['waiting']} waiting, {q['answers']} answers given"
+            + (f", {q['skipped']} skipped" if q.get("skipped") else "") + "; accuracy gained from the last answers: "
+            + gained)
 
 
 def _latest_events(store: Store, n: int, oldest: list, total: int, versions: list) -> list[dict]:
@@ -278,6 +339,8 @@ def format_status(s: dict, versions: bool = True) -> str:
             lines.append(f"  {line}")
     if (line := next_job_text(s)) is not None:
         lines.append(f"next job: {line}")
+    if (q := s.get("questions")) is not None:
+        lines.append(f"questions: {questions_text(q)}" + (" (edgerev daemon label)" if q["waiting"] else ""))
     return "\n".join(lines)
 
 

@@ -532,6 +532,18 @@ class Store:
         return [r[0] for r in self._conn.execute("SELECT sha256 FROM samples WHERE label_id IS NULL "
                                                  "ORDER BY batch_id, sha256 LIMIT ?", (limit,))]
 
+    def newest_unlabeled_batch(self) -> int:
+        """The latest ingest batch that holds an unlabelled sample (0: none holds one)."""
+        return self._one("SELECT COALESCE(MAX(batch_id), 0) FROM samples WHERE label_id IS NULL")[0]
+
+    def answered_batches(self) -> dict[str, int]:
+        """``{sample sha256: its labelling batch}`` of the samples an owner's answer labelled (``labeled`` events
+        whose source is ``answer``, while the event log keeps them) that are still stored."""
+        rows = self._conn.execute("SELECT s.sha256, s.batch_id FROM events e JOIN samples s ON s.sha256 = "
+                                  "json_extract(e.message, '$.sha256') WHERE e.kind = 'labeled' AND "
+                                  "json_extract(e.message, '$.source') = 'answer' AND s.label_id IS NOT NULL")
+        return dict(rows)
+
     def split_label_counts(self) -> dict[tuple[Split, str], int]:
         """Labelled samples per (split, label), labels in arrival order (only pairs that hold samples)."""
         rows = self._conn.execute("SELECT s.split, l.name, COUNT(*) FROM samples s JOIN labels l ON l.id = s.label_id "

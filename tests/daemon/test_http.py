@@ -337,7 +337,8 @@ def test_the_start_up_line_is_logged_once(config, caplog):
     from edgerev_daemon.service.cli import _http
 
     with caplog.at_level(logging.INFO):
-        server = _http(SimpleNamespace(config=config))
+        wakeup = SimpleNamespace(notify=lambda: None)  # the daemon's: an answer from the page wakes its loop
+        server = _http(SimpleNamespace(config=config, requests=SimpleNamespace(wakeup=wakeup)))
         try:
             lines = [m for m in caplog.messages if "status page on" in m]
             assert lines == [f"status page on {server.url}"]

@@ -1,0 +1,119 @@
+"""The labelling page in a real browser: headless Chromium (Debian's ``chromium`` and ``chromium-driver``)
+driven by Selenium, on a copy of conftest's ``served`` data directory with unlabelled images stored. One
+question is answered by a click, one by a key; the store has them labelled. A forged POST (no token) is
+refused and labels nothing.
+
+``.ci/run`` installs the browser. Without it the test fails and says what to install; set
+``EDGEREV_NO_BROWSER=1`` to skip it on a machine that has none.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from edgerev_daemon.learning import questions
+from edgerev_daemon.service.http import StatusServer
+from edgerev_daemon.storage.store import Store
+from tests.daemon.conftest import Clock
+from tests.daemon.test_http import http_config
+from tests.daemon.test_questions import asked_copy, true_label
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = ("chromium", "chromium-browser")
+DRIVER = "chromedriver"
+WAIT = 30.0  # seconds a page may take to load on a loaded machine (a condition is awaited, never a time slept)
+
+
+def browser():
+    """A headless Chromium under Selenium, given the driver's path (Selenium Manager never goes online)."""
+    missing = []
+    binary = next((p for name in CHROMIUM if (p := shutil.which(name))), None)
+    driver = shutil.which(DRIVER) or next((p for p in ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver")
+                                           if os.path.exists(p)), None)
+    if binary is None:
+        missing.append("chromium")
+    if driver is None:
+        missing.append("chromium-driver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        missing.append("selenium (pip install -e '.[dev]')")
+    if missing:
+        why = f"the browser test needs {', '.join(missing)} (apt-get install -y chromium chromium-driver)"
+        if os.environ.get("EDGEREV_NO_BROWSER") == "1":
+            pytest.skip(f"EDGEREV_NO_BROWSER=1: {why}")
+        pytest.fail(f"{why}; or set EDGEREV_NO_BROWSER=1 to skip it", pytrace=False)
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--no-first-run", "--disable-extensions", "--window-size=1000,1400"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(executable_path=driver), options=options)
+
+
+@pytest.fixture
+def page(served, tmp_path):
+    config, _, truth, _ = asked_copy(served, tmp_path, n=30)
+    config = http_config(config)
+    with StatusServer(config, poll_interval=0.02, clock=Clock(), answer_wait=0.0) as server:
+        yield config, server, truth
+
+
+def top_question(driver) -> str:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.CSS_SELECTOR, "form.q input[name=sample]").get_attribute("value")
+
+
+def test_an_owner_answers_by_click_and_by_key_and_a_forged_post_labels_nothing(page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    config, server, truth = page
+    with Store(config.layout.database) as store:
+        labels = store.labels()
+        asked = questions.waiting(config.layout.root, store)
+        before = store.count_samples(labeled=True)
+        first, second = asked[0].sample, asked[1].sample
+        answer1, answer2 = true_label(store, truth, first), true_label(store, truth, second)
+    driver = browser()
+    try:
+        driver.get(server.url + "label")
+        assert driver.title == "edgerev daemon: questions"
+        assert top_question(driver) == first
+        # every picture loaded from the device (the CSP admits only this server's images)
+        assert driver.execute_script("return Array.from(document.images).every(i => i.complete && i.naturalWidth > 0)")
+        # a click on the top question's button for its label
+        form = driver.find_element(By.CSS_SELECTOR, "form.q")
+        form.find_element(By.CSS_SELECTOR, f'button[name=label][value="{answer1}"]').click()
+        WebDriverWait(driver, WAIT).until(lambda d: top_question(d) != first)
+        assert top_question(driver) == second
+        notes = driver.find_element(By.ID, "notes").text
+        assert f"labelled '{answer1}'" in notes
+        # a key: the label's number answers the (new) top question
+        driver.find_element(By.TAG_NAME, "body").send_keys(str(labels.index(answer2) + 1))
+        WebDriverWait(driver, WAIT).until(lambda d: top_question(d) != second)
+    finally:
+        driver.quit()
+    with Store(config.layout.database) as store:
+        assert store.get_sample(first).label == answer1 and store.get_sample(second).label == answer2
+        assert store.count_samples(labeled=True) == before + 2
+        third = questions.waiting(config.layout.root, store)[0].sample
+    # another site's page can send a form but cannot read the token: refused, nothing labelled
+    forged = urllib.parse.urlencode({"sample": third, "label": labels[0]}).encode()
+    req = urllib.request.Request(server.url + "label", data=forged, method="POST",
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=10)
+    assert refused.value.code == 403
+    refused.value.close()
+    with Store(config.layout.database) as store:
+        assert store.get_sample(third).label is None and store.count_samples(labeled=True) == before + 2
