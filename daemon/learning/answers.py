@@ -87,7 +87,7 @@ def apply(config: DaemonConfig, store: Store, answers: Sequence[Answer]) -> list
         except StoreError as e:
             out.append(Outcome(a.sample, False, f"refused: {e}"))
     if skips:
-        questions.add_skipped(config.layout.root, skips)
+        questions.add_skipped(config.layout.root, skips, set(store.unlabeled_hashes()))
     for o in out:
         log.info("answer for %s: %s", o.sample[:12], o.text)
     return out

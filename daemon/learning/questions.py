@@ -13,12 +13,12 @@ every pick so far (farthest-first, the 2-approximation of k-center; Sener and Sa
 on features for active learning), starting from the smallest margin, each distance weighted by the doubt
 left, ``1 - margin`` (at least 0.01): a pool larger than the doubtful samples also holds sure ones, and
 unweighted farthest-first would pick them first for being far from every doubt; a model sure of everything
-still gets a spread list. It measures distance on the model's
-*logits* (each row less its mean: what softmax sees), not on a penultimate layer: every model the daemon may
-serve (ours, an ONNX import, a factory's) gives its logits, and only ours has a known feature layer; not on
-probabilities either, which saturate (a sure model's are one-hot, and every sure sample of a class looks
-the same). Two frames of one scene get nearly the same vector, so the second is picked only after every other kind of doubt (another pair of classes, another
-degree of doubt) has one question. The picks are then listed smallest margin first.
+still gets a spread list. Distance is measured on the model's *logits* (each row less its mean: what
+softmax sees), not on a penultimate layer: every model the daemon may serve (ours, an ONNX import, a
+factory's) gives its logits, and only ours has a known feature layer; nor on probabilities, which saturate
+(a sure model's are one-hot, and every sure sample of a class looks the same). Two frames of one scene get
+nearly the same vector, so the second is picked only after every other kind of doubt (another pair of
+classes, another degree of doubt) has one question. The picks are then listed smallest margin first.
 
 **Kept.** The list is one JSON file, ``DATA_DIR/questions/list.json``, written by :func:`edgerev.atomic.
 atomic_write` (a temporary file, fsynced, renamed over the old one, the folder fsynced): a kill at any point
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # torch is imported where a list is made: status and the page
 log = logging.getLogger("edgerev.daemon.questions")
 
 FORMAT = 1
+BATCH = 256  # samples decoded and scored at a time (the stop flag is read between them)
 
 
 def folder(root: Path) -> Path:
@@ -127,10 +128,11 @@ def skipped(root: Path) -> set[str]:
         return set()
 
 
-def add_skipped(root: Path, hashes: Sequence[str]) -> None:
-    """Remember ``hashes`` as skipped (the caller holds the data directory's lock)."""
+def add_skipped(root: Path, hashes: Sequence[str], stored: set[str]) -> None:
+    """Remember ``hashes`` as skipped (the caller holds the data directory's lock); a skipped sample no longer
+    among the ``stored`` unlabelled ones is forgotten (the file stays as small as the questions it spares)."""
     folder(root).mkdir(parents=True, exist_ok=True)
-    atomic_write(skipped_path(root), json.dumps(sorted(skipped(root) | set(hashes))).encode())
+    atomic_write(skipped_path(root), json.dumps(sorted((skipped(root) | set(hashes)) & stored)).encode())
 
 
 def waiting(root: Path, store: Store) -> list[Question]:
@@ -178,8 +180,10 @@ def rank(logits: torch.Tensor, count: int, pool: int) -> list[int]:
     return sorted(chosen, key=lambda i: (float(m[i]), i))
 
 
-def score(model_dir: Path, samples: Sequence[Sample], blobs: BlobStore) -> tuple[torch.Tensor, tuple[str, ...]]:
-    """The logits the model in ``model_dir`` gives each sample, and its classes."""
+def score(model_dir: Path, samples: Sequence[Sample], blobs: BlobStore,
+          stop: Callable[[], bool] = lambda: False) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+    """The logits the model in ``model_dir`` gives each sample, and its classes; None when ``stop()`` said so
+    (asked between batches of :data:`BATCH` samples: a stop request is not kept waiting by a long list)."""
     import torch
 
     from edgerev.train.checkpoint import load_model
@@ -189,11 +193,15 @@ def score(model_dir: Path, samples: Sequence[Sample], blobs: BlobStore) -> tuple
 
     model, info, _ = load_model(model_dir)
     classes = tuple(info.classes)
-    if not samples:
-        return torch.zeros(0, len(classes)), classes
-    images = torch.stack([decode_image(blobs.path(s.sha256)) for s in samples])
-    data = LabeledImages(images, torch.zeros(len(samples), dtype=torch.long), classes)
-    return predict_logits(model, data, info), classes
+    out = [torch.zeros(0, len(classes))]
+    for i in range(0, len(samples), BATCH):
+        if stop():
+            return None
+        part = samples[i:i + BATCH]
+        images = torch.stack([decode_image(blobs.path(s.sha256)) for s in part])
+        out.append(predict_logits(model, LabeledImages(images, torch.zeros(len(part), dtype=torch.long), classes),
+                                  info))
+    return torch.cat(out), classes
 
 
 # refresh ------------------------------------------------------------------------------------------------
@@ -221,10 +229,11 @@ def due(config: DaemonConfig, store: Store, registry: Registry) -> str | None:
     return None
 
 
-def refresh(config: DaemonConfig, store: Store, blobs: BlobStore, registry: Registry,
-            now: float) -> QuestionList:
+def refresh(config: DaemonConfig, store: Store, blobs: BlobStore, registry: Registry, now: float,
+            stop: Callable[[], bool] = lambda: False) -> QuestionList | None:
     """Score the newest unlabelled samples with the version in service and write the new list (the caller
-    holds the data directory's lock). No version in service: an empty list (nothing can guess yet)."""
+    holds the data directory's lock). No version in service: an empty list (nothing can guess yet). None:
+    ``stop()`` said so while scoring, and the old list stays (the next cycle makes the new one)."""
     q = config.questions
     root = config.layout.root
     current = registry.current()
@@ -233,7 +242,10 @@ def refresh(config: DaemonConfig, store: Store, blobs: BlobStore, registry: Regi
     chosen: list[Question] = []
     scored = 0
     if current is not None and candidates:
-        logits, classes = score(registry.path(current), candidates, blobs)
+        scores = score(registry.path(current), candidates, blobs, stop)
+        if scores is None:
+            return None
+        logits, classes = scores
         scored = len(candidates)
         probs = logits.softmax(1)
         m = margins(probs)
@@ -248,11 +260,11 @@ def refresh(config: DaemonConfig, store: Store, blobs: BlobStore, registry: Regi
     return ql
 
 
-def refresh_if_due(config: DaemonConfig, store: Store, blobs: BlobStore, registry: Registry,
-                   now: float) -> QuestionList | None:
-    """:func:`refresh` when :func:`due` says so; the new list, or None."""
+def refresh_if_due(config: DaemonConfig, store: Store, blobs: BlobStore, registry: Registry, now: float,
+                   stop: Callable[[], bool] = lambda: False) -> QuestionList | None:
+    """:func:`refresh` when :func:`due` says so; the new list, or None (not due, or stopped)."""
     why = due(config, store, registry)
     if why is None:
         return None
     log.debug("questions: refreshing (%s)", why)
-    return refresh(config, store, blobs, registry, now)
+    return refresh(config, store, blobs, registry, now, stop)

@@ -396,7 +396,8 @@ class Daemon:
             if report.due is not None:
                 report.job = self.run_job(report.due)
             if not self.stopping:  # after a job (promoted or not), a rollback, or new unlabelled samples
-                asked = questions.refresh_if_due(self.config, self.store, self.blobs, self.registry, self.clock())
+                asked = questions.refresh_if_due(self.config, self.store, self.blobs, self.registry, self.clock(),
+                                                 self._alive)
                 report.questions = None if asked is None else len(asked.questions)
         except CYCLE_ERRORS as e:
             why = storage_fault(e)

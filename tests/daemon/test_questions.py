@@ -116,6 +116,14 @@ def test_a_sample_labelled_or_removed_since_leaves_the_list(fresh):
         left = [q.sample for q in questions.waiting(root, store)]
     assert first.sample not in left and second.sample not in left
     assert len(left) == len(questions.read_list(root).questions) - 2
+    # a skipped sample is not asked again; once removed, the skipped file forgets it
+    third, fourth = left[:2]
+    with DataDirLock(root), Store(config.layout.database) as store:
+        answers.apply(config, store, [Answer(third, None)])
+        assert questions.skipped(root) == {third} and third not in questions.waiting(root, store)
+        store.remove_samples([third], "max_samples")
+        answers.apply(config, store, [Answer(fourth, None)])
+    assert questions.skipped(root) == {fourth}
 
 
 def test_the_list_is_made_again_after_a_job_and_after_the_version_changes(fresh):
@@ -134,6 +142,45 @@ def test_the_list_is_made_again_after_a_job_and_after_the_version_changes(fresh)
         assert "in service is v0001" in questions.due(config, d.store, d.registry)
         questions.list_path(root).write_text("{half a li")  # what no atomic write leaves; read as no list
         assert questions.read_list(root) is None and questions.due(config, d.store, d.registry) == "no list yet"
+
+
+def test_a_stop_while_scoring_keeps_the_old_list(fresh):
+    config, _, _, _ = fresh
+    root = config.layout.root
+    before = questions.list_path(root).read_bytes()
+    with Daemon(config, clock=Clock()) as d:
+        assert questions.refresh(config, d.store, d.blobs, d.registry, 0.0, stop=lambda: True) is None
+    assert questions.list_path(root).read_bytes() == before
+
+
+WRITER = """
+import sys
+from edgerev_daemon.learning import questions as q
+root = sys.argv[1]
+lists = [q.QuestionList("v0001", k, k, 0.0, 0, tuple(q.Question(f"{k:064x}", "class0", 0.5, (("class0", 0.7),),
+         "unlabeled/x.png") for _ in range(2000))) for k in (1, 2)]
+n = 0
+while True:
+    q.write_list(root, lists[n % 2])
+    n += 1
+    print(n, flush=True)
+"""
+
+
+def test_a_kill_while_the_list_is_written_leaves_the_old_list_or_the_new_one(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    for kill_after in (1, 3, 8):
+        child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(kill_after):
+            assert child.stdout.readline()  # a list written whole; the next one is under way
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        ql = questions.read_list(tmp_path)
+        assert ql is not None and ql.job in (1, 2) and len(ql.questions) == 2000
 
 
 # edgerev daemon label ----------------------------------------------------------------------------------------
@@ -162,7 +209,7 @@ def test_label_lists_the_questions_and_takes_answers(fresh, capsys):
     assert "removed by the retention policy (max_samples)" in capsys.readouterr().out
     with Store(config.layout.database) as store:
         assert store.get_sample(a).label == label_a and store.get_sample(c).label == "bird"
-        assert store.get_sample(b).label is None and b in questions.skipped(root)
+        assert store.get_sample(b).label is None and questions.skipped(root) == {b}
         left = {q.sample for q in questions.waiting(root, store)}
         assert not left & {a, b, c, d}
         assert store.labels() == ["class0", "class1", "bird"]
