@@ -234,6 +234,28 @@ def test_answers_reach_a_running_daemon_through_its_data_directory(fresh, capsys
     assert not list(answers.answers_dir(root).glob("*.request"))
 
 
+def test_label_reaches_a_daemon_running_in_a_process_of_its_own(fresh, capsys):
+    import signal
+
+    from tests.daemon.running import LIMIT, Running
+
+    config, path, truth, _ = fresh
+    with Store(config.layout.database) as store:
+        sample = questions.waiting(config.layout.root, store)[0].sample
+        label = true_label(store, truth, sample)
+    with Running(path) as d:
+        d.wait_for("serving")
+        argv = ["daemon", "label", "--config", str(path), "--set", f"{sample[:12]}={label}", "--wait", str(LIMIT)]
+        assert main(argv) == 0
+        assert f"labelled '{label}'" in capsys.readouterr().out
+        d.wait_for(f"answer for {sample[:12]}: labelled '{label}'")  # the daemon wrote it, under its lock
+        d.send(signal.SIGTERM)
+        assert d.finish() == 0
+    with Store(config.layout.database) as store:
+        assert store.get_sample(sample).label == label
+        assert sample not in {q.sample for q in questions.waiting(config.layout.root, store)}
+
+
 # status --------------------------------------------------------------------------------------------------------
 
 def test_status_tells_the_questions_and_what_the_answers_gained(served, tmp_path, capsys):
