@@ -4,7 +4,8 @@ at a glance.
 In order: the model in service (``section#in-service``: its version, when the gate promoted it and why, its
 held-out accuracy on all samples and on the recent window, per class with a bar each, its training curves and
 per-class picture inline); what comes next (``section#next``: the next job or why not yet, the running job,
-the storage budget, labels held back); what needs a look (``section#attention``, only when something does:
+the storage budget, labels held back, the questions waiting with a link to ``/label`` and what the last
+answers gained); what needs a look (``section#attention``, only when something does:
 a full disk, a broken ``current`` link, an inbox folder skipped, a failed job, files in quarantine); the data;
 the versions as a table (promoted or kept out, and why, in words); the latest events in the device's local
 time, each once (:func:`~edgerev_daemon.service.events.fold`).
