@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from edgerev.config import ConfigError, check, from_dict, load_yaml
-from edgerev.train.config import ContinualConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig
+from edgerev.train.config import ContinualConfig, MemoryConfig, ModelConfig, OptimConfig, SemiConfig, TrainConfig
 from edgerev_daemon.layout import Layout
 
 SUPPORTED_EXTENSIONS = (".png", ".jpg", ".jpeg")
@@ -114,6 +114,7 @@ TRAINING_DEFAULTS = {
     "train": {"epochs": 3, "batch": 64, "checkpoint_every": 20, "log_every": 10},
     "optim": {"lr": 0.05},
     "continual": {"replay": 2000, "distill": 1.0},
+    "semi": {"enabled": True},
 }
 
 
@@ -122,7 +123,10 @@ class TrainingConfig:
     """One fine-tuning job: the trainer's own recipe sections (``edgerev.train.config``), same keys.
 
     ``model``: ``arch`` and ``args`` (``init`` is the daemon's: the current version). ``train``,
-    ``optim``, ``continual``: as in a recipe (the daemon's defaults in :data:`TRAINING_DEFAULTS`).
+    ``optim``, ``continual``: as in a recipe (the daemon's defaults in :data:`TRAINING_DEFAULTS`). ``semi``:
+    learning from the store's unlabelled images (FixMatch, on by default: it does nothing while none exists),
+    at most the ``max_unlabeled`` newest of them per job; pseudo-labels stay inside a job's steps, never in
+    its held-out evaluation or the promotion gate.
     ``memory``: ``budget``, the hard cap on a job's training memory (bytes or ``"400MiB"``, read once
     into an int; null: none), and the planner's ``mode`` and ``profile``. ``device``: where jobs train.
     The data, its size (``image_size``) and augmentation are the daemon's. ``min_samples_per_label``: a
@@ -135,13 +139,16 @@ class TrainingConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(**TRAINING_DEFAULTS["optim"]))
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     continual: ContinualConfig = field(default_factory=lambda: ContinualConfig(**TRAINING_DEFAULTS["continual"]))
+    semi: SemiConfig = field(default_factory=lambda: SemiConfig(**TRAINING_DEFAULTS["semi"]))
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     min_samples_per_label: int = 5
+    max_unlabeled: int = 5000
 
     def __post_init__(self) -> None:
         check(self.model.init is None, "model.init", "is the daemon's (the current version); leave it out")
         check(self.min_samples_per_label >= 1, "min_samples_per_label",
               f"must be at least 1, got {self.min_samples_per_label}")
+        check(self.max_unlabeled >= 0, "max_unlabeled", f"must be >= 0 (0: none), got {self.max_unlabeled}")
 
 
 def _merged(defaults: dict, given) -> dict:

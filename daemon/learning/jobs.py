@@ -2,8 +2,11 @@
 
 A job sees the labelled samples of every ingest batch up to its ``data_batch_id`` (fixed when it is
 created), so a job resumed after a crash trains on exactly the data it started with. An unlabelled
-sample enters neither its training nor its held-out evaluation (it is in no split); once it gets a label
-it is data of the batch that labelled it, so the next job sees it as new. It runs the trainer
+sample enters neither its labelled training nor its held-out evaluation (it is in no split); once it gets a
+label it is data of the batch that labelled it, so the next job sees it as new. With ``training.semi``
+enabled, the newest ``training.max_unlabeled`` unlabelled samples up to the job's batch are the trainer's
+unlabelled images (FixMatch: pseudo-labels inside the steps only); with none, the job is the labelled one.
+It runs the trainer
 (:func:`edgerev.train.trainer.train`) in ``DATA_DIR/jobs/<id>/``:
 
 - with no model in service, from scratch on every training sample;
@@ -62,6 +65,17 @@ def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[
     return LabeledImages(images, labels, classes)
 
 
+def load_unlabeled(store: Store, blobs: BlobStore, job: Job, newest: int) -> torch.Tensor | None:
+    """The normalized images of the ``newest`` latest unlabelled samples up to the job's data (None: none).
+
+    A job resumed after a crash reads them again: one labelled or removed since is no longer among them.
+    """
+    samples = store.unlabeled_samples(upto_batch=job.data_batch_id)[-newest:] if newest > 0 else []
+    if not samples:
+        return None
+    return torch.stack([decode_image(blobs.path(s.sha256)) for s in samples])
+
+
 def recipe(config: DaemonConfig, init: Path | None) -> RunConfig:
     """The trainer's recipe for one job: the daemon's training section as it is (the same dataclasses),
     with what only the daemon knows: the model to start from, the image size and its augmentation."""
@@ -72,7 +86,7 @@ def recipe(config: DaemonConfig, init: Path | None) -> RunConfig:
         augment=AugmentConfig(pad=max(1, config.image_size // 16), flip=0.0, cutout=0),
         optim=t.optim, train=t.train, memory=t.memory,
         continual=t.continual if init else replace(t.continual, distill=0.0),
-        device=t.device,
+        semi=t.semi, device=t.device,
     )
 
 
@@ -140,11 +154,14 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
         if cfg.train.patience is not None and len(train_new.held_out(cfg.data.val_fraction)[1]) == 0:
             # too few samples to hold any out (the trainer's own split): no plateau to see, the maximum runs
             cfg = replace(cfg, train=replace(cfg.train, patience=None))
+    unlabeled = load_unlabeled(store, blobs, job, config.training.max_unlabeled) if cfg.semi.enabled else None
     source = (f"the daemon's store, job {job.id}: training samples of ingest batches {base_batch + 1}-"
               f"{job.data_batch_id} (and earlier ones of labels new to the model in service), held-out samples "
-              f"up to batch {job.data_batch_id}")
+              f"up to batch {job.data_batch_id}"
+              + (f"; {len(unlabeled)} unlabelled samples (the newest up to that batch)" if unlabeled is not None
+                 else ""))
     result = train(None if resume else cfg, out, resume=resume, stop=stop, progress=False, report=report,
-                   data=(train_new, val), source=source)
+                   data=(train_new, val), source=source, unlabeled=unlabeled)
     if result.status == "stopped":
         where = result.summary.get("stopped_in")
         return JobOutcome("stopped", out, f"stopped in {where}" if where else
@@ -164,7 +181,9 @@ def check_training(config: DaemonConfig) -> None:
 
     The floor is the trainer's own accounting of a job's step (:func:`edgerev.train.memory.floor`):
     batch 1 in the least-memory plan, with the recipe's whole batch, the optimizer's momentum and, when
-    distilling, the teacher and its logits (a job after the first has one), exact on fake tensors.
+    distilling, the teacher and its logits (a job after the first has one), with ``training.semi``, the
+    strong views of ``ratio`` unlabelled images per labelled one and their weak views' forward, exact on fake
+    tensors.
 
     Raises:
         ConfigError: the model cannot take the image size, or ``training.memory.budget`` is below
@@ -190,7 +209,8 @@ def check_training(config: DaemonConfig) -> None:
     teacher = copy.deepcopy(model) if t.continual.distill > 0 else None  # every job after the first distills
     if teacher is not None:
         cfg = replace(cfg, continual=t.continual)
-    smallest = floor(cfg, model, teacher).total
+    unlabeled = cfg.semi.ratio * cfg.train.batch if cfg.semi.enabled and t.max_unlabeled > 0 else 0
+    smallest = floor(cfg, model, teacher, unlabeled=unlabeled).total
     if budget < smallest:
         raise ConfigError(f"training.memory.budget: {budget:,} bytes is too small to train {t.model.arch} at "
                           f"{config.image_size}x{config.image_size}; the smallest budget that fits is "

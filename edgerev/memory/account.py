@@ -7,10 +7,13 @@ daemon's start check and every "smallest budget" in an error come from :func:`ac
   buffers; the optimizer's state (SGD momentum: one buffer per trainable weight); the distillation
   teacher's weights and buffers; the whole batch as one float tensor (replay samples are part of
   the batch: a step mixes them in, it does not add them), its labels, and the teacher's logits for
-  it;
+  it; with FixMatch (``StepShape.unlabeled``), the batch is the labelled samples and the unlabelled
+  images' strong views together, with a weight per sample;
 - allocated by the step (:attr:`StepAccount.step_bytes`): the weight gradients, and the
   activations, gradients and temporaries of the planned micro-batch, measured exactly by running
-  the trainer's own micro-batch loop (:func:`edgerev.memory.cap.accumulate`) on fake tensors.
+  the trainer's own micro-batch loop (:func:`edgerev.memory.cap.accumulate`) on fake tensors, and,
+  with FixMatch, the no-grad forward of a micro-batch of weak views that comes before it (its input is
+  counted as the batch's: it is made and dropped before the batch is).
 
 Not counted: what the CPU tracker cannot see and the CPU cap therefore does not guard (Python
 objects, the allocator's slack), and the teacher's and evaluation's no-grad forwards, which run
@@ -47,6 +50,9 @@ class StepShape:
         teacher_bytes: the distillation teacher's weights and buffers (0: no teacher).
         teacher_classes: the teacher's logits per sample (0: no teacher).
         input_bytes: bytes per element of the input batch (float32).
+        unlabeled: of ``batch``, the unlabelled images' strong views (FixMatch, :mod:`edgerev.train.semi`):
+            the step also holds a weight per sample, and runs their weak views forward without gradient
+            first (0: a labelled-only step).
     """
 
     size: int
@@ -55,10 +61,14 @@ class StepShape:
     teacher_bytes: int = 0
     teacher_classes: int = 0
     input_bytes: int = 4
+    unlabeled: int = 0
 
     def __post_init__(self) -> None:
         if self.size < 1 or (self.batch is not None and self.batch < 1):
             raise ValueError(f"a step needs a positive size and batch, got size {self.size}, batch {self.batch}")
+        if self.unlabeled and (self.batch is None or not 0 < self.unlabeled < self.batch):
+            raise ValueError(f"unlabelled views ({self.unlabeled}) are part of a step's batch ({self.batch}) beside "
+                             "at least one labelled sample")
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class StepAccount:
     batch_input: int
     labels: int
     teacher_logits: int
+    sample_weights: int  # FixMatch's weight per sample of the batch (0 without unlabelled views)
     gradients: int  # part of step_bytes: the weight gradients at the end of the backward
     step_bytes: int  # the largest total the step itself had alive (gradients, activations, temporaries)
     batch: int
@@ -81,7 +92,7 @@ class StepAccount:
     def baseline(self) -> int:
         """Bytes alive before the step and through it: the CPU cap's baseline."""
         return (self.weights + self.buffers + self.optimizer + self.teacher + self.batch_input + self.labels
-                + self.teacher_logits)
+                + self.teacher_logits + self.sample_weights)
 
     @property
     def total(self) -> int:
@@ -109,6 +120,7 @@ def held(model: nn.Module, shape: StepShape, micro_batch: int) -> dict[str, int]
         "batch_input": batch * pixels * shape.input_bytes,
         "labels": batch * LABEL_BYTES,
         "teacher_logits": batch * shape.teacher_classes * 4 if shape.teacher_bytes else 0,
+        "sample_weights": batch * 4 if shape.unlabeled else 0,
     }
 
 
@@ -116,7 +128,8 @@ def beyond_model(model: nn.Module, shape: StepShape, micro_batch: int) -> int:
     """What a step holds besides what a bare micro-batch step holds (the solvers' profiles count that)."""
     h = held(model, shape, micro_batch)
     bare = micro_batch * (model_spec(model).in_channels * shape.size * shape.size * shape.input_bytes + LABEL_BYTES)
-    return max(0, h["optimizer"] + h["teacher"] + h["batch_input"] + h["labels"] + h["teacher_logits"] - bare)
+    return max(0, h["optimizer"] + h["teacher"] + h["batch_input"] + h["labels"] + h["teacher_logits"]
+                  + h["sample_weights"] - bare)
 
 
 def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Callable[[nn.Module], None],
@@ -132,7 +145,8 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
 
     The step runs through the trainer's own micro-batch loop, on fake tensors unless ``real``: nothing
     is allocated. Its first two micro-batches are run: the later ones repeat the second (gradients
-    already allocated, the same or fewer samples).
+    already allocated, the same or fewer samples). With unlabelled views, a micro-batch of weak views runs
+    forward without gradient first (its batch norms' buffers put back, as the trainer does).
     """
     batch = shape.batch or micro_batch
     micro_batch = min(micro_batch, batch)
@@ -147,13 +161,28 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         spec = model_spec(model)
         x = torch.randn(batch, spec.in_channels, shape.size, shape.size)
         targets: tuple[Tensor, ...] = (torch.randint(0, spec.num_classes, (batch,)),)
+        if shape.unlabeled:
+            targets += (torch.rand(batch),)
         if shape.teacher_bytes:
             targets += (torch.randn(batch, max(1, shape.teacher_classes)),)
         parts = split_batch(batch, math.ceil(batch / micro_batch))[:2]
         with MemoryTracker(baseline=baseline) as tracker:
+            if shape.unlabeled:
+                weak_forward(run, x[:min(micro_batch, shape.unlabeled)])
             accumulate(run, x, targets, parts, loss_fn)
         if real:
             run.zero_grad(set_to_none=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return StepAccount(**terms, gradients=_nbytes(trainable), step_bytes=tracker.peak - baseline, batch=batch,
                        micro_batch=micro_batch)
+
+
+def weak_forward(model: nn.Module, x: Tensor) -> None:
+    """The weak views' no-grad forward of one micro-batch, as :func:`edgerev.train.semi.weak_probs` runs it."""
+    saved = {k: v.clone() for k, v in model.named_buffers()}
+    with torch.no_grad():
+        probs = F.softmax(model(x).float(), dim=1)
+        del probs
+        for k, v in model.named_buffers():
+            v.copy_(saved[k])
+    del saved

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from edgerev.memory.account import StepShape, held
+from edgerev.memory.account import StepShape, held, weak_forward
 from edgerev.memory.autoplan import TrainingPlan
 from edgerev.memory.cap import _restore, _state, accumulate, split_batch
 from edgerev.memory.costs import BudgetTooSmall
@@ -118,11 +118,15 @@ def cuda_step_peak(model: nn.Module, plan: TrainingPlan, shape: StepShape, loss_
         held_beside = torch.empty(outside, dtype=torch.uint8, device=device)  # noqa: F841 (holds the bytes)
         x = torch.randn(batch, model.in_channels, shape.size, shape.size, device=device)
         targets: tuple[Tensor, ...] = (torch.randint(0, model.num_classes, (batch,), device=device),)
+        if shape.unlabeled:
+            targets += (torch.rand(batch, device=device),)
         if shape.teacher_bytes:
             targets += (torch.randn(batch, max(1, shape.teacher_classes), device=device),)
         parts = split_batch(batch, math.ceil(batch / plan.batch))[:2]
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
+            if shape.unlabeled:  # the weak views' no-grad forward before the step
+                weak_forward(model, x[:min(plan.batch, shape.unlabeled)])
             accumulate(model, x, targets, parts, loss_fn)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)

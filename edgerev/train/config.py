@@ -264,6 +264,39 @@ class ContinualConfig:
 
 
 @dataclass(frozen=True)
+class SemiConfig:
+    """Learning from unlabelled images as well (FixMatch, Sohn et al., NeurIPS 2020), when a run is given some.
+
+    Each step adds ``ratio`` unlabelled images per labelled one (mu). The model being trained labels each
+    from a weak view (the recipe's own augmentation, without gradient); an image whose top probability is at
+    least ``threshold`` gets that class as its pseudo-label, and the cross-entropy of a strong view
+    (:class:`edgerev.train.augment.StrongAugment`: RandAugment-like colour, contrast, brightness, sharpness,
+    blur, posterize and solarize, a shift, then Cutout) against it joins the loss with weight ``weight``
+    (lambda_u), averaged over all the step's unlabelled images as in the paper. An epoch is then one pass over
+    the longer of the two: the labelled samples, or the unlabelled images (the labelled ones cycling meanwhile).
+
+    ``class_cap``: a class takes at most ``class_cap`` times its share of the labelled training samples of
+    a step's unlabelled images as pseudo-labels (its most confident ones). The labelled distribution is the
+    only class prior a device knows; a cap relative to it lets a common class stay common while a class the
+    model over-predicts (its own mistakes confirmed, step after step) cannot take over the pseudo-labels.
+    null: no cap. ``enabled`` false, or no unlabelled image given: the run is a labelled-only one.
+    """
+
+    enabled: bool = False
+    threshold: float = 0.95
+    weight: float = 1.0
+    ratio: int = 2
+    class_cap: float | None = 2.0
+
+    def __post_init__(self) -> None:
+        check(0.0 < self.threshold <= 1.0, "threshold", f"is a probability in (0, 1], got {self.threshold}")
+        check(self.weight >= 0, "weight", f"must be >= 0, got {self.weight}")
+        check(self.ratio >= 1, "ratio", f"must be at least 1 (unlabelled images per labelled one), got {self.ratio}")
+        check(self.class_cap is None or self.class_cap >= 1.0, "class_cap",
+              f"must be at least 1 (times a class's labelled share), or null, got {self.class_cap}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole training recipe; ``format``: the version of this layout (saved with every run)."""
 
@@ -275,6 +308,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     continual: ContinualConfig = field(default_factory=ContinualConfig)
+    semi: SemiConfig = field(default_factory=SemiConfig)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
 
     def __post_init__(self) -> None:

@@ -19,28 +19,35 @@ from edgerev.memory.device_fit import cuda_step_peak, fit_to_device
 from edgerev.models.spec import model_spec
 from edgerev.train.config import RunConfig
 from edgerev.train.continual import ContinualLoss
+from edgerev.train.semi import SemiLoss
 
 
 def _bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def step_shape(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int) -> StepShape:
-    """What ``cfg`` adds to a step of ``model``: the batch of ``batch`` samples (replay included),
-    SGD momentum, and the distillation ``teacher`` and its logits."""
-    return StepShape(cfg.data.size, batch, momentum=cfg.optim.momentum > 0,
+def step_shape(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int,
+               unlabeled: int = 0) -> StepShape:
+    """What ``cfg`` adds to a step of ``model``: the batch of ``batch`` labelled samples (replay included)
+    and ``unlabeled`` strong views (FixMatch, :mod:`edgerev.train.semi`), SGD momentum, and the
+    distillation ``teacher`` and its logits."""
+    return StepShape(cfg.data.size, batch + unlabeled, momentum=cfg.optim.momentum > 0,
                      teacher_bytes=_bytes(teacher) if teacher is not None else 0,
-                     teacher_classes=model_spec(teacher).num_classes if teacher is not None else 0)
+                     teacher_classes=model_spec(teacher).num_classes if teacher is not None else 0,
+                     unlabeled=unlabeled)
 
 
-def loss_of(cfg: RunConfig) -> ContinualLoss:
-    return ContinualLoss(cfg.continual.distill, cfg.continual.temperature, cfg.optim.label_smoothing)
+def loss_of(cfg: RunConfig, unlabeled: int = 0) -> ContinualLoss | SemiLoss:
+    """The step's loss: labels (and distillation); with ``unlabeled`` views, weighted per sample."""
+    base = ContinualLoss(cfg.continual.distill, cfg.continual.temperature, cfg.optim.label_smoothing)
+    return SemiLoss(base) if unlabeled else base
 
 
-def floor(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int | None = None) -> StepAccount:
+def floor(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int | None = None,
+          unlabeled: int = 0) -> StepAccount:
     """The least a step of ``cfg`` can hold (batch 1 in the least-memory plan): the smallest budget."""
-    shape = step_shape(cfg, model, teacher, batch or cfg.train.batch)
-    return floor_plan(model, shape, loss_of(cfg))[1]
+    shape = step_shape(cfg, model, teacher, batch or cfg.train.batch, unlabeled)
+    return floor_plan(model, shape, loss_of(cfg, unlabeled))[1]
 
 
 def training_model(cfg: RunConfig, model: nn.Module) -> nn.Module:
@@ -77,8 +84,9 @@ def training_model(cfg: RunConfig, model: nn.Module) -> nn.Module:
 
 
 def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int,
-                device: torch.device) -> tuple[int, CpuCap | None, dict]:
-    """Micro-batches per step, the CPU cap (None: none), and the plan's summary for ``cfg``.
+                device: torch.device, unlabeled: int = 0) -> tuple[int, CpuCap | None, dict]:
+    """Micro-batches per step, the CPU cap (None: none), and the plan's summary for ``cfg``, at ``batch``
+    labelled samples and ``unlabeled`` strong views per step (their weak views' forward counted too).
 
     On CUDA the cap is set first and the plan is fitted to the allocator with real steps
     (:func:`~edgerev.memory.device_fit.fit_to_device`): the summary's ``device_fit`` lists each plan measured.
@@ -103,7 +111,8 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
             {"name": n, "type": type(s).__name__, "mode": m.value}
             for (n, s), m in zip(model.body.stages.named_children(), model.body.modes)]}
     budget = int(mem.budget)
-    shape, loss_fn = step_shape(cfg, model, teacher, batch), loss_of(cfg)
+    shape, loss_fn = step_shape(cfg, model, teacher, batch, unlabeled), loss_of(cfg, unlabeled)
+    batch = shape.batch  # the step's whole batch, the strong views with the labelled samples
     trainable = {}
     if cfg.train.trainable == "auto":  # the most parameters whose step fits the budget at the recipe's batch
         from edgerev.memory.trainable import choose_trainable

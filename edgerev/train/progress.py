@@ -62,6 +62,8 @@ class Progress:
     best_acc: float | None = None
     best_epoch: int | None = None
     at: float = 0.0  # wall-clock time of the report (seconds since the epoch)
+    unlabeled: int | None = None  # FixMatch: unlabelled images this epoch's steps took so far (None: none given)
+    pseudo_labeled: int | None = None  # of them, those that got a pseudo-label
 
     def line(self) -> str:
         """One line, e.g. ``epoch 3/20 step 150/1000 loss 0.8120 lr 0.21 | val acc 71.2% loss 0.9300
@@ -77,6 +79,8 @@ class Progress:
             if self.best_acc is not None and self.best_epoch is not None:
                 val += f" (best {100 * self.best_acc:.1f}% at epoch {self.best_epoch})"
             parts.append(val)
+        if self.unlabeled is not None:
+            parts.append(f"pseudo-labelled {self.pseudo_labeled}/{self.unlabeled} unlabelled")
         if self.state == "running":
             speed = f"{self.steps_per_second:.2f} steps/s" if self.steps_per_second else "speed unknown"
             if self.eta_seconds is not None:

@@ -11,6 +11,11 @@
   :mod:`edgerev.train.checkpoint`), ``replay.safetensors`` when replay is on, ``summary.json`` (with the
   final per-class accuracy and confusion matrix), ``curves.png`` and ``classes.png`` (the same as a picture).
 
+Given unlabelled images and ``semi.enabled``, each step also learns from some of them (FixMatch,
+:mod:`edgerev.train.semi`); the held-out figures, the replay sample and the plateau see labelled samples
+only. Each epoch's eval row, the progress reports and the summary's ``semi`` block say how many
+unlabelled images the steps took and how many got a pseudo-label.
+
 Everything random is a function of the seed and the step: the weights' initialization, each
 epoch's order, each step's augmentation. A run resumed from a checkpoint therefore takes the same
 steps as one that was never interrupted.
@@ -36,7 +41,7 @@ from edgerev.engine import plain
 from edgerev.errors import EdgerevError, NonFiniteError
 from edgerev.memory.cap import train_step
 from edgerev.models.spec import check_size, model_spec
-from edgerev.train.augment import Augment
+from edgerev.train.augment import Augment, StrongAugment
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
 from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
@@ -46,6 +51,7 @@ from edgerev.train.memory import loss_of, plan_memory, training_model
 from edgerev.train.norms import freeze_norms
 from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
 from edgerev.train.schedule import Tail, lr_at, tail_after
+from edgerev.train.semi import UnlabeledOrder, per_step, pseudo_label, quotas, semi_summary, step_targets, weak_probs
 from edgerev.train.state import has_checkpoint, load_checkpoint, save_checkpoint
 
 CONFIG = "config.yaml"
@@ -232,7 +238,7 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
           progress: bool | None = None, data: tuple[LabeledImages, LabeledImages | None] | None = None,
           report: Callable[[Progress], None] | None = None,
           clock: Callable[[], float] = time.monotonic, source: str | None = None,
-          model: nn.Module | None = None) -> RunResult:
+          model: nn.Module | None = None, unlabeled: torch.Tensor | None = None) -> RunResult:
     """Run the recipe ``cfg`` into ``out`` (see the module docstring), with ``train.threads`` CPU threads.
 
     Args:
@@ -250,13 +256,15 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
             ``kind: provided``, their sample counts and this: the recipe saved is what was trained).
         model: a module object to train in place of building ``model.arch`` (:func:`edgerev.fit`);
             ``model.arch`` then names what rebuilds it (its class, see :mod:`edgerev.models.resolve`).
+        unlabeled: ``uint8 [N, 3, H, W]`` images without labels, learnt from when ``semi.enabled`` (resized
+            to ``data.size``); a resumed run must be given the same ones.
     """
     out = Path(out)
     cfg = resolve_run(cfg, out, resume)
     if data is not None and not resume:
         cfg = as_given(cfg, data, source)
     with training_threads(cfg.train.threads):
-        return _train(cfg, out, resume, stop, progress, data, report, clock, model)
+        return _train(cfg, out, resume, stop, progress, data, report, clock, model, unlabeled)
 
 
 def as_given(cfg: RunConfig, data: tuple[LabeledImages, LabeledImages | None], source: str | None) -> RunConfig:
@@ -291,14 +299,17 @@ class _Reporter:
 
 def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | None, progress: bool | None,
            data: tuple[LabeledImages, LabeledImages | None] | None, report: Callable[[Progress], None] | None,
-           clock: Callable[[], float], given: nn.Module | None = None) -> RunResult:
+           clock: Callable[[], float], given: nn.Module | None = None,
+           unlabeled: torch.Tensor | None = None) -> RunResult:
     device = _device(cfg.device)
     s = _prepare(cfg, device, data, given)
     model, info = s.model, s.info
     batch = min(cfg.train.batch, len(s.train))
+    pool = _pool(unlabeled, cfg.data.size) if cfg.semi.enabled else None
+    u = per_step(cfg.semi.ratio, batch, len(pool)) if pool is not None else 0  # unlabelled images per step
     run = training_model(cfg, model)  # the model itself, or a model from outside as its chain (sharing its weights)
     # the budget is checked (and the step planned) before anything is written: a refused run leaves nothing
-    micro, cap, plan_summary = plan_memory(cfg, run, s.teacher, batch, device)
+    micro, cap, plan_summary = plan_memory(cfg, run, s.teacher, batch, device, u)
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         dump_yaml(out / CONFIG, cfg)
@@ -307,14 +318,22 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                                 nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
 
     per_epoch = max(1, len(s.train) // batch)
+    if u:  # with FixMatch an epoch is one pass over the longer of the two: the labelled samples cycle meanwhile
+        per_epoch = max(per_epoch, math.ceil(len(pool) / u))
     total = cfg.train.epochs * per_epoch
     step = 0
+    semi_epochs: list[dict] = []  # per epoch: the unlabelled images the steps took, and those pseudo-labelled
     if resume:
         r = load_checkpoint(out, model, optimizer)
         step, micro = r.step, max(micro, int(r.extra.get("micro_batches", micro)))
+        semi_epochs = list(r.extra.get("semi", []))
     metrics = MetricsLog(out / METRICS, step if resume else None)
     augment = Augment(cfg.augment.pad, cfg.augment.flip, cfg.augment.cutout)
-    loss_fn = loss_of(cfg)
+    weak = Augment(cfg.augment.pad, cfg.augment.flip, 0)  # FixMatch's weak view: the recipe's shift and flip
+    strong = StrongAugment(pad=max(1, cfg.augment.pad))
+    quota = quotas(s.train.labels, len(info.classes), u, cfg.semi.class_cap) if u else None
+    draw = UnlabeledOrder(len(pool), u, cfg.train.seed) if u else None
+    loss_fn = loss_of(cfg, u)
     reporter = _Reporter(out, total, step, progress, report)
     bar = reporter.bar
     plateau = Plateau(cfg.train.patience, (r for r in metrics.rows if r["kind"] == "eval"))
@@ -333,36 +352,54 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         t = tail()
         return total if t is None else t.end
 
+    def semi_of(epoch: int) -> dict:
+        """The counts of ``epoch`` (1-based), made when its first step takes unlabelled images."""
+        while len(semi_epochs) < epoch:
+            semi_epochs.append({"epoch": len(semi_epochs) + 1, "unlabeled": 0, "pseudo_labeled": 0})
+        return semi_epochs[epoch - 1]
+
     def progress_of(state: str, epoch: int, lr: float) -> Progress:
         taken = step - first_step
         rate = taken / (clock() - t_start) if taken and clock() > t_start else None
         last = next((r for r in reversed(metrics.rows) if r["kind"] == "eval"), None)
+        counts = semi_of(epoch) if u else {}
         return Progress(state, step, end(), epoch, cfg.train.epochs,
                         sum(since_report) / len(since_report) if since_report else None, lr, rate,
                         (end() - step) / rate if rate else None,
                         last and last.get("acc"), last and last.get("loss"), plateau.best_acc, plateau.best_epoch,
-                        time.time())
+                        time.time(), counts.get("unlabeled"), counts.get("pseudo_labeled"))
     try:
         model.train()
         while step < end():  # a resumed run may have reached its plateau, or its tail's end, already
             epoch, k = divmod(step, per_epoch)
-            if epoch != order_epoch:
-                order = torch.randperm(len(s.train), generator=torch.Generator().manual_seed(
-                    cfg.train.seed * 100_003 + epoch))
+            rounds = -(-(k + 1) * batch // len(s.train))  # passes over the labelled samples the epoch needs so far
+            if epoch != order_epoch or len(order) < rounds * len(s.train):
+                order = torch.cat([torch.randperm(len(s.train), generator=torch.Generator().manual_seed(
+                    cfg.train.seed * 100_003 + epoch + 1_000_000_007 * r)) for r in range(rounds)])
                 order_epoch = epoch
             idx = order[k * batch:(k + 1) * batch]
             g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
             x = normalize(augment(s.train.images[idx], g).to(device), info)
             y = s.train.labels[idx].to(device)
             target = (y,)
+            if cfg.train.bn_stats == "frozen":  # each step: the evaluation at an epoch's end switched them back
+                freeze_norms(model)
+            if u:  # FixMatch: pseudo-labels from the weak views, the strong views join the batch
+                images = pool[draw.at(step)]
+                with plain(run, cfg.memory.mode == "plain"):
+                    probs = weak_probs(run, normalize(weak(images, g).to(device), info), micro, cap)
+                pseudo, mask = pseudo_label(probs, cfg.semi.threshold, quota)
+                target = step_targets(y, pseudo, mask, cfg.semi.weight)
+                x = torch.cat([x, normalize(strong(images, g).to(device), info)])
+                counts = semi_of(epoch + 1)
+                counts["unlabeled"] += u
+                counts["pseudo_labeled"] += int(mask.sum())
             if s.teacher is not None:
                 with torch.no_grad():
-                    target = (y, s.teacher(x))
+                    target = (*target, s.teacher(x))
             lr = lr_at(step, total, cfg.optim, tail())
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if cfg.train.bn_stats == "frozen":  # each step: the evaluation at an epoch's end switched them back
-                freeze_norms(model)
             t0 = time.perf_counter()
             try:
                 with plain(run, cfg.memory.mode == "plain"):
@@ -387,11 +424,13 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             if end_of_epoch:
                 ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
                 metrics.write({"kind": "eval", "step": step, "epoch": step // per_epoch,
-                               **{k: v for k, v in ev.items() if k not in ("per_class", "confusion")}})
+                               **{k: v for k, v in ev.items() if k not in ("per_class", "confusion")},
+                               **({k: semi_of(step // per_epoch)[k] for k in ("unlabeled", "pseudo_labeled")}
+                                  if u else {})})
                 plateau.update(step // per_epoch, ev["acc"], ev["loss"])
             stopping = stop is not None and stop()
             if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0 or step == end():
-                save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro})
+                save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro, "semi": semi_epochs})
             if pacer.due(end_of_epoch) and step < end():  # the last report follows the loop
                 reporter(progress_of("running", epoch + 1, lr), end_of_epoch)
                 since_report = []
@@ -415,8 +454,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                     if annealed else "")}
     if cap is not None and cap.peak:  # what the tracker saw in this session's verified steps, against the plan's
         plan_summary = {**plan_summary, "measured_peak_bytes": cap.peak}
+    semi = semi_summary(semi_epochs, len(pool), u) if u else None
     summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step,
-                      early, stop)
+                      early, stop, semi)
     if summary is None:
         reporter(progress_of("stopped", last_epoch, lr_at(max(0, step - 1), total, cfg.optim, tail())), True)
         return RunResult("stopped", out, step, total, {"stopped_in": "the final evaluation"})
@@ -427,13 +467,14 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
 
 def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelInfo, rows: list[dict],
             plan_summary: dict, seconds: float, step: int, early: dict | None,
-            stop: Callable[[], bool] | None = None) -> dict | None:
+            stop: Callable[[], bool] | None = None, semi: dict | None = None) -> dict | None:
     """Final evaluation, the model directory, the replay sample, the summary and the plot.
 
     ``early``: ``{"epoch", "annealed_epochs", "reason"}`` when patience ran out (at the end of ``epoch``)
     before the epoch maximum, and the run annealed for ``annealed_epochs`` before it stopped. ``stop`` is
     asked once the evaluation is done: True returns None before anything is written (the last step's
-    checkpoint holds the run, and a resume comes straight here)."""
+    checkpoint holds the run, and a resume comes straight here). ``semi``: the unlabelled images used (the
+    summary's ``semi``, None when none were)."""
     device = next(model.parameters()).device
     final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
     if stop is not None and stop():
@@ -445,7 +486,7 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
         "arch": info.arch, "classes": list(info.classes), "old_classes": list(s.old), "steps": step,
         "train_samples": len(s.train), "val_samples": len(s.val),
         "seconds_this_session": round(seconds, 3), "final": final, "plan": plan_summary,
-        "source_sha256": s.source_sha, "stopped_early": early,
+        "source_sha256": s.source_sha, "stopped_early": early, "semi": semi,
     }
     if s.start_eval is not None:
         summary["start_old_acc"] = s.start_eval["acc"]
@@ -461,6 +502,23 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
     except ImportError as e:  # matplotlib is a dependency; a broken install must not lose the model
         print(f"edgerev: curves not plotted: {e}", file=sys.stderr)
     return summary
+
+
+def _pool(images: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    """The unlabelled images as ``uint8 [N, 3, size, size]`` (None: none given, or none at all).
+
+    Raises:
+        RunError: they are not a batch of 3-channel ``uint8`` images.
+    """
+    if images is None or len(images) == 0:
+        return None
+    if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
+        raise RunError(f"unlabelled images must be uint8 [N, 3, H, W], got {images.dtype} {list(images.shape)}")
+    if images.shape[-2:] == (size, size):
+        return images
+    x = torch.nn.functional.interpolate(images.float(), size=(size, size), mode="bilinear", align_corners=False,
+                                        antialias=True)
+    return x.round().clamp(0, 255).to(torch.uint8)
 
 
 class _NoBar:

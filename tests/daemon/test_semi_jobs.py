@@ -1,0 +1,116 @@
+"""A daemon job learns from the store's unlabelled images (FixMatch, ``training.semi``): the real loop with
+unlabelled images in the inbox, the bound on how many a job reads, and a job unchanged while none exists."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from edgerev.config import ConfigError
+from edgerev_daemon import ingest_inbox
+from edgerev_daemon.config import config_from_dict
+from edgerev_daemon.learning.jobs import check_training, load_unlabeled, run_job
+from edgerev_daemon.storage.records import JobState, Split
+
+from .conftest import Clock, image_bytes, open_data_dir, write
+from .test_service import SMALL, drop
+from .test_service import make_config as service_config
+
+
+def test_a_daemon_job_learns_from_unlabelled_images_in_the_inbox(tmp_path):
+    """The real loop: 160 labelled images and 60 unlabelled ones; the job takes the unlabelled ones as its
+    trainer's unlabelled set, reports them, and is judged on the labelled held-out samples alone."""
+    from edgerev_daemon.service.daemon import Daemon
+
+    config, _ = service_config(tmp_path)
+    assert config.training.semi.enabled  # the daemon's default
+    drop(config, 160, range(2))
+    for i in range(60):
+        write(config.inbox_path / "unlabeled" / f"{i:03d}.png", image_bytes(900 + i, (16, 16)))
+    with Daemon(config, clock=Clock()) as daemon:
+        r = daemon.cycle()
+        assert r.job is not None and r.job.get("version") == "v0001", r.job
+        store = daemon.store
+        run = daemon.registry.path("v0001")  # the job's folder is gone; the version keeps its summary and recipe
+        summary = json.loads((run / "summary.json").read_text())
+        semi = summary["semi"]
+        assert semi["unlabeled_pool"] == 60 and semi["unlabeled_per_step"] == 60  # ratio 2 x 32, at most the pool
+        assert semi["unlabeled_used"] == 60 * summary["steps"]
+        assert 0 <= semi["pseudo_labeled"] <= semi["unlabeled_used"]
+        assert len(semi["epochs"]) == 2
+        saved = yaml.safe_load((run / "config.yaml").read_text())
+        assert saved["semi"]["enabled"] and "60 unlabelled samples" in saved["data"]["train"]["description"]
+        held = store.count_samples(Split.HELDOUT)
+        metrics = store.get_version("v0001").metrics
+        assert metrics["evaluation"]["heldout_samples"]["all"] == held  # labelled held-out samples only
+        assert store.count_samples(labeled=False) == 60  # pseudo-labels are never stored
+
+
+def _job(tmp_path, training: dict, unlabeled: int = 0):
+    config = config_from_dict({**SMALL, "data_dir": str(tmp_path / "data"), "training": training})
+    d = open_data_dir(config)
+    drop(config, 80, range(2))
+    for i in range(unlabeled):
+        write(config.inbox_path / "unlabeled" / f"{i:03d}.png", image_bytes(500 + i, (16, 16)))
+    ingest_inbox(d.config, d.store, clock=d.clock)
+    return d
+
+
+def _train(d, job=None):
+    job = job or d.store.create_job("test")
+    d.store.set_job_state(job.id, JobState.RUNNING)
+    return job, run_job(d.config, d.store, d.blobs, job, None, 0, stop=lambda: False)
+
+
+def test_a_job_without_unlabelled_images_is_the_labelled_job(tmp_path):
+    on = _job(tmp_path / "on", SMALL["training"])
+    off = _job(tmp_path / "off", {**SMALL["training"], "semi": {"enabled": False}})
+    try:
+        assert on.config.training.semi.enabled and not off.config.training.semi.enabled
+        (_, a), (_, b) = _train(on), _train(off)
+        assert a.status == b.status == "trained"
+        assert a.summary["semi"] is None and a.summary["weights_sha256"] == b.summary["weights_sha256"]
+    finally:
+        for d in (on, off):
+            d.store.close()
+            d.lock.release()
+
+
+def test_a_job_reads_the_newest_unlabelled_images_up_to_its_bound(tmp_path):
+    d = _job(tmp_path, {**SMALL["training"], "max_unlabeled": 7}, unlabeled=12)
+    try:
+        job = d.store.create_job("test")
+        newest = d.store.unlabeled_samples()[-7:]
+        images = load_unlabeled(d.store, d.blobs, job, 7)
+        assert images.shape == (7, 3, 16, 16)
+        from edgerev.train.data import decode_image
+
+        assert all((images[i] == decode_image(d.blobs.path(s.sha256))).all() for i, s in enumerate(newest))
+        assert load_unlabeled(d.store, d.blobs, job, 0) is None
+        _, outcome = _train(d, job)
+        assert outcome.summary["semi"]["unlabeled_pool"] == 7
+    finally:
+        d.store.close()
+        d.lock.release()
+
+
+def test_the_start_check_counts_the_extra_views(tmp_path):
+    """The daemon's floor grows with FixMatch's views: a budget between the two floors is refused with it on."""
+    from edgerev.models.resolve import resolve_model
+    from edgerev.train.memory import floor
+    from edgerev_daemon.learning.jobs import recipe
+
+    training = {**SMALL["training"], "memory": {"budget": 1}, "continual": {"replay": 200, "distill": 0.0}}
+    config = config_from_dict({**SMALL, "data_dir": str(tmp_path / "data"), "training": training})
+    model = resolve_model("revnext", args=SMALL["training"]["model"]["args"], num_classes=2)
+    cfg = recipe(config, None)
+    plain = floor(cfg, model, None).total
+    semi = floor(cfg, model, None, unlabeled=2 * 32).total
+    assert semi > plain
+    between = {**training, "memory": {"budget": (plain + semi) // 2}}
+    with pytest.raises(ConfigError, match="smallest budget that fits is"):
+        check_training(config_from_dict({**SMALL, "data_dir": str(tmp_path / "d"), "training": between}))
+    check_training(config_from_dict({**SMALL, "data_dir": str(tmp_path / "d"),
+                                     "training": {**between, "semi": {"enabled": False}}}))
