@@ -92,8 +92,9 @@ class ScheduleConfig:
     """A fine-tuning job starts when ``min_new_samples`` samples arrived since the last job, or when
     ``max_interval_seconds`` passed since it and at least one new sample arrived, or (``new_classes``)
     as soon as a label the model in service does not know has ``training.min_samples_per_label``
-    training samples. After a failed job (a full disk, say) the next waits ``retry_seconds``, so a
-    lasting fault does not retrain in a loop."""
+    training samples and ``promotion.min_heldout_per_class`` held-out ones (enough to be learned and
+    judged). After a failed job (a full disk, say) the next waits ``retry_seconds``, so a lasting fault
+    does not retrain in a loop."""
 
     min_new_samples: int = 200
     max_interval_seconds: float = 24 * 3600.0
