@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from edgerev_daemon.service.daemon import Daemon
 from edgerev_daemon.service import daemon as service_mod
+from edgerev_daemon.service.daemon import Daemon
 from edgerev_daemon.service.status import status
 from edgerev_daemon.storage import faults
 from edgerev_daemon.storage.blobs import BlobStore
