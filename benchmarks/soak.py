@@ -308,7 +308,7 @@ def main() -> None:
 
     set_clock(START)
     running = Running(config_path, clock_path, args.poll, log_path)
-    result: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    result: dict = {"settings": {k: _shown(v) for k, v in vars(args).items()},
                     "config": {k: data[k] for k in ("image_size", "training", "schedule", "storage", "promotion")},
                     "budget_bytes": budget, "classes": {k: v for k, v in CLASSES.items()}, "months": []}
     written, corrupt, kills, months = 0, 0, 0, result["months"]
@@ -408,6 +408,15 @@ def _month(month: dict, st: dict, written: int, corrupt: int, running: Running, 
             out["accuracy_month_alone"] = round(accuracy(alone, evaluation), 4)
             shutil.rmtree(alone, ignore_errors=True)
     return out
+
+
+def _shown(value):
+    """A setting as the JSON keeps it: a path inside the project relative to it, one outside by its name only
+    (a result names no machine's folders)."""
+    if not isinstance(value, Path):
+        return value
+    path = value.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def _mean(xs: list) -> float | None:
