@@ -95,6 +95,28 @@ def make_config(tmp_path: Path, **overrides) -> DaemonConfig:
     return config_from_dict(data)
 
 
+@contextmanager
+def rebuilt_store(config: DaemonConfig, tmp_path: Path) -> Iterator[Store]:
+    """The store ``edgerev daemon rebuild`` makes from a copy of the data directory (its store files and
+    lock left out; the original untouched), open; the copy goes afterwards."""
+    import shutil
+    import tempfile
+
+    from edgerev_daemon.storage.rebuild import rebuild
+
+    copy = Path(tempfile.mkdtemp(dir=tmp_path, prefix="rebuild-"))
+    shutil.rmtree(copy)
+    shutil.copytree(config.layout.root, copy, symlinks=True,
+                    ignore=shutil.ignore_patterns("store.sqlite*", "daemon.lock"))
+    cfg = make_config(tmp_path, data_dir=str(copy))
+    rebuild(cfg)
+    try:
+        with Store(cfg.layout.database) as store:
+            yield store
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
 def open_data_dir(config: DaemonConfig, clock: Clock | None = None) -> DataDir:
     clock = clock or Clock()
     validate_paths(config)

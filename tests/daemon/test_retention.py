@@ -37,7 +37,7 @@ from edgerev_daemon.storage.retention import (
 from edgerev_daemon.storage.store import split_of
 from edgerev_daemon.storage.usage import DiskUsage
 
-from .conftest import make_config, open_data_dir
+from .conftest import make_config, open_data_dir, rebuilt_store
 
 CHILD = Path(__file__).with_name("retention_child.py")
 BLOB = 3000  # bytes of each fake blob: about a 32x32 PNG
@@ -74,17 +74,7 @@ def stored(d) -> set[str]:
 
 def rebuilt(config, tmp_path: Path) -> set[str]:
     """The samples a rebuild recreates, from a copy of the data directory (the original is left alone)."""
-    copy = tmp_path / "rebuild-copy"
-    shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(config.layout.root, copy, symlinks=True)
-    for f in copy.glob("store.sqlite*"):
-        f.unlink()
-    (copy / "daemon.lock").unlink(missing_ok=True)
-    cfg = make_config(tmp_path, data_dir=str(copy))
-    rebuild(cfg)
-    from edgerev_daemon.storage.store import Store
-
-    with Store(cfg.layout.database) as s:
+    with rebuilt_store(config, tmp_path) as s:
         return set(s.blob_hashes())
 
 

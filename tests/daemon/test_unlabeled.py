@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
@@ -21,14 +20,14 @@ from edgerev_daemon.intake.manifest import LineRefused, parse_line
 from edgerev_daemon.learning.jobs import job_data, load_samples
 from edgerev_daemon.service.status import format_status, status
 from edgerev_daemon.storage.journal import Labeling
-from edgerev_daemon.storage.rebuild import rebuild, replay
+from edgerev_daemon.storage.rebuild import replay
 from edgerev_daemon.storage.records import JobState, NewSample, Split
 from edgerev_daemon.storage.retention import choose, enforce, finish_removals
 from edgerev_daemon.storage.schema import MIGRATIONS
 from edgerev_daemon.storage.store import Store, split_of
 from edgerev_daemon.storage.usage import DiskUsage
 
-from .conftest import Clock, image_bytes, make_config, open_data_dir, write
+from .conftest import Clock, image_bytes, make_config, open_data_dir, rebuilt_store, write
 
 
 def sha(data: bytes) -> str:
@@ -42,15 +41,7 @@ def snapshot(store: Store) -> set[tuple]:
 
 def rebuilt(config, tmp_path: Path) -> tuple[set[tuple], list[str]]:
     """The samples and labels a rebuild recreates from a copy of the data directory (the original untouched)."""
-    copy = Path(tempfile.mkdtemp(dir=tmp_path, prefix="rebuild-"))
-    shutil.rmtree(copy)
-    shutil.copytree(config.layout.root, copy, symlinks=True)
-    for f in copy.glob("store.sqlite*"):
-        f.unlink()
-    (copy / "daemon.lock").unlink(missing_ok=True)
-    cfg = make_config(tmp_path, data_dir=str(copy))
-    rebuild(cfg)
-    with Store(cfg.layout.database) as s:
+    with rebuilt_store(config, tmp_path) as s:
         return snapshot(s), s.labels()
 
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
 import signal
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -17,10 +15,10 @@ import pytest
 
 from edgerev_daemon import EventKind, Store, check_consistency
 from edgerev_daemon.storage.blobs import BlobStore
-from edgerev_daemon.storage.rebuild import rebuild, replay
+from edgerev_daemon.storage.rebuild import replay
 from edgerev_daemon.storage.retention import finish_removals
 
-from .conftest import image_bytes, make_config, write
+from .conftest import image_bytes, make_config, rebuilt_store, write
 from .test_crash import files_in
 
 CHILD = Path(__file__).with_name("ingest_child.py")
@@ -95,15 +93,8 @@ def _restart_and_compare(config, tmp_path: Path, expected: dict) -> None:
         mine = _snapshot(store)
     for h, label in stored.items():
         assert label is None or label == expected["final"][h], (h, label)
-    copy = Path(tempfile.mkdtemp(dir=tmp_path))
-    shutil.rmtree(copy)
-    shutil.copytree(config.layout.root, copy, symlinks=True, ignore=shutil.ignore_patterns("store.sqlite*"))
-    (copy / "daemon.lock").unlink(missing_ok=True)
-    cfg = make_config(tmp_path, data_dir=str(copy))
-    rebuild(cfg)
-    with Store(cfg.layout.database) as s:
+    with rebuilt_store(config, tmp_path) as s:
         assert _snapshot(s) == mine
-    shutil.rmtree(copy)
 
 
 @pytest.mark.slow
