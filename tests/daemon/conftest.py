@@ -162,3 +162,17 @@ def tmpfs(folder: Path, size: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.fixture
+def label_page(served, tmp_path):
+    """The labelling page's server on a copy of ``served`` with 30 unlabelled samples and their questions:
+    (config, the running server, each sample's true label)."""
+    from edgerev_daemon.service.http import StatusServer
+    from tests.daemon.test_http import http_config
+    from tests.daemon.test_questions import asked_copy
+
+    config, _, truth, _ = asked_copy(served, tmp_path, n=30)
+    config = http_config(config)
+    with StatusServer(config, poll_interval=0.02, clock=Clock(), answer_wait=0.0) as server:
+        yield config, server, truth

@@ -18,11 +18,8 @@ import urllib.request
 import pytest
 
 from edgerev_daemon.learning import questions
-from edgerev_daemon.service.http import StatusServer
 from edgerev_daemon.storage.store import Store
-from tests.daemon.conftest import Clock
-from tests.daemon.test_http import http_config
-from tests.daemon.test_questions import asked_copy, true_label
+from tests.daemon.test_questions import true_label
 
 pytestmark = pytest.mark.browser
 
@@ -59,25 +56,17 @@ def browser():
     return webdriver.Chrome(service=Service(executable_path=driver), options=options)
 
 
-@pytest.fixture
-def page(served, tmp_path):
-    config, _, truth, _ = asked_copy(served, tmp_path, n=30)
-    config = http_config(config)
-    with StatusServer(config, poll_interval=0.02, clock=Clock(), answer_wait=0.0) as server:
-        yield config, server, truth
-
-
 def top_question(driver) -> str:
     from selenium.webdriver.common.by import By
 
     return driver.find_element(By.CSS_SELECTOR, "form.q input[name=sample]").get_attribute("value")
 
 
-def test_an_owner_answers_by_click_and_by_key_and_a_forged_post_labels_nothing(page):
+def test_an_owner_answers_by_click_and_by_key_and_a_forged_post_labels_nothing(label_page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    config, server, truth = page
+    config, server, truth = label_page
     with Store(config.layout.database) as store:
         labels = store.labels()
         asked = questions.waiting(config.layout.root, store)

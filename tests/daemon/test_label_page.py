@@ -9,23 +9,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-import pytest
-
 from edgerev_daemon.learning import questions
 from edgerev_daemon.service.daemon import Daemon
-from edgerev_daemon.service.http import StatusServer
 from edgerev_daemon.storage.store import Store
 from tests.daemon.conftest import Clock
-from tests.daemon.test_http import get, http_config
-from tests.daemon.test_questions import asked_copy, true_label
-
-
-@pytest.fixture
-def page(served, tmp_path):
-    config, _, truth, _ = asked_copy(served, tmp_path, n=30)
-    config = http_config(config)
-    with StatusServer(config, poll_interval=0.02, clock=Clock(), answer_wait=0.0) as server:
-        yield config, server, truth
+from tests.daemon.test_http import get
+from tests.daemon.test_questions import true_label
 
 
 def token_of(body: str) -> str:
@@ -57,8 +46,8 @@ def labelled(config) -> int:
         return store.count_samples(labeled=True)
 
 
-def test_the_page_shows_each_question_with_its_picture_and_a_nonce_script(page):
-    config, server, _ = page
+def test_the_page_shows_each_question_with_its_picture_and_a_nonce_script(label_page):
+    config, server, _ = label_page
     code, headers, body = get(server, "/label")
     text = body.decode()
     assert code == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
@@ -81,8 +70,8 @@ def test_the_page_shows_each_question_with_its_picture_and_a_nonce_script(page):
     assert token_of(body2.decode()) == server.token
 
 
-def test_a_write_needs_the_token_its_own_origin_and_a_loopback_host(page):
-    config, server, truth = page
+def test_a_write_needs_the_token_its_own_origin_and_a_loopback_host(label_page):
+    config, server, truth = label_page
     with Store(config.layout.database) as store:
         sample = questions.waiting(config.layout.root, store)[0].sample
     before = labelled(config)
@@ -101,8 +90,8 @@ def test_a_write_needs_the_token_its_own_origin_and_a_loopback_host(page):
     assert code == 409 and "already labelled &#x27;class0&#x27;" in body.decode()
 
 
-def test_an_answer_for_a_sample_gone_is_refused_with_the_reason(page):
-    config, server, _ = page
+def test_an_answer_for_a_sample_gone_is_refused_with_the_reason(label_page):
+    config, server, _ = label_page
     with Store(config.layout.database) as store:
         first, second = (q.sample for q in questions.waiting(config.layout.root, store)[:2])
         store.remove_samples([first], "max_samples")
@@ -117,8 +106,8 @@ def test_an_answer_for_a_sample_gone_is_refused_with_the_reason(page):
     assert "labelled &#x27;cat&#x27;" in get(server, "/label")[2].decode()
 
 
-def test_an_answer_goes_through_the_daemon_that_holds_the_data_directory(page):
-    config, server, truth = page
+def test_an_answer_goes_through_the_daemon_that_holds_the_data_directory(label_page):
+    config, server, truth = label_page
     with Daemon(config, clock=Clock()) as d:
         sample = questions.waiting(config.layout.root, d.store)[0].sample
         label = true_label(d.store, truth, sample)
