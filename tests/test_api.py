@@ -38,6 +38,12 @@ def test_plan_of_a_registry_model_stays_under_the_budget():
 
 
 @pytest.mark.slow  # 3-20 s on a loaded machine
+def test_plan_without_a_batch_chooses_one_under_the_budget():
+    """``edgerev plan`` without ``--batch``: the planner chooses (a step's shape must take batch None)."""
+    p = edgerev.plan("resnet18", size=16, budget="64MiB", args={"width": 8}, estimate=True)
+    assert p.batch >= 1 and p.predicted_peak_bytes <= 64 * 2**20
+
+
 def test_plan_refuses_a_budget_below_the_floor_naming_it():
     with pytest.raises(BudgetTooSmall, match="smallest"):
         edgerev.plan("resnet18", size=16, budget=1000, args={"width": 8})

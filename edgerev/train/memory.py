@@ -26,12 +26,12 @@ def _bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def step_shape(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int,
+def step_shape(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int | None,
                unlabeled: int = 0) -> StepShape:
-    """What ``cfg`` adds to a step of ``model``: the batch of ``batch`` labelled samples (replay included)
-    and ``unlabeled`` strong views (FixMatch, :mod:`edgerev.train.semi`), SGD momentum, and the
-    distillation ``teacher`` and its logits."""
-    return StepShape(cfg.data.size, batch + unlabeled, momentum=cfg.optim.momentum > 0,
+    """What ``cfg`` adds to a step of ``model``: the batch of ``batch`` labelled samples (replay included;
+    None: the planner's to choose, as ``edgerev plan`` without ``--batch``) and ``unlabeled`` strong views
+    (FixMatch, :mod:`edgerev.train.semi`), SGD momentum, and the distillation ``teacher`` and its logits."""
+    return StepShape(cfg.data.size, None if batch is None else batch + unlabeled, momentum=cfg.optim.momentum > 0,
                      teacher_bytes=_bytes(teacher) if teacher is not None else 0,
                      teacher_classes=model_spec(teacher).num_classes if teacher is not None else 0,
                      unlabeled=unlabeled)
