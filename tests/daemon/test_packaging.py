@@ -19,7 +19,8 @@ def test_every_tracked_package_is_listed():
     tracked = subprocess.run(["git", "ls-files", "edgerev", "daemon"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
     folders = {str(Path(f).parent) for f in tracked if f.endswith("/__init__.py")}
-    expected = {"edgerev_daemon" if f == "daemon" else f.replace("/", ".") for f in folders}
+    # daemon/ installs as edgerev_daemon, its rooms (daemon/storage/...) as edgerev_daemon.storage...
+    expected = {("edgerev_" + f if f.split("/")[0] == "daemon" else f).replace("/", ".") for f in folders}
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(setuptools["packages"])
     assert expected <= listed, f"add {sorted(expected - listed)} to [tool.setuptools] packages in pyproject.toml"
