@@ -60,7 +60,7 @@ def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[
                          "an unlabelled sample enters training or the held-out evaluation only with a label")
     if not samples:
         return LabeledImages(torch.zeros(0, 3, 1, 1, dtype=torch.uint8), torch.zeros(0, dtype=torch.long), classes)
-    images = torch.stack([decode_image(blobs.path(s.sha256)) for s in samples])
+    images = decode_samples(samples, blobs)
     labels = torch.tensor([classes.index(s.label) for s in samples], dtype=torch.long)
     return LabeledImages(images, labels, classes)
 
@@ -73,6 +73,11 @@ def load_unlabeled(store: Store, blobs: BlobStore, job: Job, newest: int) -> tor
     samples = store.unlabeled_samples(upto_batch=job.data_batch_id)[-newest:] if newest > 0 else []
     if not samples:
         return None
+    return decode_samples(samples, blobs)
+
+
+def decode_samples(samples: Sequence[Sample], blobs: BlobStore) -> torch.Tensor:
+    """The normalized images of ``samples`` (their blobs), decoded and stacked: (N, 3, H, W) uint8."""
     return torch.stack([decode_image(blobs.path(s.sha256)) for s in samples])
 
 

@@ -187,9 +187,9 @@ def score(model_dir: Path, samples: Sequence[Sample], blobs: BlobStore,
     import torch
 
     from edgerev.train.checkpoint import load_model
-    from edgerev.train.data import decode_image
     from edgerev.train.evaluate import predict_logits
     from edgerev.train.labeled import LabeledImages
+    from edgerev_daemon.learning.jobs import decode_samples
 
     model, info, _ = load_model(model_dir)
     classes = tuple(info.classes)
@@ -198,7 +198,7 @@ def score(model_dir: Path, samples: Sequence[Sample], blobs: BlobStore,
         if stop():
             return None
         part = samples[i:i + BATCH]
-        images = torch.stack([decode_image(blobs.path(s.sha256)) for s in part])
+        images = decode_samples(part, blobs)
         out.append(predict_logits(model, LabeledImages(images, torch.zeros(len(part), dtype=torch.long), classes),
                                   info))
     return torch.cat(out), classes
