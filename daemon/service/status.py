@@ -72,7 +72,6 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             raise
         store, snapshot = Store.snapshot(db), True  # a full disk: SQLite cannot create its shared memory
     with store:
-        oldest = store.events(limit=1) if events else []  # read before the counts: see _latest_events
         counts = store.counts()
         try:
             current = registry.current()
@@ -112,7 +111,7 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             "disk": {"min_free_bytes": floor, "below_floor": low} | ({"free_bytes": free} if low else {}),
             # what the data directory holds against storage.max_bytes, and what the retention policy removed
             "storage": budget_status(config, store),
-            "events": _latest_events(store, events, oldest, counts["events"], versions) if events else [],
+            "events": _latest_events(store, events, versions) if events else [],
             "questions": _questions(config, store, versions),
         }
 
@@ -177,21 +176,12 @@ def questions_text(q: dict) -> str:
             + gained)
 
 
-def _latest_events(store: Store, n: int, oldest: list, total: int, versions: list) -> list[dict]:
+def _latest_events(store: Store, n: int, versions: list) -> list[dict]:
     """The latest ``n`` lines of the event log, oldest first, from its latest ``2 n`` rows (a promotion's two
-    rows fold into one line: :func:`~edgerev_daemon.service.events.fold`).
-
-    :meth:`Store.events` reads from the oldest row on; ids only grow, so with ``oldest`` the first row and
-    ``total`` the rows counted after it was read, every one of the latest ``k`` rows has an id above
-    ``oldest.id - 1 + total - k`` (ids may have gaps, which only makes the read longer).
-    """
+    rows fold into one line: :func:`~edgerev_daemon.service.events.fold`)."""
     from edgerev_daemon.service.events import fold
 
-    if not oldest:
-        return []
-    rows = 2 * n
-    after = oldest[0].id - 1 + max(0, total - rows)
-    latest = store.events(after_id=after, limit=total + rows)[-rows:]  # + rows: those written since
+    latest = store.events(limit=2 * n, latest=True)
     decisions = {v.id: v.metrics.get("promote") for v in versions}
     return fold([e.to_json() for e in latest], decisions)[-n:]
 

@@ -748,14 +748,17 @@ class Store:
                     return last[0]
             return self._event(c, kind, message)
 
-    def events(self, kind: EventKind | None = None, after_id: int = 0, limit: int = 100) -> list[Event]:
-        """Events after ``after_id`` (of ``kind`` when given), oldest first, at most ``limit``."""
+    def events(self, kind: EventKind | None = None, after_id: int = 0, limit: int = 100,
+               latest: bool = False) -> list[Event]:
+        """Events after ``after_id`` (of ``kind`` when given), oldest first, at most ``limit``: the first
+        ``limit`` of them, or with ``latest`` the last ``limit``."""
         sql, args = "SELECT id, at, kind, message, repeats, last_at FROM events WHERE id > ?", [after_id]
         if kind is not None:
             sql += " AND kind = ?"
             args.append(EventKind(kind).value)
-        rows = self._conn.execute(sql + " ORDER BY id LIMIT ?", (*args, limit))
-        return [Event(r[0], r[1], EventKind(r[2]), json.loads(r[3]), r[4], r[5]) for r in rows]
+        rows = list(self._conn.execute(sql + f" ORDER BY id {'DESC' if latest else ''} LIMIT ?", (*args, limit)))
+        return [Event(r[0], r[1], EventKind(r[2]), json.loads(r[3]), r[4], r[5]) for r in
+                (reversed(rows) if latest else rows)]
 
     def quarantined_source(self, source: str) -> bool:
         """Whether a file from this inbox path was quarantined (see :meth:`has_source`)."""

@@ -213,5 +213,7 @@ def test_events_filter_page_and_prune(store):
     store.add_event(EventKind.ERROR, {"where": "ingest", "error": "disk full"})
     assert [e.message["message"] for e in store.events(EventKind.INFO, after_id=ids[1], limit=2)] == ["m2", "m3"]
     assert store.events(EventKind.ERROR)[0].to_json()["kind"] == "error"
+    latest = store.events(EventKind.INFO, limit=2, latest=True)  # the last two, still oldest first
+    assert [e.message["message"] for e in latest] == ["m3", "m4"]
     assert store.prune_events(keep=2) == 4
     assert [e.kind for e in store.events()] == [EventKind.INFO, EventKind.ERROR]
