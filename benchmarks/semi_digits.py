@@ -22,10 +22,20 @@ first model out), the job's steps, the pseudo-label counts, the wall time; and t
 ``labelled_only`` to ``ceiling`` that ``pseudo_labels`` recovers in candidate accuracy (the issue's target:
 at least half).
 
-The second half of the issue's figures (50 labels the daemon asks for against 50 chosen at random, an
-oracle answering) needs the label questions (issue 25, part 3): :func:`answered` is the hook, a scenario
-that starts from ``pseudo_labels``'s data directory, labels ``n`` of its unlabelled samples chosen by a
-``choose`` function with the oracle's answers, and runs one more cycle.
+Then the owner answers 50 questions (``asked_vs_random``, run with the default scenarios or ``--only asked``):
+two copies of ``pseudo_labels``'s data directory after its cycle, each with 50 of its unlabelled samples given
+their true digit (an oracle answers, through ``Store.label_sample`` as ``edgerev daemon label --set`` does),
+then one more cycle each (the 50 new labels make a job due: a fine-tune of the version in service, FixMatch
+on the rest):
+
+- ``asked``: the 50 samples the daemon's questions name (``questions.refresh`` with ``questions.count: 50``, the
+  version in service scoring every unlabelled sample: smallest margins, spread);
+- ``random``: 50 unlabelled samples chosen at random (``--seed``).
+
+The two cycles run in two processes side by side (``--serial``: one after the other). The issue's target:
+``asked`` above ``random`` in the fine-tuned candidate's test accuracy; the report also gives the two
+candidates' paired outcomes on the test images (gained and lost by ``asked`` against ``random``) and McNemar's
+exact p-value on them, the gate's own test (``edgerev_daemon.learning.evidence``).
 
     OMP_NUM_THREADS=1 python benchmarks/semi_digits.py --out benchmarks/results/semi_digits_cpu.json
 """
@@ -39,6 +49,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -138,11 +150,37 @@ def scenario(name: str, preset: Path, root: Path, labelled: Sequence[Path], unla
     return {**cycle(name, config, test), "overrides": overrides or {}}
 
 
-def answered(name: str, preset: Path, data_dir: Path, root: Path, choose: Callable[[object, int], list[str]],
-             oracle: dict[str, str], n: int, test: LabeledImages) -> dict:
-    """The second half's hook (needs part 3's questions): a copy of ``data_dir`` where ``n`` unlabelled samples,
-    chosen by ``choose(store, n)`` (sample hashes: the daemon's questions, or at random), get ``oracle``'s labels
-    (hash -> digit) through ``Store.label_sample``, then one cycle: the fine-tuned version's test accuracy."""
+def oracle(store) -> dict[str, str]:
+    """Every unlabelled sample's true digit (hash -> digit), read from the name :func:`drop` gave its file."""
+    return {x.sha256: Path(x.source).name.split("-")[0] for x in store.unlabeled_samples()}
+
+
+def ask(config, store, n: int) -> list[str]:
+    """The daemon's questions, ``n`` of them: the list the version in service makes (questions.refresh)."""
+    from dataclasses import replace
+
+    from edgerev_daemon.learning import questions
+    from edgerev_daemon.storage.blobs import BlobStore
+    from edgerev_daemon.storage.registry import Registry
+
+    config = replace(config, questions=replace(config.questions, count=n,
+                                               max_scored=max(n, config.questions.max_scored)))
+    ql = questions.refresh(config, store, BlobStore(config.layout.blobs), Registry(config.layout.root), time.time())
+    return [q.sample for q in ql.questions]
+
+
+def at_random(seed: int, config, store, n: int) -> list[str]:
+    """``n`` unlabelled samples chosen at random with ``seed`` (``functools.partial(at_random, seed)`` chooses)."""
+    hashes = sorted(store.unlabeled_hashes())
+    g = torch.Generator().manual_seed(seed)
+    return [hashes[i] for i in torch.randperm(len(hashes), generator=g)[:n].tolist()]
+
+
+def answered(name: str, preset: Path, data_dir: Path, root: Path, choose: Callable[[object, object, int], list[str]],
+             n: int, test: LabeledImages) -> dict:
+    """A copy of ``data_dir`` where the ``n`` unlabelled samples ``choose(config, store, n)`` names (hashes) get
+    their true digit through ``Store.label_sample`` (as an answer), then one cycle: the fine-tuned candidate's
+    and the version in service's test accuracy."""
     target = root / name
     shutil.copytree(data_dir, target, symlinks=True)
     (target / "daemon.lock").unlink(missing_ok=True)
@@ -150,17 +188,51 @@ def answered(name: str, preset: Path, data_dir: Path, root: Path, choose: Callab
     from edgerev_daemon.storage.store import Store
 
     with Store(config.layout.database) as store:
-        for sha in choose(store, n):
-            store.label_sample(sha, oracle[sha], config.heldout_fraction)
-    return cycle(name, config, test)
+        truth = oracle(store)
+        chosen = choose(config, store, n)
+        for sha in chosen:
+            store.label_sample(sha, truth[sha], config.heldout_fraction)
+    answers = {"answers": len(chosen), "answered_digits": {d: sum(truth[c] == d for c in chosen)
+                                                          for d in sorted(set(truth.values()))}}
+    return {**cycle(name, config, test), **answers}
+
+
+def outcomes(model_dir: Path, test: LabeledImages) -> list[bool]:
+    """Each test image right (True) or wrong under the model in ``model_dir`` (an unknown digit is wrong)."""
+    from edgerev.train.checkpoint import load_model
+    from edgerev.train.evaluate import predict_logits
+
+    model, info, _ = load_model(model_dir)
+    predicted = predict_logits(model, test.resized(info.input_size), info).argmax(1).tolist()
+    return [info.classes[k] == test.classes[t] for k, t in zip(predicted, test.labels.tolist(), strict=True)]
+
+
+def compare(root: Path, asked: dict, random: dict, test: LabeledImages) -> dict:
+    """Asked against random: both candidates' test accuracy, and their paired outcomes with McNemar's p."""
+    from edgerev_daemon.learning.evidence import paired
+
+    kept = {name: root / f"{name}-candidates" / ((r["job"] or {}).get("version") or "none")
+            for name, r in (("asked", asked), ("random", random))}
+    out = {"asked": asked["test_accuracy"], "random": random["test_accuracy"],
+           "in_service": {"asked": asked["in_service_test_accuracy"], "random": random["in_service_test_accuracy"]}}
+    if all((k / "model.json").is_file() for k in kept.values()):
+        p = paired(outcomes(kept["asked"], test), outcomes(kept["random"], test))
+        out |= {"gained": p.gained, "lost": p.lost, "p_asked_better": round(p.p_better(), 6)}
+    out["meets_target"] = bool(asked["test_accuracy"] and random["test_accuracy"]
+                               and asked["test_accuracy"] > random["test_accuracy"])
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", type=Path, default=ROOT / "configs/daemon/cpu.yaml")
     ap.add_argument("--seed", type=int, default=0, help="which 5 %% of each digit is labelled")
-    ap.add_argument("--only", action="append", choices=("labelled_only", "pseudo_labels", "ceiling", "same_steps"),
-                    help="run only these scenarios (default: all three)")
+    ap.add_argument("--only", action="append",
+                    choices=("labelled_only", "pseudo_labels", "ceiling", "same_steps", "asked"),
+                    help="run only these scenarios (default: the first three and asked; asked runs pseudo_labels "
+                         "first, and then asked and random)")
+    ap.add_argument("--answers", type=int, default=50, help="labels the oracle gives in asked and in random")
+    ap.add_argument("--serial", action="store_true", help="run asked and random one after the other")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     try:
@@ -184,8 +256,24 @@ def main() -> None:
             "same_steps": lambda: scenario("same_steps", preset, root, labelled, rest, test,
                                            {"training.semi.weight": 0.0}),
         }
-        wanted = args.only or ["labelled_only", "pseudo_labels", "ceiling"]
+        wanted = args.only or ["labelled_only", "pseudo_labels", "ceiling", "asked"]
+        if "asked" in wanted and "pseudo_labels" not in wanted:
+            wanted.append("pseudo_labels")
         results = {k: run() for k, run in runs.items() if k in wanted}
+        versus = None
+        if "asked" in wanted:
+            runs = [("asked", ask), ("random", partial(at_random, args.seed))]
+            given = [(name, preset, root / "pseudo_labels", root, choose, args.answers, test) for name, choose in runs]
+            if args.serial:
+                done = [answered(*a) for a in given]
+            else:  # two processes (spawned: no forked torch thread pools), one core each
+                import multiprocessing
+
+                with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    done = list(pool.map(answered, *zip(*given, strict=True)))
+            results |= dict(zip(("asked", "random"), done, strict=True))
+            versus = compare(root, results["asked"], results["random"], test)
+            print(f"asked vs random: {versus}", file=sys.stderr, flush=True)
     figures = {k: r["test_accuracy"] or 0.0 for k, r in results.items()}
     recovered = None
     if {"labelled_only", "pseudo_labels", "ceiling"} <= set(figures) and figures["ceiling"] > figures["labelled_only"]:
@@ -199,7 +287,7 @@ def main() -> None:
         "in_service_test_accuracy": {k: r["in_service_test_accuracy"] for k, r in results.items()},
         "gap_recovered": recovered,
         "target": 0.5, "meets_target": recovered is not None and recovered >= 0.5,
-        "scenarios": results, "asked_vs_random": None,  # part 3: see answered()
+        "scenarios": results, "answers": args.answers, "asked_vs_random": versus,
         "seconds": round(time.perf_counter() - started, 1),
     }, args.out)
 
