@@ -44,6 +44,7 @@ from pathlib import Path
 from edgerev.errors import EdgerevError
 from edgerev.export.runtime import onnxruntime
 from edgerev.train.progress import Progress
+from edgerev.train.semi import semi_counts
 from edgerev_daemon.config import DaemonConfig, load_config, validate_paths
 from edgerev_daemon.errors import Stopped
 from edgerev_daemon.intake.ingest import ingest_inbox
@@ -441,7 +442,8 @@ class Daemon:
         metrics = {"data_batch_id": job.data_batch_id, "base_batch": base_batch, "promote": decision.promote,
                    "evaluation": decision.metrics, "classes": summary.get("classes"),
                    "training": {k: summary.get(k) for k in ("steps", "train_samples", "forgetting", "plan",
-                                                            "stopped_early")},
+                                                            "stopped_early")}
+                   | {"semi": semi_counts(summary.get("semi"))},
                    "held_back": outcome.held_back}
         return self.record_decision(job, out, metrics, decision.reason)
 

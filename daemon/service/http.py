@@ -215,6 +215,17 @@ def format_metrics(s: dict) -> str:
         lines += _family("edgerev_storage_over", "gauge",
                          "1 while the data directory is over its bounds and the policy cannot bring it under "
                          "(ingest waits), else 0.", [({}, 1 if storage.get("over") else 0)])
+    lines += _family("edgerev_unlabeled_samples", "gauge",
+                     "Unlabelled samples kept now (they wait for a label; a job may learn from them).",
+                     [({}, s["samples"]["unlabeled"])] if "unlabeled" in s["samples"] else [])
+    pseudo = s.get("pseudo_labels")
+    lines += _family("edgerev_last_job_pseudo_labeled", "gauge",
+                     "Unlabelled images the last job's last epoch gave a pseudo-label (of "
+                     "edgerev_last_job_unlabeled_taken); absent before a job.",
+                     [({}, pseudo["last_epoch_pseudo_labeled"])] if pseudo else [])
+    lines += _family("edgerev_last_job_unlabeled_taken", "gauge",
+                     "Unlabelled images the last job's last epoch took; absent before a job.",
+                     [({}, pseudo["last_epoch_unlabeled"])] if pseudo else [])
     lines += _family("edgerev_labels", "gauge", "Labels (classes) seen so far.", [({}, len(s["labels"]))])
     lines += _family("edgerev_new_samples_since_last_job", "gauge",
                      "Samples stored after the data of the last finished job (what the schedule counts).",

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from edgerev_daemon.learning.schedule import listed
 from edgerev_daemon.service.events import readable
-from edgerev_daemon.service.status import next_job_text, progress_line, questions_text, storage_line
+from edgerev_daemon.service.status import next_job_text, progress_line, pseudo_text, questions_text, storage_line
 from edgerev_daemon.storage.registry import VERSION_RE
 
 PICTURES = {"curves": "training curves", "classes": "accuracy per class"}
@@ -193,6 +193,7 @@ def _data(s: dict) -> str:
     items = [("samples", esc(f"{n['total']} ({n['train']} train, {n['heldout']} held out{unlabeled}); "
                              f"{s['new_samples_since_last_job']} new since the last job")),
              ("labels", esc(", ".join(s["labels"]) or "none")),
+             *([("pseudo-labels", esc(pseudo_text(s["pseudo_labels"])))] if s.get("pseudo_labels") else []),
              ("inbox", esc(s["inbox"])), ("data directory", esc(s["data_dir"]))]
     return '<section id="data"><h2>Data</h2>' + _definitions(items) + "</section>"
 

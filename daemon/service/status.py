@@ -113,7 +113,33 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             "storage": budget_status(config, store),
             "events": _latest_events(store, events, versions) if events else [],
             "questions": _questions(config, store, versions),
+            "pseudo_labels": pseudo_labels(versions),
         }
+
+
+def pseudo_labels(versions: list) -> dict | None:
+    """What the last job did with the unlabelled images (:func:`edgerev.train.semi.semi_counts`, kept in its
+    version's record): ``None`` before a job; ``pool`` 0 for a job that had none. Pseudo-labels live inside a
+    job's steps, never in the store: this is the count of the last job's last pass over its pool."""
+    v = versions[-1] if versions else None
+    if v is None or "training" not in v.metrics:
+        return None
+    semi = (v.metrics["training"] or {}).get("semi") or {}
+    last = semi.get("last_epoch") or {}
+    return {"version": v.id, "job": v.job_id, "pool": semi.get("unlabeled_pool", 0),
+            "last_epoch_unlabeled": last.get("unlabeled", 0),
+            "last_epoch_pseudo_labeled": last.get("pseudo_labeled", 0),
+            "unlabeled_used": semi.get("unlabeled_used", 0), "pseudo_labeled": semi.get("pseudo_labeled", 0),
+            "epochs": semi.get("epochs", 0)}
+
+
+def pseudo_text(p: dict) -> str:
+    """``job 3 (v0003) gave 537 of the 1392 unlabelled images it took in its last epoch a pseudo-label ...``"""
+    if not p["pool"]:
+        return f"none (job {p['job']}, {p['version']}, had no unlabelled image)"
+    return (f"job {p['job']} ({p['version']}) gave {p['last_epoch_pseudo_labeled']} of the "
+            f"{p['last_epoch_unlabeled']} unlabelled images of its last epoch a pseudo-label (pool "
+            f"{p['pool']}; {p['pseudo_labeled']} of {p['unlabeled_used']} views over {p['epochs']} epochs)")
 
 
 def _questions(config: DaemonConfig, store: Store, versions: list) -> dict:
@@ -329,6 +355,8 @@ def format_status(s: dict, versions: bool = True) -> str:
             lines.append(f"  {line}")
     if (line := next_job_text(s)) is not None:
         lines.append(f"next job: {line}")
+    if (p := s.get("pseudo_labels")) is not None:
+        lines.append(f"pseudo-labels: {pseudo_text(p)}")
     if (q := s.get("questions")) is not None:
         lines.append(f"questions: {questions_text(q)}" + (" (edgerev daemon label)" if q["waiting"] else ""))
     return "\n".join(lines)

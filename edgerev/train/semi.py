@@ -146,3 +146,14 @@ def semi_summary(epochs: Sequence[dict], pool: int, per: int) -> dict:
             "unlabeled_used": sum(e["unlabeled"] for e in epochs),
             "pseudo_labeled": sum(e["pseudo_labeled"] for e in epochs)}
 
+
+
+def semi_counts(summary: dict | None) -> dict | None:
+    """A job's ``semi`` summary without its per-epoch list (what a version's record keeps): the pool, the views
+    the steps took and those pseudo-labelled, and the last epoch's pass (``last_epoch``: how many of the pool's
+    images the finished model's training last took, and gave a pseudo-label). None: no unlabelled image."""
+    if not summary:
+        return None
+    epochs = summary.get("epochs") or []
+    return {k: summary.get(k) for k in ("unlabeled_pool", "unlabeled_per_step", "unlabeled_used", "pseudo_labeled")} | {
+        "epochs": len(epochs), "last_epoch": dict(epochs[-1]) if epochs else None}

@@ -3,6 +3,7 @@ unlabelled images in the inbox, the bound on how many a job reads, and a job unc
 
 from __future__ import annotations
 
+import html
 import json
 
 import pytest
@@ -12,6 +13,9 @@ from edgerev.config import ConfigError
 from edgerev_daemon import ingest_inbox
 from edgerev_daemon.config import config_from_dict
 from edgerev_daemon.learning.jobs import check_training, load_unlabeled, run_job
+from edgerev_daemon.service.http import format_metrics
+from edgerev_daemon.service.page import format_html
+from edgerev_daemon.service.status import format_status, status
 from edgerev_daemon.storage.records import JobState, Split
 
 from .conftest import Clock, image_bytes, open_data_dir, write
@@ -46,6 +50,46 @@ def test_a_daemon_job_learns_from_unlabelled_images_in_the_inbox(tmp_path):
         metrics = store.get_version("v0001").metrics
         assert metrics["evaluation"]["heldout_samples"]["all"] == held  # labelled held-out samples only
         assert store.count_samples(labeled=False) == 60  # pseudo-labels are never stored
+        last = semi["epochs"][-1]
+        assert metrics["training"]["semi"] == {
+            "unlabeled_pool": 60, "unlabeled_per_step": 60, "unlabeled_used": semi["unlabeled_used"],
+            "pseudo_labeled": semi["pseudo_labeled"], "epochs": 2, "last_epoch": last}
+    # status, the page and /metrics tell what the last job did with them
+    s = status(config, events=0)
+    assert s["samples"]["unlabeled"] == 60
+    assert s["pseudo_labels"] == {"version": "v0001", "job": 1, "pool": 60, "last_epoch_unlabeled": last["unlabeled"],
+                                  "last_epoch_pseudo_labeled": last["pseudo_labeled"],
+                                  "unlabeled_used": semi["unlabeled_used"], "pseudo_labeled": semi["pseudo_labeled"],
+                                  "epochs": 2}
+    line = (f"pseudo-labels: job 1 (v0001) gave {last['pseudo_labeled']} of the {last['unlabeled']} unlabelled images "
+            f"of its last epoch a pseudo-label (pool 60; {semi['pseudo_labeled']} of {semi['unlabeled_used']} views "
+            "over 2 epochs)")
+    assert line in format_status(s).splitlines()
+    assert html.escape(line.removeprefix("pseudo-labels: ")) in format_html(s)
+    text = format_metrics(s)
+    assert "\nedgerev_unlabeled_samples 60\n" in text
+    assert f"\nedgerev_last_job_pseudo_labeled {last['pseudo_labeled']}\n" in text
+    assert f"\nedgerev_last_job_unlabeled_taken {last['unlabeled']}\n" in text
+
+
+def test_status_before_a_job_and_after_one_without_unlabelled_images(tmp_path):
+    """No job yet: no pseudo-label line, no gauge; a job with no unlabelled image says so (pool 0)."""
+    from edgerev_daemon.service.daemon import Daemon
+
+    config, _ = service_config(tmp_path)
+    drop(config, 40, range(2))
+    with Daemon(config, clock=Clock()) as daemon:
+        assert daemon.cycle().job is None  # 40 of schedule.min_new_samples 100
+    s = status(config, events=0)
+    assert s["pseudo_labels"] is None and "pseudo-labels" not in format_status(s)
+    assert "edgerev_last_job_pseudo_labeled" not in format_metrics(s)
+    drop(config, 160, range(2), start=40)
+    with Daemon(config, clock=Clock()) as daemon:
+        assert daemon.cycle().job["version"] == "v0001"
+    s = status(config, events=0)
+    assert s["pseudo_labels"]["pool"] == 0
+    assert "pseudo-labels: none (job 1, v0001, had no unlabelled image)" in format_status(s)
+    assert "\nedgerev_last_job_pseudo_labeled 0\n" in format_metrics(s)
 
 
 def _job(tmp_path, training: dict, unlabeled: int = 0):
