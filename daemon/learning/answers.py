@@ -3,10 +3,10 @@
 Both take one path, :func:`edgerev_daemon.service.labelling.give`. A label is written by whoever holds
 the data directory's lock, never beside it (the journal line before the commit, one writer). So ``give``
 first tries the lock: free (no daemon runs), it applies the answers itself (:func:`apply`) and releases
-it. Held (the daemon runs, and the page is served from the daemon's own process), it hands them over as a
-file, ``DATA_DIR/questions/answers/<id>.request``, written whole by :func:`edgerev.atomic.atomic_write`
-(a kill leaves no file or a complete one), wakes the daemon when it can (the page shares its process),
-and waits a while for ``<id>.result``. The daemon takes the requests at its next cycle (:func:`serve`),
+it. Held (the daemon runs, and the page is served from the daemon's own process), it posts them in
+``DATA_DIR/questions/answers/`` (:mod:`edgerev_daemon.storage.mailbox`, the queue the fleet's requests take
+too: a request is written whole or not at all), wakes the daemon when it can (the page shares its process),
+and waits a while for the result. The daemon takes the requests at its next cycle (:func:`serve`),
 before it decides on a job; a job under way keeps it busy, so a wait may end first: the answers are then
 applied after that job.
 
@@ -17,17 +17,15 @@ likely typo, the known ones named, unless the answer says it is a new label.
 
 from __future__ import annotations
 
-import json
 import logging
-import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edgerev.atomic import atomic_write
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import StoreError
 from edgerev_daemon.learning import questions
+from edgerev_daemon.storage import mailbox
 from edgerev_daemon.storage.store import Store
 
 log = logging.getLogger("edgerev.daemon.answers")
@@ -100,43 +98,44 @@ def answers_dir(root: Path) -> Path:
 
 
 def submit(root: Path, answers: Sequence[Answer]) -> str:
-    """Write a request for the daemon of ``root``; returns its id."""
-    rid = uuid.uuid4().hex
-    answers_dir(root).mkdir(parents=True, exist_ok=True)
-    atomic_write(answers_dir(root) / f"{rid}.request", json.dumps([asdict(a) for a in answers]).encode())
-    return rid
+    """Post the answers for the daemon of ``root`` (:mod:`edgerev_daemon.storage.mailbox`); returns the id."""
+    return mailbox.post(answers_dir(root), {"answers": [asdict(a) for a in answers]})
 
 
 def serve(config: DaemonConfig, store: Store) -> int:
-    """Apply every waiting request, oldest first, each answered by ``<id>.result``; returns how many."""
-    folder = answers_dir(config.layout.root)
-    if not folder.is_dir():
-        return 0
-    pending = sorted((p for p in folder.iterdir() if p.name.endswith(".request") and p.is_file()
-                      and not p.is_symlink()), key=lambda p: p.stat().st_mtime)
-    for req in pending:
-        rid = req.name[: -len(".request")]
+    """Apply every waiting request, oldest first, each answered with its outcomes; returns how many."""
+    queue = answers_dir(config.layout.root)
+    taken = mailbox.pending(queue)
+    for rid, req in taken:
         try:
-            items = json.loads(req.read_text())
+            meta, _ = mailbox.read(req)
             answers = [Answer(str(d["sample"]), None if d["label"] is None else str(d["label"]),
-                              bool(d.get("new_label", False))) for d in items]
+                              bool(d.get("new_label", False))) for d in meta["answers"]]
             outcomes = [asdict(o) for o in apply(config, store, answers)]
         except (OSError, ValueError, KeyError, TypeError) as e:
             outcomes = [asdict(Outcome("?", False, f"refused: the request could not be read: {e}"))]
-        atomic_write(folder / f"{rid}.result", json.dumps(outcomes).encode())
-        req.unlink(missing_ok=True)
-    return len(pending)
+        mailbox.answer(queue, rid, {"outcomes": outcomes})
+    return len(taken)
+
+
+def _outcomes(rid: str, read: Callable[[], tuple[dict, dict | None] | None]) -> list[Outcome] | None:
+    try:
+        got = read()
+        return None if got is None else [Outcome(**d) for d in got[0]["outcomes"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # the daemon applied them: its result is lost
+        return [Outcome("?", False, f"the daemon's result for request {rid} could not be read ({e}): "
+                                    "see edgerev daemon status for what was labelled")]
 
 
 def result(root: Path, rid: str) -> list[Outcome] | None:
-    """The daemon's outcomes for request ``rid`` (read once: the file is removed), or None (not yet)."""
-    path = answers_dir(root) / f"{rid}.result"
-    try:
-        items = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    path.unlink(missing_ok=True)
-    return [Outcome(**d) for d in items]
+    """The daemon's outcomes for request ``rid`` (read once: the result is removed), or None (not yet)."""
+    return _outcomes(rid, lambda: mailbox.collect(answers_dir(root), rid))
 
 
-__all__ = ["Answer", "Outcome", "apply", "parse_set", "result", "serve", "submit"]
+def wait(root: Path, rid: str, timeout: float, poll: float) -> list[Outcome] | None:
+    """:func:`result`, waiting at most ``timeout`` seconds for it (None: the daemon has not answered yet; the
+    request stays, applied at its next cycle)."""
+    return _outcomes(rid, lambda: mailbox.wait(answers_dir(root), rid, timeout, poll))
+
+
+__all__ = ["Answer", "Outcome", "apply", "parse_set", "result", "serve", "submit", "wait"]

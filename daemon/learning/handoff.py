@@ -1,33 +1,24 @@
 """Fleet requests handed to a daemon that is already running, through its data directory.
 
-A SuperNode's ClientApp cannot open a data directory whose daemon is running (the lock). It writes the
-request instead, ``DATA_DIR/fleet/requests/<id>.request/`` (``meta.json``: what is asked and the fleet
-model's description; ``shared.safetensors``: the tensors), complete before its folder gets its final name
-(written as ``.<id>.tmp``, every file and the folder fsynced, then renamed and the parent fsynced: the
-daemon never sees half a request, even after a power cut). The daemon's loop takes
-each request at its next cycle (:func:`serve_requests`, from :meth:`edgerev_daemon.service.daemon.Daemon.cycle`)
-as a job of its own, writes ``<id>.result/`` the same way (``meta.json``, and ``shared.safetensors``
-for a round), and removes the request. The ClientApp waits for the result folder (:func:`wait_result`),
-reads it and removes it. A daemon killed in the middle of a request takes it again at its next start:
-a round resumes from its checkpoint, a candidate's recorded decision is carried out.
-
-Nothing but ``meta.json`` and safetensors is read: no pickle, names confined to the requests folder.
+A SuperNode's ClientApp cannot open a data directory whose daemon is running (the lock). It posts the
+request instead in ``DATA_DIR/fleet/requests/`` (:mod:`edgerev_daemon.storage.mailbox`: ``meta.json``, what
+is asked and the fleet model's description, and ``shared.safetensors``, the tensors, written whole or not
+at all). The daemon's loop takes each request at its next cycle (:func:`serve_requests`, from
+:meth:`edgerev_daemon.service.daemon.Daemon.cycle`) as a job of its own and answers it the same way
+(``meta.json``, and ``shared.safetensors`` for a round). The ClientApp waits for the answer
+(:func:`wait_result`), and withdraws its request when none comes in time. A daemon killed in the middle of
+a request takes it again at its next start: a round resumes from its checkpoint, a candidate's recorded
+decision is carried out.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
-import time
-import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from edgerev.atomic import atomic_write, fsync_dir
-from edgerev.errors import EdgerevError
-from edgerev.train.checkpoint import load_tensors, save_tensors
 from edgerev_daemon.learning.fleet import Consideration, FleetError, FleetModel, RoundResult
+from edgerev_daemon.storage import mailbox
 
 log = logging.getLogger("edgerev.daemon.fleet")
 
@@ -38,28 +29,10 @@ def requests_dir(root: Path) -> Path:
     return root / "fleet" / "requests"
 
 
-def _write_dir(final: Path, meta: dict, tensors: dict | None) -> None:
-    tmp = final.with_name(f".{final.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if tensors is not None:
-        meta = {**meta, "sha256": save_tensors(tmp / "shared.safetensors", tensors)}
-    atomic_write(tmp / "meta.json", json.dumps(meta).encode())  # fsynced, as the tensors are, and the folder
-    tmp.rename(final)
-    fsync_dir(final.parent)  # the name too: a power cut leaves no folder, or a complete one
-
-
-def _read_dir(folder: Path) -> tuple[dict, dict | None]:
-    meta = json.loads((folder / "meta.json").read_text())
-    tensors = load_tensors(folder / "shared.safetensors", meta["sha256"]) if "sha256" in meta else None
-    return meta, tensors
-
-
 def submit(root: Path, kind: str, fm: FleetModel | None = None, **extra) -> str:
-    """Write a request for the daemon of ``root``; returns its id."""
+    """Post a request for the daemon of ``root``; returns its id."""
     if kind not in KINDS:
         raise ValueError(f"unknown fleet request {kind!r}")
-    rid = uuid.uuid4().hex
     meta: dict = {"kind": kind, **extra}
     tensors = None
     if fm is not None:
@@ -67,8 +40,7 @@ def submit(root: Path, kind: str, fm: FleetModel | None = None, **extra) -> str:
         tensors = d.pop("shared")
         d["classes"] = list(d["classes"])
         meta["model"] = d
-    _write_dir(requests_dir(root) / f"{rid}.request", meta, tensors)
-    return rid
+    return mailbox.post(requests_dir(root), meta, tensors)
 
 
 def wait_result(root: Path, rid: str, timeout: float, poll: float = 0.5):
@@ -79,21 +51,16 @@ def wait_result(root: Path, rid: str, timeout: float, poll: float = 0.5):
         FleetError: the daemon refused the request (its reason), or did not answer within ``timeout``
             seconds (the request is withdrawn if the daemon has not taken it yet).
     """
-    folder = requests_dir(root)
-    result = folder / f"{rid}.result"
-    end = time.monotonic() + timeout
-    while not result.is_dir():
-        if time.monotonic() >= end:
-            shutil.rmtree(folder / f"{rid}.request", ignore_errors=True)
-            raise FleetError(f"the device's daemon did not answer the fleet's request within {timeout:g} s "
-                             f"(is it running? it takes requests between its cycles)")
-        time.sleep(poll)  # another process writes the answer: nothing here to wait on but the file system
+    queue = requests_dir(root)
     try:
-        meta, tensors = _read_dir(result)
-    except (OSError, ValueError, KeyError, EdgerevError) as e:
+        got = mailbox.wait(queue, rid, timeout, poll)
+    except (OSError, ValueError, KeyError) as e:
         raise FleetError(f"the daemon's answer to request {rid} could not be read: {e}") from None
-    finally:
-        shutil.rmtree(result, ignore_errors=True)
+    if got is None:
+        mailbox.withdraw(queue, rid)
+        raise FleetError(f"the device's daemon did not answer the fleet's request within {timeout:g} s "
+                         f"(is it running? it takes requests between its cycles)")
+    meta, tensors = got
     if "error" in meta:
         raise FleetError(meta["error"])
     kind = meta["kind"]
@@ -116,22 +83,15 @@ def serve_requests(daemon, stop=lambda: False) -> int:
     """Carry out every request waiting in the daemon's data directory, oldest first; returns how many."""
     from edgerev_daemon.learning import fleet
 
-    folder = requests_dir(daemon.config.layout.root)
-    if not folder.is_dir():
-        return 0
-    # a link is never followed: a request is a folder the ClientApp made inside the data directory
-    pending = sorted((p for p in folder.iterdir()
-                      if p.name.endswith(".request") and not p.is_symlink() and p.is_dir()),
-                     key=lambda p: p.stat().st_mtime)
+    queue = requests_dir(daemon.config.layout.root)
     done = 0
-    for req in pending:
+    for rid, req in mailbox.pending(queue):
         if stop():
             break
-        rid = req.name[: -len(".request")]
         out: dict = {}
         tensors = None
         try:
-            meta, shared = _read_dir(req)
+            meta, shared = mailbox.read(req)
             kind = meta.get("kind")
             out["kind"] = kind
             if kind == "classes":
@@ -155,7 +115,6 @@ def serve_requests(daemon, stop=lambda: False) -> int:
         if "error" in out and stop():  # stopped under way: the request stays, taken again at the next start
             log.info("fleet request %s stopped; taken again at the next start", rid)
             break
-        _write_dir(folder / f"{rid}.result", out, tensors)
-        shutil.rmtree(req, ignore_errors=True)
+        mailbox.answer(queue, rid, out, tensors)
         done += 1
     return done

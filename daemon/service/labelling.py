@@ -15,7 +15,6 @@ is escaped.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,14 +56,8 @@ def give(config: DaemonConfig, answers: Sequence[Answer], wait: float = 10.0,
     rid = answers_mod.submit(root, answers)
     if wakeup is not None:
         wakeup()
-    end = time.monotonic() + wait
-    while True:
-        got = answers_mod.result(root, rid)
-        if got is not None:
-            return Given(got)
-        if time.monotonic() >= end:
-            return Given(None, rid)
-        time.sleep(poll)  # another process writes the outcome: nothing here to wait on but the file system
+    got = answers_mod.wait(root, rid, wait, poll)
+    return Given(got, None if got is not None else rid)
 
 
 def pending_text(given: Given) -> str:

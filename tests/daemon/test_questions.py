@@ -20,6 +20,7 @@ from edgerev_daemon.service.http import format_metrics
 from edgerev_daemon.service.labelling import give
 from edgerev_daemon.service.lock import DataDirLock
 from edgerev_daemon.service.status import format_status, status
+from edgerev_daemon.storage import mailbox
 from edgerev_daemon.storage.records import JobState
 from edgerev_daemon.storage.store import Store
 from tests.daemon.conftest import Clock
@@ -223,7 +224,7 @@ def test_answers_reach_a_running_daemon_through_its_data_directory(fresh, capsys
         first = questions.waiting(root, d.store)[0].sample
         label = true_label(d.store, truth, first)
         given = give(config, [Answer(first, label)], wait=0)  # the daemon holds the lock: handed over
-        assert given.outcomes is None and (answers.answers_dir(root) / f"{given.request}.request").is_file()
+        assert given.outcomes is None and mailbox.waiting(answers.answers_dir(root), given.request)
         assert main(["daemon", "label", "--config", str(path), "--skip", first, "--wait", "0"]) == 0
         assert "handed to the running daemon" in capsys.readouterr().out
         assert d.store.get_sample(first).label is None  # nothing written beside the daemon
