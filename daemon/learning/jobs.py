@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from edgerev.models.info import model_classes
 from edgerev.train.config import AugmentConfig, DataConfig, RunConfig
 from edgerev.train.data import decode_image
 from edgerev.train.labeled import LabeledImages
@@ -132,7 +133,7 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
     from edgerev.train.trainer import train
 
     out = job_dir(config, job)
-    known = _classes_of(current) if current is not None else ()
+    known = model_classes(current) if current is not None else ()
     train_new, held, waiting = job_data(store, blobs, job, base_batch, known, config.training.min_samples_per_label)
     if len(train_new) == 0:
         why = "no new training sample (every new sample is held out" + (", or held back)" if waiting else ")")
@@ -173,12 +174,6 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
                           f"stopped at step {result.step} of {result.total_steps}",
                           held_back=waiting)
     return JobOutcome("trained", out, "", result.summary, waiting)
-
-
-def _classes_of(model_dir: Path) -> tuple[str, ...]:
-    from edgerev.train.checkpoint import read_info
-
-    return read_info(model_dir)[0].classes
 
 
 def check_training(config: DaemonConfig) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from edgerev.atomic import fsync_dir
 from edgerev.errors import EdgerevError
+from edgerev.models.info import CheckpointError, model_classes
 
 VERSION_RE = re.compile(r"v\d{4,}")
 REQUIRED = ("model.safetensors", "model.json", "model.onnx")
@@ -78,14 +79,14 @@ class Registry:
         return None if v is None else self.path(v)
 
     def current_classes(self) -> tuple[str, ...]:
-        """The classes of the version in service (read from its ``model.json``, without torch); () when
-        none is in service or its description cannot be read (the start-up checks report that)."""
+        """The classes of the version in service (its ``model.json``, read without torch as a job reads it:
+        :func:`edgerev.models.info.model_classes`); () when none is in service or its description cannot be
+        read (the start-up checks report that)."""
         try:
             path = self.current_path()
-            classes = json.loads((path / "model.json").read_text())["classes"] if path else ()
-        except (RegistryError, OSError, ValueError, KeyError, TypeError):
+            return model_classes(path) if path else ()
+        except (RegistryError, CheckpointError):
             return ()
-        return tuple(str(c) for c in classes) if isinstance(classes, list) else ()
 
     def write(self, version: str, files: Mapping[str, Path | bytes]) -> Path:
         """Write a complete version directory from ``files`` (name -> source file or bytes).

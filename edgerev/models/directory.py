@@ -17,40 +17,16 @@ between the two renames) refuses them instead of loading a mix.
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from edgerev.atomic import atomic_write
-from edgerev.errors import EdgerevError
+from edgerev.models.info import INFO, CheckpointError, ModelInfo, read_info, read_json, write_json  # noqa: F401 (named here too)
 
 WEIGHTS = "model.safetensors"
-INFO = "model.json"
 ONNX_SOURCE = "source.onnx"  # the copy of an imported model's ONNX file (its graph lives there)
-
-
-class CheckpointError(EdgerevError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the model asked for."""
-
-
-def write_json(path: str | Path, obj) -> None:
-    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def read_json(path: str | Path, what: str) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{what} {path} does not exist")
-    try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{what} {path} does not hold a JSON object")
-    return obj
 
 
 def sha256_file(path: str | Path) -> str:
@@ -87,42 +63,6 @@ def load_tensors(path: str | Path, sha256: str | None = None) -> dict[str, Tenso
         raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from None
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What it takes to rebuild a model and feed it: architecture, arguments, classes, input.
-
-    ``mean`` and ``std`` are per channel, on pixels scaled to 0..1: the model's input is
-    ``(pixels / 255 - mean) / std``.
-    """
-
-    arch: str
-    classes: tuple[str, ...]
-    input_size: int
-    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
-    std: tuple[float, ...] = (0.25, 0.25, 0.25)
-    model_args: dict = field(default_factory=dict)  # create_model overrides, num_classes excluded
-
-    def __post_init__(self) -> None:
-        if len(self.classes) < 1 or len(set(self.classes)) != len(self.classes):
-            raise CheckpointError(f"class names must be non-empty and distinct, got {list(self.classes)}")
-        if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):
-            raise CheckpointError("normalization needs one mean and one positive std per channel")
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["classes"], d["mean"], d["std"] = list(self.classes), list(self.mean), list(self.std)
-        return d
-
-    @staticmethod
-    def from_json(d: dict) -> ModelInfo:
-        try:
-            return ModelInfo(arch=d["arch"], classes=tuple(d["classes"]), input_size=int(d["input_size"]),
-                             mean=tuple(float(v) for v in d["mean"]), std=tuple(float(v) for v in d["std"]),
-                             model_args=dict(d.get("model_args", {})))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"model description lacks or mistypes {e}") from None
-
-
 def normalize(pixels: Tensor, info: ModelInfo) -> Tensor:
     """``uint8 [B, C, H, W]`` pixels to the model's float input."""
     mean = torch.tensor(info.mean, device=pixels.device).view(1, -1, 1, 1)
@@ -152,15 +92,6 @@ def _keep_onnx_source(folder: Path, model: nn.Module, info: ModelInfo) -> None:
     if target.is_file() and target.stat().st_size == len(source) and target.read_bytes() == source:
         return
     atomic_write(target, source)
-
-
-def read_info(folder: str | Path) -> tuple[ModelInfo, dict]:
-    """The :class:`ModelInfo` of a model directory, and the raw JSON (hash and extras)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"model directory {folder} does not exist")
-    raw = read_json(folder / INFO, "model description")
-    return ModelInfo.from_json(raw), raw
 
 
 def load_state(model: nn.Module, state: dict[str, Tensor], where: str) -> None:

@@ -79,3 +79,29 @@ def test_a_new_class_waits_for_the_held_out_samples_the_gate_judges_it_on(datadi
             return
         store.record_batch([sample(1000 + i, label="dog")], [], 0.1)
     raise AssertionError("400 samples never gave 3 held-out ones")
+
+
+def test_the_schedule_reads_the_classes_in_service_as_a_job_does(tmp_path):
+    """One reading of a version's classes (edgerev.models.info.model_classes, no torch): what the registry
+    gives the schedule is what the job trains from, and a description a job would refuse gives no classes."""
+    import json
+
+    import pytest
+
+    from edgerev.models.info import CheckpointError, model_classes
+    from edgerev_daemon.storage.registry import Registry
+
+    registry = Registry(tmp_path)
+    assert registry.current_classes() == ()
+    info = {"arch": "revnext", "classes": ["cat", "dog"], "input_size": 32, "mean": [0.5] * 3, "std": [0.25] * 3}
+    for name, described in (("v0001", info), ("v0002", {**info, "classes": ["cat", "cat"]}),
+                            ("v0003", {k: v for k, v in info.items() if k != "arch"})):
+        registry.write(name, {"model.safetensors": b"w", "model.json": json.dumps(described).encode(),
+                              "model.onnx": b"onnx"})
+        registry.switch(name)
+        if name == "v0001":
+            assert registry.current_classes() == model_classes(registry.path(name)) == ("cat", "dog")
+        else:
+            with pytest.raises(CheckpointError):
+                model_classes(registry.path(name))
+            assert registry.current_classes() == ()
