@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = ["edgerev.sizes", "edgerev.models.info", "edgerev.memory.costs", "edgerev.memory.knapsack",
-        "edgerev.memory.segments"]
+PURE = ["edgerev.sizes", "edgerev.models.info", "edgerev.models.carried", "edgerev.memory.costs",
+        "edgerev.memory.knapsack", "edgerev.memory.segments"]
 
 
 def module_name(path: Path) -> str:

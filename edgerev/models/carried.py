@@ -7,10 +7,10 @@ cannot be read carries nothing, and the model's own check refuses it later with 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from edgerev.errors import EdgerevError
+from edgerev.models.info import CheckpointError, read_info
 from edgerev.models.names import SourceKind, source_kind
 
 
@@ -23,10 +23,10 @@ def carried_image_size(arch: str) -> int | None:
     path = Path(arch).expanduser()
     if kind is SourceKind.DIRECTORY:
         try:
-            size = json.loads((path / "model.json").read_text()).get("input_size")
-        except (OSError, ValueError, AttributeError):
+            size = read_info(path)[0].input_size  # as the directory's loader reads it (no torch)
+        except (CheckpointError, OSError):
             return None
-        return size if isinstance(size, int) and size > 0 else None
+        return size if size > 0 else None
     if kind is SourceKind.ONNX:
         return _onnx_size(path)
     return None
