@@ -71,20 +71,25 @@ def preset_config(preset: Path, data_dir: Path, device: str | None, overrides: d
     return config_from_dict(raw, base=preset.parent)
 
 
+def predictions(model_dir: Path, test: LabeledImages) -> tuple[list[str], list[str], tuple[str, ...]]:
+    """(each test image's predicted class, its true class, the model's classes) for the model in ``model_dir``."""
+    model, info, _ = load_model(model_dir)
+    logits = predict_logits(model, test.resized(info.input_size), info)
+    return ([info.classes[k] for k in logits.argmax(1).tolist()], [test.classes[k] for k in test.labels.tolist()],
+            tuple(info.classes))
+
+
 def accuracies(model_dir: Path, test: LabeledImages) -> dict:
     """Accuracy of the model in ``model_dir`` on ``test`` (all, old digits, new digits, per digit); a digit
     the model does not know counts as wrong."""
-    model, info, _ = load_model(model_dir)
-    logits = predict_logits(model, test.resized(info.input_size), info)
-    predicted = [info.classes[k] for k in logits.argmax(1).tolist()]
-    truth = [test.classes[k] for k in test.labels.tolist()]
+    predicted, truth, classes = predictions(model_dir, test)
 
     def acc(keep) -> float:
         pairs = [(t, p) for t, p in zip(truth, predicted, strict=True) if keep(t)]
         return round(sum(t == p for t, p in pairs) / len(pairs), 4)
 
     return {"all": acc(lambda t: True), "old": acc(lambda t: t in OLD), "new": acc(lambda t: t in NEW),
-            "per_digit": {c: acc(lambda t, c=c: t == c) for c in test.classes}, "classes": list(info.classes)}
+            "per_digit": {c: acc(lambda t, c=c: t == c) for c in test.classes}, "classes": list(classes)}
 
 
 def drop(files: list[Path], inbox: Path) -> int:

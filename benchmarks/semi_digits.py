@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 from _common import write_json
-from digits_daemon import accuracies, preset_config
+from digits_daemon import accuracies, predictions, preset_config
 from real_images import make_digits
 
 from edgerev.train.data import ImageFolder
@@ -199,12 +199,8 @@ def answered(name: str, preset: Path, data_dir: Path, root: Path, choose: Callab
 
 def outcomes(model_dir: Path, test: LabeledImages) -> list[bool]:
     """Each test image right (True) or wrong under the model in ``model_dir`` (an unknown digit is wrong)."""
-    from edgerev.train.checkpoint import load_model
-    from edgerev.train.evaluate import predict_logits
-
-    model, info, _ = load_model(model_dir)
-    predicted = predict_logits(model, test.resized(info.input_size), info).argmax(1).tolist()
-    return [info.classes[k] == test.classes[t] for k, t in zip(predicted, test.labels.tolist(), strict=True)]
+    predicted, truth, _ = predictions(model_dir, test)
+    return [p == t for p, t in zip(predicted, truth, strict=True)]
 
 
 def compare(root: Path, asked: dict, random: dict, test: LabeledImages) -> dict:

@@ -120,11 +120,13 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
 def pseudo_labels(versions: list) -> dict | None:
     """What the last job did with the unlabelled images (:func:`edgerev.train.semi.semi_counts`, kept in its
     version's record): ``None`` before a job; ``pool`` 0 for a job that had none. Pseudo-labels live inside a
-    job's steps, never in the store: this is the count of the last job's last pass over its pool."""
-    v = versions[-1] if versions else None
-    if v is None or "training" not in v.metrics:
+    job's steps, never in the store: this is the count of the last job's last pass over its pool. ``None`` too
+    for a version recorded before versions kept the counts (unknown, not zero)."""
+    training = (versions[-1].metrics.get("training") or {}) if versions else {}
+    if "semi" not in training:
         return None
-    semi = (v.metrics["training"] or {}).get("semi") or {}
+    v = versions[-1]
+    semi = training["semi"] or {}
     last = semi.get("last_epoch") or {}
     return {"version": v.id, "job": v.job_id, "pool": semi.get("unlabeled_pool", 0),
             "last_epoch_unlabeled": last.get("unlabeled", 0),
@@ -134,7 +136,7 @@ def pseudo_labels(versions: list) -> dict | None:
 
 
 def pseudo_text(p: dict) -> str:
-    """``job 3 (v0003) gave 537 of the 1392 unlabelled images it took in its last epoch a pseudo-label ...``"""
+    """``job 3 (v0003) gave 537 of the 1392 unlabelled images of its last epoch a pseudo-label (pool ...)``"""
     if not p["pool"]:
         return f"none (job {p['job']}, {p['version']}, had no unlabelled image)"
     return (f"job {p['job']} ({p['version']}) gave {p['last_epoch_pseudo_labeled']} of the "

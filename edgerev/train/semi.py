@@ -147,7 +147,6 @@ def semi_summary(epochs: Sequence[dict], pool: int, per: int) -> dict:
             "pseudo_labeled": sum(e["pseudo_labeled"] for e in epochs)}
 
 
-
 def semi_counts(summary: dict | None) -> dict | None:
     """A job's ``semi`` summary without its per-epoch list (what a version's record keeps): the pool, the views
     the steps took and those pseudo-labelled, and the last epoch's pass (``last_epoch``: how many of the pool's

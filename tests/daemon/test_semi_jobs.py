@@ -158,3 +158,14 @@ def test_the_start_check_counts_the_extra_views(tmp_path):
         check_training(config_from_dict({**SMALL, "data_dir": str(tmp_path / "d"), "training": between}))
     check_training(config_from_dict({**SMALL, "data_dir": str(tmp_path / "d"),
                                      "training": {**between, "semi": {"enabled": False}}}))
+
+
+def test_a_version_recorded_before_versions_kept_the_counts_is_unknown_not_zero():
+    from types import SimpleNamespace
+
+    from edgerev_daemon.service.status import pseudo_labels
+
+    old = SimpleNamespace(id="v0001", job_id=1, metrics={"training": {"steps": 10}})
+    none = SimpleNamespace(id="v0002", job_id=2, metrics={"training": {"steps": 10, "semi": None}})
+    assert pseudo_labels([]) is None and pseudo_labels([old]) is None
+    assert pseudo_labels([old, none])["pool"] == 0
