@@ -102,8 +102,8 @@ Handler = Callable[[], None]
 
 
 @contextmanager
-def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal.Signals, ...] = (),
-             wakeup: Wakeup | None = None) -> Iterator[None]:
+def handling(handlers: dict[signal.Signals, Handler], *, wakeup: Wakeup,
+             ignore_after: tuple[signal.Signals, ...] = ()) -> Iterator[None]:
     """Install ``handlers`` (each called with no argument; it must only set flags and notify a
     :class:`Wakeup`) for the block, then put the previous ones back.
 
@@ -116,7 +116,9 @@ def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal
             lands in. Threads started before the block keep the signals unblocked (a BLAS library starts
             its pool when numpy is imported): a signal delivered to one of them runs the Python handler
             in the main thread only once that thread wakes, so without this a stop waited out the
-            whole poll interval.
+            whole poll interval. Required: a caller that left it out once (a test in a process where an
+            earlier test had left a thread running) slept through a burst of 2000 SIGHUP for its whole
+            600 s wait.
 
     Also turns on ``siginterrupt(False)`` so a signal does not make a system call of another thread (the
     status page's) fail with EINTR; the main thread's ``poll`` is woken all the same (Linux never restarts
@@ -130,8 +132,7 @@ def handling(handlers: dict[signal.Signals, Handler], ignore_after: tuple[signal
         for signum, fn in handlers.items():
             previous[signum] = signal.signal(signum, _call(fn))
             signal.siginterrupt(signum, False)
-        if wakeup is not None:
-            old_fd = signal.set_wakeup_fd(wakeup.write_fd, warn_on_full_buffer=False)
+        old_fd = signal.set_wakeup_fd(wakeup.write_fd, warn_on_full_buffer=False)
         # Then take the signals off every thread started from here on (threads inherit the mask) and
         # receive them in one thread with sigwait: no handler frame runs at all, so a storm of thousands
         # of signals cannot nest handlers inside the training step under way (a Python handler can be

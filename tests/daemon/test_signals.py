@@ -26,7 +26,7 @@ from tests.daemon.test_service import drop, epochs, make_config
 
 
 def _handled(d: Daemon):
-    return handling({signal.SIGTERM: d.request_stop, signal.SIGHUP: d.request_reload})
+    return handling({signal.SIGTERM: d.request_stop, signal.SIGHUP: d.request_reload}, wakeup=d.requests.wakeup)
 
 
 def test_a_wakeup_is_never_lost_and_never_blocks():
@@ -62,7 +62,8 @@ import os, signal
 from edgerev_daemon.service.signals import Requests, handling
 before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
 r = Requests()
-with handling({signal.SIGTERM: r.ask_stop, signal.SIGHUP: r.ask_reload}, ignore_after=(signal.SIGHUP,)):
+with handling({signal.SIGTERM: r.ask_stop, signal.SIGHUP: r.ask_reload}, wakeup=r.wakeup,
+             ignore_after=(signal.SIGHUP,)):
     os.kill(os.getpid(), signal.SIGHUP)
     assert r.wakeup.wait(600) and r.reload  # received by the signal thread, which wakes the loop
 assert signal.getsignal(signal.SIGTERM) == before[0]
@@ -111,7 +112,8 @@ def test_signals_are_received_in_a_thread_not_by_a_handler_in_the_step_under_way
     """The signals are blocked in this thread and taken by sigwait in another: no handler frame can nest
     inside the code running here, however many signals arrive."""
     r = Requests()
-    with handling({signal.SIGTERM: r.ask_stop, signal.SIGHUP: r.ask_reload}, ignore_after=(signal.SIGHUP,)):
+    with handling({signal.SIGTERM: r.ask_stop, signal.SIGHUP: r.ask_reload}, wakeup=r.wakeup,
+                  ignore_after=(signal.SIGHUP,)):
         assert {signal.SIGTERM, signal.SIGHUP} <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
         depth = []
 
