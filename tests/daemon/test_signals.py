@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,17 @@ from tests.daemon.test_service import drop, epochs, make_config
 
 def _handled(d: Daemon):
     return handling({signal.SIGTERM: d.request_stop, signal.SIGHUP: d.request_reload}, wakeup=d.requests.wakeup)
+
+
+def _sigterm_self(d: Daemon) -> None:
+    """SIGTERM to this process, returning once its handler has set the stop flag. Which thread takes the
+    signal, and when it runs, is the scheduler's choice: on a loaded machine the handler could run only after
+    the code under test had passed the point the signal was meant to land in."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + LIMIT
+    while not d.requests.stop:
+        assert time.monotonic() < deadline, "SIGTERM was never handled"
+        time.sleep(0.001)
 
 
 def test_a_wakeup_is_never_lost_and_never_blocks():
@@ -152,14 +164,16 @@ def test_sigterm_during_ingest_stops_between_batches(tmp_path, monkeypatch):
     config, _ = make_config(tmp_path, ingest={"settle_seconds": 0.0, "batch_files": 5})
     drop(config, 40, range(2))
     real = store.Store.record_batch
+    running = []
 
     def then_sigterm(self, *args, **kwargs):  # the first batch commits, then the signal lands
         out = real(self, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)
+        _sigterm_self(running[0])
         return out
 
     monkeypatch.setattr(store.Store, "record_batch", then_sigterm)
     with Daemon(config, clock=Clock()) as d, _handled(d):
+        running.append(d)
         report = d.cycle()
     assert report.ingest["stopped"] and report.ingest["accepted"] == 5 and report.job is None, report.ingest
     assert len(list(config.inbox_path.rglob("*.png"))) == 35  # the rest waits for the next start
@@ -175,16 +189,17 @@ def test_sigterm_during_training_stops_after_the_step_under_way(tmp_path, monkey
 
     config, _ = make_config(tmp_path, training=epochs(50))
     drop(config, 160, range(2))
-    real, calls = trainer.train_step, []
+    real, calls, running = trainer.train_step, [], []
 
     def sigterm_in_step_3(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # lands in the middle of the step
+            _sigterm_self(running[0])  # lands in the middle of the step
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", sigterm_in_step_3)
     with Daemon(config, clock=Clock()) as d, _handled(d):
+        running.append(d)
         job = d.cycle().job
     assert job == {"job": 1, "status": "stopped", "reason": "stopped at step 3 of 200"}, job
     latest = Path(config.data_dir) / "jobs" / "job-00001" / "checkpoints" / "latest.json"
