@@ -224,6 +224,22 @@ def _peaks(device: str) -> dict:
             torch.cuda.max_memory_reserved()}
 
 
+def _allocator(device: str) -> dict:
+    """The caching allocator's own account of the part: its out-of-memory errors and retries, its reserved
+    peak per pool, and the two totals a cap's fraction may be taken of (the device properties' and
+    ``cudaMemGetInfo``'s: torch versions differ in which the allocator multiplies)."""
+    import torch
+
+    if not _cuda(device):
+        return {}
+    s = torch.cuda.memory_stats()
+    keys = ("num_ooms", "num_alloc_retries", "reserved_bytes.all.peak", "reserved_bytes.large_pool.peak",
+            "reserved_bytes.small_pool.peak", "segment.all.peak")
+    return {"allocator": {k: s.get(k) for k in keys}, "properties_total_bytes":
+            torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+            "mem_get_info_total_bytes": torch.cuda.mem_get_info()[1]}
+
+
 def cap(args, save: Save) -> dict:
     """The recipe under its cap, planned and enforced as the trainer does (``plan_memory``: on CUDA it sets
     ``set_per_process_memory_fraction``; on CPU it returns the tracker's cap).
@@ -300,12 +316,13 @@ def cap(args, save: Save) -> dict:
             attempt["error"] = f"{type(e).__name__}: {e}"[:500]
         finally:
             fx = fy = before = None
+        attempt.update(_peaks(args.device))  # the part's peaks so far: which attempt reached them
         save(result)
         if attempt.get("retries", 0) > 0 or "error" in attempt:
             break
         forced *= 2
     result["recovered"] = any(a.get("retries", 0) > 0 and a.get("stepped") and a.get("finite") for a in attempts)
-    result.update(_peaks(args.device))
+    result.update(_peaks(args.device), **_allocator(args.device))
     if _cuda(args.device):
         result["reserved_under_cap"] = result["reserved_peak_bytes"] <= budget
     return result

@@ -68,7 +68,7 @@ def check_cap(result: dict, cuda: bool) -> None:
         assert all(a["retries"] == 0 for a in c["forced"][:-1])
         assert c["recovered"]
         if cuda:
-            assert c["reserved_under_cap"] and c["reserved_peak_bytes"] <= c["cap_bytes"]
+            assert c["reserved_under_cap"] and c["reserved_peak_bytes"] <= c["cap_bytes"], (name, c)
         else:
             assert planned["steps"] == planned["steps_asked"] == 3
             assert c["predicted_peak_bytes"] == planned["tracker_peak_bytes"] <= c["cap_bytes"]
