@@ -23,7 +23,8 @@ after every micro-batch succeeded.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +43,54 @@ class StepFailed(EdgerevError):
     """Even micro-batches of one sample do not fit the cap."""
 
 
+# With expandable segments the allocator checks a request against the cap and then maps whole pages of
+# its pool (2 MiB small, 20 MiB large), so the bytes it reserves may pass the cap by up to a large page
+# less its 2 MiB granule: measured 2 MiB over a 400 MiB cap on an H100 (docs/concepts/measurements.md).
+EXPANDABLE_PAGE = 20 * 2**20
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's newer name, and the older
+
+
+def expandable_segments(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the caching allocator may map its memory in pages: ``expandable_segments:True`` in either
+    of the variables torch reads its allocator settings from when CUDA starts (newer versions read the
+    first and ignore the second when both are set, older ones only the second: either counts, since a
+    page kept back costs less than a cap passed)."""
+    return any(_expandable(environ.get(name, "")) for name in ALLOC_CONF_VARIABLES)
+
+
+def _expandable(settings: str) -> bool:
+    for option in settings.split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False
+
+
+def cuda_cap_fraction(budget: int, totals: tuple[int, ...], expandable: bool) -> float:
+    """The memory fraction under which the allocator reserves at most ``budget`` bytes: torch versions
+    differ in which device total they multiply (the device properties' or ``cudaMemGetInfo``'s), so the
+    fraction is taken of the larger, and with expandable segments a large page is kept back.
+
+    Raises:
+        EdgerevError: the budget is more than the device has, or not above one page with expandable
+            segments."""
+    total = max(totals)
+    if budget > min(totals):
+        raise EdgerevError(f"a cap of {budget:,} bytes is more than the device's {min(totals):,} bytes")
+    allowed = budget - EXPANDABLE_PAGE if expandable else budget
+    if allowed <= 0:
+        raise EdgerevError(f"a cap of {budget:,} bytes leaves nothing once expandable segments' page of "
+                           f"{EXPANDABLE_PAGE:,} bytes is kept back; raise the cap or unset expandable_segments")
+    return allowed / total
+
+
 def apply_cuda_cap(budget: int, device: torch.device | str = "cuda") -> float:
-    """Limit this process's CUDA allocations to ``budget`` bytes; returns the fraction set."""
+    """Limit the bytes this process's CUDA allocator reserves to ``budget``; returns the fraction set."""
     device = torch.device(device)
     if device.index is None:  # set_per_process_memory_fraction refuses a device without an index ("cuda")
         device = torch.device("cuda", torch.cuda.current_device())
-    total = torch.cuda.get_device_properties(device).total_memory
-    if budget > total:
-        raise EdgerevError(f"a cap of {budget:,} bytes is more than the device's {total:,} bytes")
-    fraction = budget / total
+    totals = (torch.cuda.get_device_properties(device).total_memory, torch.cuda.mem_get_info(device)[1])
+    fraction = cuda_cap_fraction(budget, totals, expandable_segments())
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 
