@@ -3,6 +3,7 @@ and (with CUDA) the real thing in little."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -23,6 +24,21 @@ SMALL = ["--models", "revnext,resnet18", "--size", "16", "--batch", "2", "--widt
          "--time-size", "16", "--time-batch", "2", "--workers", "1", "--steps", "3", "--recipe-size", "16",
          "--recipe-batch", "32", "--recipe-args", '{"width": 8, "blocks": [1, 1, 1, 1, 1]}', "--epochs", "1",
          "--train-samples", "200"]
+
+
+def _load_script():
+    """benchmarks/cuda.py as a module (benchmarks/ is not a package; a plain ``import cuda`` could find NVIDIA's)."""
+    sys.path.insert(0, str(SCRIPT.parent))  # for its own imports (_common)
+    try:
+        spec = importlib.util.spec_from_file_location("edgerev_cuda_campaign", SCRIPT)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return module
+
+
+cuda = _load_script()
 
 
 def campaign(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict]:
@@ -102,6 +118,22 @@ def test_the_cpu_dry_run_goes_through_every_part(tmp_path):
     first = max(i for i, line in enumerate(lines) if line.startswith("CUDA campaign on cpu"))
     assert first > lines.index("}") and len(lines) - first < 50  # the summary comes last: tail -50 shows it
     assert any(line.startswith("train: revnext") for line in lines[first:])
+
+
+@pytest.mark.parametrize(("only", "expected"), [
+    (None, ["environment", "predict", "profile", "memory", "cap", "cap_expandable", "step_time", "train"]),
+    ("memory", ["memory"]),
+    ("cap", ["profile", "cap"]),  # the parts that plan bring the profile they plan from
+    ("environment,train", ["environment", "profile", "train"]),
+])
+def test_only_runs_the_parts_named_and_the_profile_they_plan_from(only, expected):
+    args = cuda.parse([] if only is None else ["--only", only])
+    assert [p.name for p in cuda.selected(args)] == expected
+
+
+def test_only_refuses_a_part_that_does_not_exist():
+    with pytest.raises(SystemExit, match="no part kap; the parts: environment, predict"):
+        cuda.selected(cuda.parse(["--only", "cap,kap"]))
 
 
 def test_a_failing_part_is_recorded_and_the_campaign_goes_on(tmp_path):
