@@ -38,7 +38,7 @@ def _load_script():
     return module
 
 
-cuda = _load_script()
+script = _load_script()
 
 
 def campaign(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict]:
@@ -127,13 +127,13 @@ def test_the_cpu_dry_run_goes_through_every_part(tmp_path):
     ("environment,train", ["environment", "profile", "train"]),
 ])
 def test_only_runs_the_parts_named_and_the_profile_they_plan_from(only, expected):
-    args = cuda.parse([] if only is None else ["--only", only])
-    assert [p.name for p in cuda.selected(args)] == expected
+    args = script.parse([] if only is None else ["--only", only])
+    assert [p.name for p in script.selected(args)] == expected
 
 
 def test_only_refuses_a_part_that_does_not_exist():
     with pytest.raises(SystemExit, match="no part kap; the parts: environment, predict"):
-        cuda.selected(cuda.parse(["--only", "cap,kap"]))
+        script.selected(script.parse(["--only", "cap,kap"]))
 
 
 def test_a_failing_part_is_recorded_and_the_campaign_goes_on(tmp_path):
