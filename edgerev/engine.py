@@ -54,7 +54,7 @@ from torch.autograd.function import once_differentiable
 from edgerev import approximate
 from edgerev._torchapi import storage_key
 from edgerev.errors import ModeError, NonFiniteError
-from edgerev.layers.base import Grads, Invertible, Tape, add_grads, batch_slices, is_fake, replaying
+from edgerev.layers.base import Grads, Invertible, Tape, add_grads, is_fake, replaying
 from edgerev.layers.coupling import Coupling, forward_per_sample
 from edgerev.layers.norm import InvBatchNorm2d
 from edgerev.layers.pooling import POOLS, global_pool, global_pool_grad
@@ -91,12 +91,16 @@ class Execution:
         owns_buffers: with ``pool=None``, let the engine overwrite its input, its output and the
             output's gradient instead of copying them (measurements that must see a stage as it runs
             inside a model).
+        slices: per stage, the byte budget of the batch slices its per-sample temporaries are computed in
+            (``0``: the whole batch at once), as the planner chose it under the cap; None: the default of
+            :func:`edgerev.layers.chunk_budget` for every stage (the lean setting).
     """
 
     plain: bool = False
     segments: tuple | None = None
     probe: Callable[[nn.Module, Tensor], None] | None = None
     owns_buffers: bool = False
+    slices: tuple[int, ...] | None = None
 
 
 def _parse_mode(value: Mode | str) -> Mode:
@@ -186,7 +190,17 @@ class InvertibleSequence(nn.Module):
         """Run from now on as ``execution`` says (see :class:`Execution`)."""
         if not isinstance(execution, Execution):
             raise TypeError(f"expected an Execution, got {type(execution).__name__}")
+        if execution.slices is not None and (
+                len(execution.slices) != len(self.stages)
+                or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in execution.slices)):
+            raise ModeError(f"slices must be {len(self.stages)} byte budgets >= 0, one per stage "
+                            f"(0: the whole batch), got {execution.slices!r}")
         self._execution = execution
+
+    def slice_budget(self, i: int) -> int | None:
+        """The batch-slice budget of stage ``i`` (None: the default, see :class:`Execution`)."""
+        slices = self._execution.slices
+        return None if slices is None else slices[i]
 
     def forward(self, x: Tensor, samples: int | None = None) -> Tensor:
         """Run the stages; ``samples`` is the original batch size (for ``pool="mean"``)."""
@@ -256,7 +270,7 @@ def _restore_(y: Tensor, xin: Tensor, stages: Sequence[nn.Module], tape: Tape) -
     layers replaying the forward's statistics), one batch slice at a time."""
     first, rest = stages[0], stages[1:]
     with torch.no_grad():
-        for sl in batch_slices(y):
+        for sl in tape.slices(y):
             h = first(xin[sl])
             for stage in rest:
                 h = stage.forward_(h, tape)
@@ -279,10 +293,13 @@ class _Engine(torch.autograd.Function):
     def forward(ctx, x: Tensor, seq: InvertibleSequence, samples: int, *params: nn.Parameter) -> Tensor:
         run = seq.execution
         tape = Tape(probe=run.probe)
+        default_slices = tape.slice_bytes
         stored: dict[int, object] = {}
         back = _hands_back(seq)
         h = x
         for i, (stage, mode) in enumerate(zip(seq.stages, seq._modes)):
+            budget = seq.slice_budget(i)
+            tape.slice_bytes = default_slices if budget is None else budget
             if mode is Mode.STORE:
                 xin = h.detach().requires_grad_(i > 0 or ctx.needs_input_grad[0])
                 saved: set[int] = set()
@@ -324,6 +341,7 @@ class _Engine(torch.autograd.Function):
         check_finite(h, "the output of the invertible sequence (diverged weights or a bad input)")
         ctx.seq, ctx.tape, ctx.stored, ctx.samples, ctx.params = seq, tape, stored, samples, params
         ctx.back = back
+        ctx.default_slices = default_slices
         ctx.used = False
         if seq.pool:
             ctx.y = h  # never handed out, so the backward may overwrite it
@@ -342,10 +360,11 @@ class _Engine(torch.autograd.Function):
         ctx.used = True
         seq: InvertibleSequence = ctx.seq
         tape: Tape = ctx.tape
+        last = seq.slice_budget(len(seq.stages) - 1)
         if seq.pool:
             y = ctx.y
             del ctx.y
-            gy = global_pool_grad(y, gout, ctx.samples, seq.pool)
+            gy = global_pool_grad(y, gout, ctx.samples, seq.pool, ctx.default_slices if last is None else last)
         else:
             # the output and its incoming gradient belong to the caller: work on copies
             (y,) = ctx.saved_tensors
@@ -360,6 +379,8 @@ class _Engine(torch.autograd.Function):
         restore = _restorable(seq)
         for i in reversed(range(len(seq.stages))):
             stage, mode = seq.stages[i], seq._modes[i]
+            budget = seq.slice_budget(i)
+            tape.slice_bytes = ctx.default_slices if budget is None else budget
             if i in restore and y is not None:
                 j = restore[i]
                 _restore_(y, stored[j][0], seq.stages[j:i + 1], tape)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edgerev.layers.base import Grads, Invertible, Tape, batch_slices
+from edgerev.layers.base import Grads, Invertible, Tape
 
 
 class InvLeakyReLU(Invertible):
@@ -41,6 +41,9 @@ class InvLeakyReLU(Invertible):
     def forward_(self, x: Tensor, tape: Tape) -> Tensor:
         return F.leaky_relu_(x, self.slope)
 
+    def forward_out(self, x: Tensor, tape: Tape) -> Tensor:
+        return F.leaky_relu(x, self.slope)
+
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
         return F.leaky_relu_(y, 1.0 / self.slope)
 
@@ -49,7 +52,6 @@ class InvLeakyReLU(Invertible):
         return F.leaky_relu_(y, 1.0 / self.slope), gy
 
     def grad_(self, x: Tensor, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> Tensor:
-        """The gradient depends on the output's signs only; neither ``x`` nor ``y`` is written."""
-        for sl in batch_slices(y):
-            gy[sl] = torch.ops.aten.leaky_relu_backward(gy[sl], y[sl], self.slope, True)
-        return gy
+        """The gradient depends on the output's signs only; neither ``x`` nor ``y`` is written. One kernel
+        over the whole batch, writing ``gy`` in place: no temporary to slice."""
+        return torch.ops.aten.leaky_relu_backward.grad_input(gy, y, self.slope, True, grad_input=gy)

@@ -26,31 +26,37 @@ from edgerev.errors import ShapeError
 Grads = dict[nn.Parameter, Tensor]
 
 # Temporaries of per-sample operations (convolutions, element-wise gradient maps, reductions) are
-# computed in slices of the batch no larger than this, so they stop growing with the batch.
-_CHUNK_BYTES = 1024 * 1024
+# computed in slices of the batch no larger than a byte budget, so they stop growing with the batch. A
+# planned step carries its own budget per stage (the planner chooses it under the cap, see
+# ``Execution.slices``); this default applies where nothing planned one (tests, ``edgerev memory``): the
+# lean setting at which the bytes-per-pixel figures are defined.
+LEAN_SLICE_BYTES = 1024 * 1024
+_default_slice_bytes = LEAN_SLICE_BYTES
 
 
 def chunk_bytes() -> int:
-    """Current byte budget of one batch slice of temporaries."""
-    return _CHUNK_BYTES
+    """The slice budget of a step that was given none (``0``: never slice)."""
+    return _default_slice_bytes
 
 
 @contextlib.contextmanager
 def chunk_budget(nbytes: int) -> Iterator[None]:
-    """Temporarily set the byte budget of batch-sliced temporaries (``0`` means: never slice)."""
-    global _CHUNK_BYTES
-    old, _CHUNK_BYTES = _CHUNK_BYTES, int(nbytes)
+    """Temporarily set the slice budget of steps that were given none (``0`` means: never slice)."""
+    global _default_slice_bytes
+    old, _default_slice_bytes = _default_slice_bytes, int(nbytes)
     try:
         yield
     finally:
-        _CHUNK_BYTES = old
+        _default_slice_bytes = old
 
 
-def batch_slices(t: Tensor, width: float = 1.0) -> Iterator[slice]:
-    """Slices of dim 0 of ``t`` whose temporaries (``width`` times a slice of ``t``) fit the budget."""
+def batch_slices(t: Tensor, width: float = 1.0, budget: int | None = None) -> Iterator[slice]:
+    """Slices of dim 0 of ``t`` whose temporaries (``width`` times a slice of ``t``) fit ``budget`` bytes
+    (None: :func:`chunk_bytes`; ``0``: one slice, the whole batch)."""
     n = t.shape[0]
+    budget = _default_slice_bytes if budget is None else budget
     row = max(1, int(t[:1].numel() * t.element_size() * width))
-    step = n if _CHUNK_BYTES <= 0 else max(1, _CHUNK_BYTES // row)
+    step = n if budget <= 0 else max(1, budget // row)
     for start in range(0, n, step):
         yield slice(start, min(n, start + step))
 
@@ -91,17 +97,29 @@ class Tape:
     """What one training step keeps between forward and backward, apart from activations.
 
     Attributes:
-        stats: per-module values (batch-norm mean and standard deviation) recorded by the forward.
+        stats: per-module values (batch-norm mean and inverse standard deviation) recorded by the forward.
+        coefficients: per-module values derived from ``stats`` and the weights (a batch norm's scale and
+            shift, forward and inverse), computed once per step where the backward first needs them: the
+            weights do not change inside a step.
         replay: True while the backward re-runs forwards: batch norm then reuses ``stats`` instead of
             measuring the batch again, and running statistics are never touched.
         probe: optional ``probe(module, x)`` called with every input a backward reconstructs
             (diagnostics compare it with the input the forward saw).
+        slice_bytes: the batch-slice budget of the stage being run (the engine sets it per stage from
+            the plan; ``0``: the whole batch at once).
     """
 
-    def __init__(self, probe: Callable[[nn.Module, Tensor], None] | None = None) -> None:
+    def __init__(self, probe: Callable[[nn.Module, Tensor], None] | None = None,
+                 slice_bytes: int | None = None) -> None:
         self.stats: dict[nn.Module, tuple[Tensor, ...]] = {}
+        self.coefficients: dict[nn.Module, tuple[Tensor, ...]] = {}
         self.replay = False
         self.probe = probe
+        self.slice_bytes = chunk_bytes() if slice_bytes is None else int(slice_bytes)
+
+    def slices(self, t: Tensor, width: float = 1.0) -> Iterator[slice]:
+        """:func:`batch_slices` of ``t`` under the current stage's budget."""
+        return batch_slices(t, width, self.slice_bytes)
 
 
 class Invertible(nn.Module):
@@ -122,6 +140,11 @@ class Invertible(nn.Module):
 
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def forward_out(self, x: Tensor, tape: Tape) -> Tensor:
+        """:meth:`forward_` into a new tensor, ``x`` left as it is (layers that can write their output
+        elsewhere in one kernel say so; this default copies ``x`` first)."""
+        return self.forward_(x.clone(), tape)
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
         raise NotImplementedError(f"{type(self).__name__} has no layer-wise backward")
@@ -156,6 +179,14 @@ class InvSequential(Invertible):
 
     def forward_(self, x: Tensor, tape: Tape) -> Tensor:
         for layer in self.layers:
+            x = layer.forward_(x, tape)
+        return x
+
+    def forward_out(self, x: Tensor, tape: Tape) -> Tensor:
+        if not self.layers:
+            return x.clone()
+        x = self.layers[0].forward_out(x, tape)
+        for layer in self.layers[1:]:
             x = layer.forward_(x, tape)
         return x
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev.errors import ShapeError
-from edgerev.layers.base import Grads, Invertible, Tape, add_grad, batch_slices, check_channels, halves
+from edgerev.layers.base import Grads, Invertible, Tape, add_grad, check_channels, halves
 
 
 class InvConv2d(Invertible):
@@ -59,7 +59,7 @@ class InvConv2d(Invertible):
         check_channels(type(self).__name__, x, self.channels)
         wf, wg = self.weight_f.detach(), self.weight_g.detach()
         x1, x2 = halves(x)
-        for sl in batch_slices(x, 0.5):
+        for sl in tape.slices(x, 0.5):
             x1[sl].add_(self._conv(x2[sl], wf))
             x2[sl].add_(self._conv(x1[sl], wg))
         return x
@@ -67,7 +67,7 @@ class InvConv2d(Invertible):
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
         wf, wg = self.weight_f.detach(), self.weight_g.detach()
         y1, y2 = halves(y)
-        for sl in batch_slices(y, 0.5):
+        for sl in tape.slices(y, 0.5):
             y2[sl].sub_(self._conv(y1[sl], wg))
             y1[sl].sub_(self._conv(y2[sl], wf))
         return y
@@ -86,13 +86,14 @@ class InvConv2d(Invertible):
         half) and ``f``'s read ``x2`` (the input's second half), so no convolution is run again."""
         _, x2 = halves(x)
         y1, _ = halves(y)
-        return self._grad_through(y1, x2, gy, grads, rebuild=False)
+        return self._grad_through(y1, x2, gy, grads, tape, rebuild=False)
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> tuple[Tensor, Tensor]:
         y1, y2 = halves(y)
-        return y, self._grad_through(y1, y2, gy, grads, rebuild=True)
+        return y, self._grad_through(y1, y2, gy, grads, tape, rebuild=True)
 
-    def _grad_through(self, y1: Tensor, x2: Tensor, gy: Tensor, grads: Grads | None, rebuild: bool) -> Tensor:
+    def _grad_through(self, y1: Tensor, x2: Tensor, gy: Tensor, grads: Grads | None, tape: Tape,
+                      rebuild: bool) -> Tensor:
         """``gy`` becomes the input gradient, slice by slice: the ``y2`` gradient through ``g`` (which read
         ``y1``), then the total ``y1`` gradient through ``f`` (which read ``x2``). With ``rebuild`` the
         second argument is the output's ``y2`` and the output becomes the input on the way:
@@ -101,7 +102,7 @@ class InvConv2d(Invertible):
         want_gw = grads is not None
         g1, g2 = halves(gy)
         dwf = dwg = None
-        for sl in batch_slices(gy, 0.5):
+        for sl in tape.slices(gy, 0.5):
             # one contiguous copy of each input serves both the convolution and its backward
             inp = y1[sl].contiguous()
             if rebuild:

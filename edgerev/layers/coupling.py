@@ -13,7 +13,6 @@ from edgerev.layers.base import (
     Tape,
     add_grad,
     add_grads,
-    batch_slices,
     check_channels,
     halves,
 )
@@ -65,7 +64,7 @@ class Coupling(Invertible):
     def _run(fn: nn.Module, x: Tensor, tape: Tape) -> Tensor:
         """``fn(x)`` without autograd, never overwriting ``x``."""
         if isinstance(fn, Invertible):
-            return fn.forward_(x.clone(), tape)
+            return fn.forward_out(x, tape)
         return fn(x)
 
     def forward_(self, x: Tensor, tape: Tape) -> Tensor:
@@ -186,7 +185,6 @@ def backward_into_(chain: InvSequential, x: Tensor, gy: Tensor, out: Tensor, tar
     below. A chain with ``d`` training-mode batch norms runs forward ``d + 1`` times.
     """
     layers = list(chain.layers)
-    n = x.numel() // x.shape[1]
     # a slice of x and one of gy per slice of the budget: the slice's activations (one per layer) come on top,
     # a few times the budget, in exchange for slices big enough that per-call overheads stay small
     width = 2.0
@@ -197,19 +195,19 @@ def backward_into_(chain: InvSequential, x: Tensor, gy: Tensor, out: Tensor, tar
         if not (isinstance(bn, InvBatchNorm2d) and bn.training):
             continue
         dbeta = ds = None
-        for sl in batch_slices(x, width):
+        for sl in tape.slices(x, width):
             acts = _activations(layers, x[sl], tape)
             if not subtracted:
                 target[sl].sub_(acts[-1])
             g = _carry(layers, acts, gy[sl].clone(), tape, known, None, k + 1)
-            db, d = bn.grad_sums(acts[k + 1], g)
+            db, d = bn.grad_sums(acts[k + 1], g, tape)
             dbeta, ds = (db, d) if dbeta is None else (dbeta.add_(db), ds.add_(d))
             del acts, g
         subtracted = True
-        known[bn] = bn.grad_coefficients(tape, (dbeta, ds), n)
-        add_grad(grads, bn.weight, bn.weight_grad(ds))
+        known[bn] = bn.grad_coefficients(tape, (dbeta, ds))
+        add_grad(grads, bn.weight, bn.weight_grad(ds, tape))
         add_grad(grads, bn.bias, dbeta)
-    for sl in batch_slices(x, width):
+    for sl in tape.slices(x, width):
         acts = _activations(layers, x[sl], tape)
         if not subtracted:
             target[sl].sub_(acts[-1])
@@ -221,7 +219,7 @@ def _activations(layers: list[Invertible], x: Tensor, tape: Tape) -> list[Tensor
     """``[x, layer 0's output, layer 1's output, ...]``: the chain run forward on copies of ``x``."""
     acts = [x]
     for layer in layers:
-        acts.append(layer.forward_(acts[-1].clone(), tape))
+        acts.append(layer.forward_out(acts[-1], tape))
     return acts
 
 

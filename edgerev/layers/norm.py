@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev.layers.base import Grads, Invertible, Tape, add_grad, batch_slices, check_channels
+from edgerev.layers.base import Grads, Invertible, Tape, add_grad, check_channels, is_fake
 
 
 class InvBatchNorm2d(Invertible):
@@ -52,9 +54,6 @@ class InvBatchNorm2d(Invertible):
         """The bounded scale ``s = |gamma| + eps_i``; its derivative with respect to ``gamma`` is ``sign(gamma)``."""
         return self.weight.abs() + self.eps_i
 
-    def _view(self, v: Tensor) -> Tensor:
-        return v.view(1, -1, 1, 1)
-
     def forward(self, x: Tensor) -> Tensor:
         check_channels(type(self).__name__, x, self.channels)
         s = self.scale()
@@ -66,80 +65,102 @@ class InvBatchNorm2d(Invertible):
             x, s, self.bias, self.running_mean, self.running_var, True,
             0.0 if self._replay else self.momentum, self.eps,
         )
-        self._last_stats = (mean.detach(), invstd.detach().reciprocal())
+        self._last_stats = (mean.detach(), invstd.detach(), x.numel() // x.shape[1])
         return y
 
     # ---- engine face -------------------------------------------------------------------------
 
-    def _stats(self, tape: Tape) -> tuple[Tensor, Tensor]:
-        """Mean and standard deviation the last forward normalized with (running ones in eval mode)."""
-        if not self.training:
-            return self.running_mean, (self.running_var + self.eps).sqrt()
-        return tape.stats[self][:2]
-
     def forward_(self, x: Tensor, tape: Tape) -> Tensor:
         check_channels(type(self).__name__, x, self.channels)
-        s = self.scale().detach()
         if self.training and not tape.replay:
             # the training forward: one fused pass measures the batch, normalizes and updates the
             # running statistics (once per step; never while the engine replays)
             update = not self._replay
             y, mean, invstd = torch.ops.aten.native_batch_norm(
-                x, s, self.bias.detach(), self.running_mean if update else None,
+                x, self.scale().detach(), self.bias.detach(), self.running_mean if update else None,
                 self.running_var if update else None, True, self.momentum, self.eps,
             )
-            tape.stats[self] = (mean, invstd.reciprocal())
+            tape.stats[self] = (mean, invstd, x.numel() // x.shape[1])
             # back into x: the engine's working buffer keeps one storage from stage to stage
             return x.copy_(y)
-        mean, sigma = self._stats(tape)
-        a = s / sigma
-        return x.mul_(self._view(a)).add_(self._view(self.bias.detach() - mean * a))
+        c = self.coefficients(tape)
+        return torch.addcmul(c.shift, x, c.a, out=x)
+
+    def forward_out(self, x: Tensor, tape: Tape) -> Tensor:
+        """:meth:`forward_` replaying the forward's statistics, into a new tensor (one kernel, no copy of ``x``)."""
+        if self.training and not tape.replay:
+            return self.forward_(x.clone(), tape)
+        c = self.coefficients(tape)
+        return torch.addcmul(c.shift, x, c.a)
 
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
-        a, b = self.inverse_coefficients(tape)
-        return y.mul_(a).add_(b)
+        c = self.coefficients(tape)
+        return torch.addcmul(c.inverse_shift, y, c.inverse_a, out=y)
 
     def inverse_coefficients(self, tape: Tape) -> tuple[Tensor, Tensor]:
-        """``(a, b)`` as ``[1, C, 1, 1]`` views with ``x = a y + b`` (computed once, applied to any slice)."""
-        mean, sigma = self._stats(tape)
-        a = sigma / self.scale().detach()
-        return self._view(a), self._view(mean - self.bias.detach() * a)
+        """``(a, b)`` as ``[1, C, 1, 1]`` views with ``x = a y + b`` (computed once a step, applied to any slice)."""
+        c = self.coefficients(tape)
+        return c.inverse_a, c.inverse_shift
 
-    def grad_sums(self, y: Tensor, gy: Tensor) -> tuple[Tensor, Tensor]:
+    def coefficients(self, tape: Tape) -> Coefficients:
+        """This batch norm's per-channel :class:`Coefficients` for the step ``tape`` records: computed once a
+        step, together with those of every batch norm on the tape (a few multi-tensor kernels for all)."""
+        c = tape.coefficients.get(self)
+        if c is None:
+            norms = [m for m, st in tape.stats.items()
+                     if isinstance(m, InvBatchNorm2d) and m.training and m not in tape.coefficients and len(st) == 3]
+            if self not in norms:
+                norms.append(self)
+            for m, value in zip(norms, _coefficients(norms, tape)):
+                tape.coefficients[m] = value
+            c = tape.coefficients[self]
+        return c
+
+    def _stats(self, tape: Tape) -> tuple[Tensor, Tensor, int]:
+        """Mean, inverse standard deviation and values per channel the last forward normalized with (running
+        statistics in eval mode, with no count)."""
+        if not self.training:
+            return self.running_mean, (self.running_var + self.eps).rsqrt(), 0
+        return tape.stats[self]
+
+    def grad_sums(self, y: Tensor, gy: Tensor, tape: Tape) -> tuple[Tensor, Tensor]:
         r"""``(dbeta, ds) = (sum g, sum g xhat)`` per channel over the samples given, from the output
         ``y`` (``xhat = (y - beta) / s``) and its gradient ``g``: the gradients of the shift and of the
         scale ``s`` (:meth:`weight_grad` turns ``ds`` into ``gamma``'s), and in training mode the only
-        two numbers per channel through which the backward couples the samples."""
-        s, beta = self.scale().detach(), self.bias.detach()
-        dbeta = gy.sum(dim=(0, 2, 3))
-        gyy = torch.zeros_like(dbeta)
-        for sl in batch_slices(y):
-            gyy += (gy[sl] * y[sl]).sum(dim=(0, 2, 3))
-        return dbeta, (gyy - beta * dbeta) / s
+        two numbers per channel through which the backward couples the samples. One fused reduction
+        (batch norm's own backward, asked for its two sums only: no temporary of ``y``'s size)."""
+        c = self.coefficients(tape)
+        if is_fake(y):
+            # the fake and meta kernels of the fused reduction allocate the input gradient the real ones
+            # skip: one op with two outputs of the same sizes keeps the predicted bytes and op count exact
+            std, mean = torch.std_mean(gy, dim=(0, 2, 3))
+            return mean, std
+        _, ds, dbeta = torch.ops.aten.native_batch_norm_backward(
+            gy, y, None, None, None, c.beta, c.inv_s, True, 0.0, [False, True, True])
+        return dbeta, ds
 
-    def weight_grad(self, ds: Tensor) -> Tensor:
+    def weight_grad(self, ds: Tensor, tape: Tape) -> Tensor:
         """``gamma``'s gradient from the scale's: ``ds/dgamma = sign(gamma)`` (0 at ``gamma = 0``, as
         autograd's ``abs`` has it)."""
-        return ds * self.weight.detach().sign()
+        return ds * self.coefficients(tape).sign
 
-    def grad_coefficients(self, tape: Tape, sums: tuple[Tensor, Tensor], n: int) -> tuple[Tensor, Tensor, Tensor]:
+    def grad_coefficients(self, tape: Tape, sums: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         r"""``(a, c, k)`` as ``[1, C, 1, 1]`` views with ``g_x = a g + c - k y``, given the whole batch's
-        ``sums`` (:meth:`grad_sums`) over ``n`` values per channel. Once they are known the map is per
-        sample, so it applies to any batch slice (:meth:`input_grad_`):
+        ``sums`` (:meth:`grad_sums`) over the ``n`` values per channel the forward normalized. Once they
+        are known the map is per sample, so it applies to any batch slice (:meth:`input_grad_`):
 
         .. math::
             a = \frac{s}{\sigma}, \qquad
             k = \frac{a\,ds}{n s}, \qquad
-            c = a \Big(\frac{ds\,\beta}{n s} - \frac{d\beta}{n}\Big)
+            c = k \beta - \frac{a\,d\beta}{n}
 
         (training mode; eval mode's map is ``g_x = a g``, per sample anyway).
         """
-        _, sigma = self._stats(tape)
-        s, beta = self.scale().detach(), self.bias.detach()
+        co = self.coefficients(tape)
         dbeta, ds = sums
-        a = s / sigma
-        k = a * ds / (n * s)
-        return self._view(a), self._view(a * (ds * beta / (n * s) - dbeta / n)), self._view(k)
+        k = ds * co.a_over_ns
+        c = torch.mul(k, co.beta).addcmul_(dbeta, co.a_over_n, value=-1.0)
+        return co.a, _view(c), _view(k)
 
     @staticmethod
     def input_grad_(y: Tensor, gy: Tensor, coefficients: tuple[Tensor, Tensor, Tensor]) -> Tensor:
@@ -158,11 +179,71 @@ class InvBatchNorm2d(Invertible):
         (training mode; in eval mode ``g_x = s g / \sigma``), written over ``gy`` in two passes,
         while ``y`` becomes the input ``x = \sigma \hat x + \mu`` in place.
         """
-        dbeta, ds = self.grad_sums(y, gy)
+        dbeta, ds = self.grad_sums(y, gy, tape)
         if self.training:
-            self.input_grad_(y, gy, self.grad_coefficients(tape, (dbeta, ds), y.numel() // y.shape[1]))
+            self.input_grad_(y, gy, self.grad_coefficients(tape, (dbeta, ds)))
         else:
-            gy.mul_(self._view(self.scale().detach() / self._stats(tape)[1]))
-        add_grad(grads, self.weight, self.weight_grad(ds))
+            gy.mul_(self.coefficients(tape).a)
+        add_grad(grads, self.weight, self.weight_grad(ds, tape))
         add_grad(grads, self.bias, dbeta)
         return self.inverse_(y, tape), gy
+
+
+def _view(v: Tensor) -> Tensor:
+    return v.view(1, -1, 1, 1)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """A batch norm's per-channel values for one step, from its statistics and weights (``[C]`` vectors
+    unless said; ``[1, C, 1, 1]`` views broadcast over a batch).
+
+    Attributes:
+        a, shift: the forward ``y = a x + shift`` (views): ``a = s / sigma``, ``shift = beta - mu a``.
+        inverse_a, inverse_shift: the inverse ``x = inverse_a y + inverse_shift`` (views).
+        beta, inv_s: the shift and ``1 / s``, for the fused reduction's ``xhat = (y - beta) / s``.
+        sign: ``sign(gamma)``, the scale's derivative.
+        a_over_ns, a_over_n: ``a / (n s)`` and ``a / n`` with ``n`` values per channel (training mode).
+    """
+
+    a: Tensor
+    shift: Tensor
+    inverse_a: Tensor
+    inverse_shift: Tensor
+    beta: Tensor
+    inv_s: Tensor
+    sign: Tensor
+    a_over_ns: Tensor
+    a_over_n: Tensor
+
+
+def _foreach(name: str, *args):
+    """``torch._foreach_<name>`` (one multi-tensor kernel for a list), or the same op tensor by tensor where
+    this torch lacks it."""
+    fn = getattr(torch, f"_foreach_{name}", None)
+    if fn is not None:
+        return fn(*args)
+    lists = [a if isinstance(a, (list, tuple)) else [a] * len(args[0]) for a in args]
+    return [getattr(torch, name)(*xs) for xs in zip(*lists)]
+
+
+def _coefficients(norms: list[InvBatchNorm2d], tape: Tape) -> list[Coefficients]:
+    """:class:`Coefficients` of ``norms`` at once: each step of the arithmetic is one multi-tensor op over all
+    of them, not one op per batch norm (on a GPU every op is a kernel launch)."""
+    stats = [m._stats(tape) for m in norms]
+    means = [st[0] for st in stats]
+    invstds = [st[1] for st in stats]
+    counts = [float(max(st[2], 1)) for st in stats]
+    weights = [m.weight.detach() for m in norms]
+    betas = [m.bias.detach() for m in norms]
+    scales = _foreach("add", _foreach("abs", weights), [m.eps_i for m in norms])
+    inv_s = _foreach("reciprocal", scales)
+    a = _foreach("mul", scales, invstds)
+    inverse_a = _foreach("reciprocal", a)
+    shift = _foreach("sub", betas, _foreach("mul", means, a))
+    inverse_shift = _foreach("sub", means, _foreach("mul", betas, inverse_a))
+    sign = _foreach("sign", weights)
+    a_over_n = _foreach("div", a, counts)
+    a_over_ns = _foreach("mul", a_over_n, inv_s)
+    return [Coefficients(_view(a[i]), _view(shift[i]), _view(inverse_a[i]), _view(inverse_shift[i]), betas[i],
+                         inv_s[i], sign[i], a_over_ns[i], a_over_n[i]) for i in range(len(norms))]

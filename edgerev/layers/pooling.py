@@ -49,7 +49,7 @@ class _Pool(Invertible):
         check_even(type(self).__name__, x)
         b, c, h, w = x.shape
         flat = x.view(b, -1)
-        for sl in batch_slices(flat):
+        for sl in tape.slices(flat):
             tmp = flat[sl].clone().view(-1, c, h, w)
             flat[sl].view(-1, 2, 2, c, h // 2, w // 2).copy_(_to_subimages(tmp))
         return x.view(self._pooled_shape(b, c, h, w))
@@ -57,7 +57,7 @@ class _Pool(Invertible):
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
         b, c, h, w = self._unpooled_shape(y)
         flat = y.view(b, -1)
-        for sl in batch_slices(flat):
+        for sl in tape.slices(flat):
             tmp = flat[sl].clone().view(-1, 2, 2, c, h // 2, w // 2)
             flat[sl].view(-1, c, h, w).copy_(_from_subimages(tmp, c))
         return y.view(b, c, h, w)
@@ -113,7 +113,7 @@ def global_pool(y: Tensor, samples: int, kind: str) -> Tensor:
     return u.mean(dim=(1, 3, 4))
 
 
-def global_pool_grad(y: Tensor, gout: Tensor, samples: int, kind: str) -> Tensor:
+def global_pool_grad(y: Tensor, gout: Tensor, samples: int, kind: str, slice_bytes: int | None = None) -> Tensor:
     """The gradient of :func:`global_pool` with respect to ``y``, a new tensor shaped like ``y``.
 
     ``"max"`` sends each feature's gradient to the maxima, split evenly among ties (as the backward
@@ -127,7 +127,7 @@ def global_pool_grad(y: Tensor, gout: Tensor, samples: int, kind: str) -> Tensor
         return gy.contiguous().view(y.shape)
     gy = torch.empty_like(y)
     gu = unpool_batch(gy, samples)
-    for sl in batch_slices(u):
+    for sl in batch_slices(u, budget=slice_bytes):
         hit = u[sl] == u[sl].amax(dim=(1, 3, 4), keepdim=True)
         share = gout[sl].view(-1, 1, c, 1, 1) / hit.sum(dim=(1, 3, 4), keepdim=True)
         torch.mul(hit, share, out=gu[sl])
