@@ -102,13 +102,15 @@ class InvConv2d(Invertible):
         want_gw = grads is not None
         g1, g2 = halves(gy)
         dwf = dwg = None
-        for sl in tape.slices(gy, 0.5):
+        # live per slice: a contiguous copy of one half's slice and the input gradient of one half's slice
+        for sl in tape.slices(gy, 1.0):
             # one contiguous copy of each input serves both the convolution and its backward
             inp = y1[sl].contiguous()
             if rebuild:
                 x2[sl].sub_(self._conv(inp, wg.detach()))
             gin, gw = self._conv_backward(g2[sl], inp, wg, want_gw)
             g1[sl].add_(gin)
+            del gin  # before the next convolution's: one input gradient of a slice at a time
             dwg = gw if dwg is None or gw is None else dwg.add_(gw)
             inp = x2[sl].contiguous()
             if rebuild:

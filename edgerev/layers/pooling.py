@@ -59,7 +59,9 @@ class _Pool(Invertible):
         flat = y.view(b, -1)
         for sl in tape.slices(flat):
             tmp = flat[sl].clone().view(-1, 2, 2, c, h // 2, w // 2)
-            flat[sl].view(-1, c, h, w).copy_(_from_subimages(tmp, c))
+            # straight into the six-axis view of the destination: a reshape of the permuted copy would make a
+            # second copy of the slice first
+            flat[sl].view(-1, c, h // 2, 2, w // 2, 2).copy_(tmp.permute(0, 3, 4, 1, 5, 2))
         return y.view(b, c, h, w)
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
