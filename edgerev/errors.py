@@ -40,3 +40,8 @@ class ArchitectureError(EdgerevError):
 
 class UnsupportedModel(EdgerevError):
     """A model file cannot be imported: not ONNX, truncated, or an op, opset, type or shape edgerev cannot train."""
+
+
+class TrustError(EdgerevError):
+    """A file asks for what only the owner may name: code to run (a factory the owner has not allowed), or a
+    file outside the folder of the model that names it (:mod:`edgerev.models.trust`)."""

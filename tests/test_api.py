@@ -61,7 +61,7 @@ def test_fit_trains_a_module_object_in_place_and_returns_its_model_directory(tmp
     out = edgerev.fit(net, images, out=tmp_path / "run", size=16, epochs=1, batch=8, lr=0.05)
     assert out == tmp_path / "run" and (out / "model.safetensors").is_file()
     assert not torch.equal(net.features[0].weight, before)  # trained in place
-    back, info, _ = load_model(out)  # rebuilt from the class it records
+    back, info, _ = load_model(out, trust_factories=[TinyNet])  # rebuilt from the class it records, allowed
     assert info.arch == "tests.resolve_factories:TinyNet" and info.classes == images.classes
     assert all(torch.equal(back.state_dict()[k], v) for k, v in net.state_dict().items())
 
@@ -72,7 +72,7 @@ def test_fit_with_a_factory_and_pretrained_weights(tmp_path, images):
     save_tensors(tmp_path / "w.safetensors", pretrained.state_dict())
     out = edgerev.fit(TINY, images, out=tmp_path / "run", weights=tmp_path / "w.safetensors", size=16, epochs=1,
                       batch=8, lr=1e-9)
-    model, info, _ = load_model(out)
+    model, info, _ = load_model(out, trust_factories=[TINY])
     assert info.arch == TINY and model.classifier.out_features == 3  # the classifier re-made for the data
     # at lr ~0 the backbone is still the file's (batch norm's running statistics moved; its weights did not)
     assert torch.allclose(model.features[0].weight, pretrained.features[0].weight, atol=1e-6)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from edgerev.config import ConfigError, from_dict
-from edgerev.errors import EdgerevError, UnknownModelError
+from edgerev.errors import EdgerevError, TrustError, UnknownModelError
 from edgerev.memory.account import StepShape, account_step
 from edgerev.models import list_models
 from edgerev.models.names import ARCHS, SourceKind, source_kind
@@ -197,14 +197,17 @@ def test_a_factory_given_arguments_it_does_not_take_is_one_line():
 
 
 def test_model_directory_round_trip_through_the_resolver(tmp_path):
-    """A factory model saved as a model directory rebuilds by its factory name, weights and all."""
+    """A factory model saved as a model directory rebuilds by its factory name, weights and all, when the
+    caller allows that factory (the file alone names no code to run)."""
     model = resolve_model(TINY, args={"width": 6}, num_classes=3)
     info = ModelInfo(model.arch, ("a", "b", "c"), 16, model_args=dict(model.model_args))
     save_model(tmp_path / "run", model, info)
-    back, info2, _ = load_model(tmp_path / "run")
+    with pytest.raises(TrustError, match="model.json: arch: 'tests.resolve_factories:tiny' is a factory"):
+        load_model(tmp_path / "run")
+    back, info2, _ = load_model(tmp_path / "run", trust_factories=[TINY])
     assert info2.arch == TINY and info2.model_args == {"width": 6}
     assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
-    again = resolve_model(str(tmp_path / "run"), num_classes=5)  # a directory as a source: a fresh classifier
+    again = resolve_model(str(tmp_path / "run"), num_classes=5, trust_factories=[TINY])  # a fresh classifier
     assert model_spec(again).num_classes == 5 and again.arch == TINY
     assert torch.equal(again.features[0].weight, model.features[0].weight)
 

@@ -8,6 +8,9 @@ A *model directory* (a training run's output folder, or a daemon's version direc
 - ``model.json``: :class:`ModelInfo` (architecture, its arguments, class names, input size,
   normalization) and the SHA-256 of ``model.safetensors``.
 
+A model directory is data (:mod:`edgerev.models.trust`): its ``arch`` names a registry model, ``onnx`` or a
+factory its owner allows, and each of its files is read only inside it.
+
 Every file is written to a temporary name in the same folder, flushed and fsynced, then renamed over
 its final name (an atomic switch on POSIX), and the folder is fsynced. ``model.json`` is written last
 and names the hash of the weights it belongs to, so a reader that finds the two out of step (a crash
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 
 from edgerev.atomic import atomic_write
 from edgerev.models.info import INFO, CheckpointError, ModelInfo, read_info, read_json, write_json  # noqa: F401 (named here too)
+from edgerev.models.trust import confined
 
 WEIGHTS = "model.safetensors"
 ONNX_SOURCE = "source.onnx"  # the copy of an imported model's ONNX file (its graph lives there)
@@ -47,14 +51,26 @@ def save_tensors(path: str | Path, tensors: dict[str, Tensor]) -> str:
 
 
 def load_tensors(path: str | Path, sha256: str | None = None) -> dict[str, Tensor]:
-    """Read a safetensors file, refusing it if its hash is not ``sha256`` (when given)."""
+    """Read a safetensors file, refusing it if its hash is not ``sha256`` (when given).
+
+    The file is read only inside its folder (:func:`edgerev.models.trust.confined`): a link out of it is
+    refused before it is opened.
+
+    Raises:
+        CheckpointError: the file is missing, unreadable, not safetensors, or not the one ``sha256`` names.
+        edgerev.errors.TrustError: the file leads outside its folder.
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load
 
     path = Path(path)
+    confined(path.parent, path.name, f"weights file {path}")
     if not path.is_file():
         raise CheckpointError(f"weights file {path} does not exist")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"weights file {path} cannot be read ({e.strerror or type(e).__name__})") from None
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise CheckpointError(f"{path} does not match the hash recorded beside it: incomplete or changed, not loaded")
     try:

@@ -8,6 +8,8 @@ its status and its schedule run without loading torch, and a job reads the same 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from edgerev.atomic import atomic_write
 from edgerev.errors import EdgerevError
 
 INFO = "model.json"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(EdgerevError):
@@ -31,8 +34,10 @@ def read_json(path: str | Path, what: str) -> dict:
         raise CheckpointError(f"{what} {path} does not exist")
     try:
         obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{what} {path} is not valid JSON: {str(e) or 'nested too deeply'}") from None
+    except OSError as e:
+        raise CheckpointError(f"{what} {path} cannot be read ({e.strerror or type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{what} {path} does not hold a JSON object")
     return obj
@@ -43,7 +48,8 @@ class ModelInfo:
     """What it takes to rebuild a model and feed it: architecture, arguments, classes, input.
 
     ``mean`` and ``std`` are per channel, on pixels scaled to 0..1: the model's input is
-    ``(pixels / 255 - mean) / std``.
+    ``(pixels / 255 - mean) / std``. Read from a file (:meth:`from_json`), every field is checked for its type
+    and range, and ``arch`` is data: what it may name is :func:`edgerev.models.trust.check_file_arch`'s to say.
     """
 
     arch: str
@@ -55,9 +61,9 @@ class ModelInfo:
 
     def __post_init__(self) -> None:
         if len(self.classes) < 1 or len(set(self.classes)) != len(self.classes):
-            raise CheckpointError(f"class names must be non-empty and distinct, got {list(self.classes)}")
+            raise CheckpointError(f"classes: class names must be non-empty and distinct, got {list(self.classes)}")
         if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):
-            raise CheckpointError("normalization needs one mean and one positive std per channel")
+            raise CheckpointError("mean, std: normalization needs one mean and one positive std per channel")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -65,22 +71,86 @@ class ModelInfo:
         return d
 
     @staticmethod
-    def from_json(d: dict) -> ModelInfo:
-        try:
-            return ModelInfo(arch=d["arch"], classes=tuple(d["classes"]), input_size=int(d["input_size"]),
-                             mean=tuple(float(v) for v in d["mean"]), std=tuple(float(v) for v in d["std"]),
-                             model_args=dict(d.get("model_args", {})))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"model description lacks or mistypes {e}") from None
+    def from_json(d: dict, where: str = INFO) -> ModelInfo:
+        """The description ``d`` holds, each field checked (``where``: the file, as messages name it).
+
+        Raises:
+            CheckpointError: a field missing or of the wrong type or range: ``where: field: what is wrong``.
+        """
+        def bad(key: str, expected: str):
+            value = d.get(key)
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise CheckpointError(f"{where}: {key}: {expected} expected, got {shown}" if key in d
+                                  else f"{where}: {key}: missing ({expected} expected)")
+
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{where}: a JSON object expected")
+        arch = d.get("arch")
+        if not isinstance(arch, str) or not arch or "\0" in arch:
+            bad("arch", "a model's name")
+        classes = d.get("classes")
+        if (not isinstance(classes, list) or not classes or not all(isinstance(c, str) and c for c in classes)
+                or len(set(classes)) != len(classes)):
+            bad("classes", "a list of distinct, non-empty class names")
+        size = d.get("input_size")
+        if not _is_int(size) or size < 1:
+            bad("input_size", "a positive integer")
+        for key in ("mean", "std"):
+            v = d.get(key)
+            if not isinstance(v, list) or not v or not all(_is_number(x) for x in v):
+                bad(key, "a list of finite numbers, one per channel")
+        if len(d["mean"]) != len(d["std"]):
+            bad("std", f"as many values as mean ({len(d['mean'])})")
+        if any(x <= 0 for x in d["std"]):
+            bad("std", "positive values")
+        args = d.get("model_args", {})
+        if not isinstance(args, dict):
+            bad("model_args", "a mapping of argument names to values")
+        return ModelInfo(arch=arch, classes=tuple(classes), input_size=size, mean=tuple(float(v) for v in d["mean"]),
+                         std=tuple(float(v) for v in d["std"]), model_args=dict(args))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
+def _check_hashes(raw: dict, where: str) -> None:
+    """The SHA-256 a description records (``weights_sha256``, ``replay_sha256``...): 64 hex digits each."""
+    for key, value in raw.items():
+        if key.endswith("_sha256") and not (isinstance(value, str) and _SHA256.fullmatch(value)):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise CheckpointError(f"{where}: {key}: a SHA-256 of 64 hex digits expected, got {shown}")
 
 
 def read_info(folder: str | Path) -> tuple[ModelInfo, dict]:
-    """The :class:`ModelInfo` of a model directory, and the raw JSON (hash and extras)."""
+    """The :class:`ModelInfo` of a model directory, and the raw JSON (hash and extras).
+
+    ``model.json`` is read only inside ``folder`` (:func:`edgerev.models.trust.confined`), and every field
+    is checked (:meth:`ModelInfo.from_json`).
+
+    Raises:
+        CheckpointError: no description there, or a field missing or mistyped (naming the file and field).
+        edgerev.errors.TrustError: ``model.json`` is a link out of ``folder``.
+    """
+    from edgerev.models.trust import confined
+
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"model directory {folder} does not exist")
+    where = str(folder / INFO)
+    confined(folder, INFO, where)  # a link out of the folder is refused before it is read
     raw = read_json(folder / INFO, "model description")
-    return ModelInfo.from_json(raw), raw
+    _check_hashes(raw, where)
+    return ModelInfo.from_json(raw, where), raw
 
 
 def model_classes(folder: str | Path) -> tuple[str, ...]:

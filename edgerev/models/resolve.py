@@ -18,6 +18,11 @@ built as it is and its classifier, the last linear layer (:func:`edgerev.models.
 replaced by a fresh one with that many rows (keeping new classes' rows by name is the continual
 path's business: :func:`edgerev.train.continual.grow_head`).
 
+What the caller names is trusted: a factory given as ``source`` is imported and called. A model directory
+or an ONNX file is data (:mod:`edgerev.models.trust`): a directory's ``model.json`` names a registry model,
+``onnx`` or a factory the caller allows (``trust_factories``) or an installed package registers, and is
+refused before any import otherwise; each file it holds is read only inside it.
+
 Every model it returns carries ``arch`` (the registry name, the factory, ``"onnx"`` or the class of a
 module object) and ``model_args``: what :class:`edgerev.train.checkpoint.ModelInfo` records so a
 model directory rebuilds it through this same function. An ONNX import also carries ``onnx_source``
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -40,6 +45,7 @@ from torch import nn
 
 from edgerev.errors import EdgerevError
 from edgerev.models.directory import (
+    INFO,
     ONNX_SOURCE,
     WEIGHTS,
     CheckpointError,
@@ -50,6 +56,7 @@ from edgerev.models.directory import (
 )
 from edgerev.models.names import SourceKind, source_kind
 from edgerev.models.spec import head_name
+from edgerev.models.trust import check_file_arch, confined
 
 
 class ModelSourceError(EdgerevError):
@@ -57,13 +64,20 @@ class ModelSourceError(EdgerevError):
 
 
 def resolve_model(source: str | Path | nn.Module, *, weights: str | Path | None = None, args: dict | None = None,
-                  num_classes: int | None = None) -> nn.Module:
+                  num_classes: int | None = None, trust_factories: Iterable[str | Callable] = ()) -> nn.Module:
     """The model ``source`` names (see the module docstring), with ``weights`` loaded and ``num_classes`` rows.
+
+    ``source`` is the caller's: a factory it names is imported and called. A model directory is data: the
+    factory its ``model.json`` names is built only when it is in ``trust_factories`` (names
+    ``package.module:callable`` or the callables themselves) or registered by an installed package
+    (:mod:`edgerev.models.trust`).
 
     Raises:
         ModelSourceError: the source or its weights cannot be used (one line).
         UnknownModelError: ``source`` is a string that names no kind of source.
         edgerev.errors.UnsupportedModel: an ONNX file edgerev cannot import (from the importer).
+        CheckpointError: a model directory whose description or weights cannot be used (naming file and field).
+        edgerev.errors.TrustError: a model directory that names a factory not allowed, or a file outside it.
     """
     args = dict(args or {})
     if isinstance(source, nn.Module):
@@ -97,7 +111,7 @@ def resolve_model(source: str | Path | nn.Module, *, weights: str | Path | None 
         path = Path(text).expanduser()
         if not (path / "model.json").is_file():
             raise ModelSourceError(f"{text} is not a model directory (no model.json in it)")
-        model, info, _ = load_model(path)
+        model, info, _ = load_model(path, trust_factories=trust_factories)
         model.mean, model.std = info.mean, info.std  # the normalization its weights were trained with
     else:
         model = _from_onnx(Path(text).expanduser())
@@ -205,7 +219,7 @@ def _from_onnx(path: Path) -> nn.Module:
         from edgerev.models.onnx_import import load_onnx
     except ImportError as e:
         raise ModelSourceError(f"{path}: this edgerev cannot import ONNX files ({_line(e)})") from None
-    model = load_onnx(path)  # carries onnx_source: the file's bytes (external data inlined)
+    model = load_onnx(path, classifier=True)  # carries onnx_source: the file's bytes (external data inlined)
     model.arch, model.model_args = "onnx", {}
     return model
 
@@ -257,33 +271,60 @@ def _line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def build_model(info: ModelInfo, folder: str | Path | None = None) -> nn.Module:
+def build_model(info: ModelInfo, folder: str | Path | None = None,
+                trust_factories: Iterable[str | Callable] = ()) -> nn.Module:
     """The model ``info`` describes, fresh weights, one row per class, through :func:`resolve_model`.
 
-    An ONNX import (``arch`` ``onnx``) is rebuilt from the copy of its file in the model directory ``folder``.
+    ``info`` is a file's: its ``arch`` must be a registry name, ``onnx`` (rebuilt from the copy of its file in
+    the model directory ``folder``, read only inside it) or a factory in ``trust_factories`` or registered by
+    an installed package; anything else is refused before any import (:func:`edgerev.models.trust.check_file_arch`).
+
+    Raises:
+        edgerev.errors.TrustError: ``arch`` names what a file may not, or ``source.onnx`` leads out of ``folder``.
+        CheckpointError: the architecture cannot be built with the file's ``model_args``.
     """
-    if info.arch == "onnx":
+    where = str(Path(folder) / INFO) if folder is not None else INFO
+    kind = check_file_arch(info.arch, f"{where}: arch", trust_factories)
+    if kind is SourceKind.ONNX:
         if folder is None:
             raise CheckpointError("an imported ONNX model is rebuilt from its model directory's source.onnx")
+        confined(folder, ONNX_SOURCE, f"{folder}: {ONNX_SOURCE}")
         return resolve_model(str(Path(folder) / ONNX_SOURCE), num_classes=len(info.classes))
-    return resolve_model(info.arch, args=info.model_args, num_classes=len(info.classes))
+    try:
+        return resolve_model(info.arch, args=info.model_args, num_classes=len(info.classes))
+    except Exception as e:  # noqa: BLE001  (the arguments are a file's: whatever they make the builder raise)
+        raise CheckpointError(f"{where}: model_args: {info.arch} cannot be built with {_shown(info.model_args)} "
+                              f"({type(e).__name__}: {_line(e)})") from None
 
 
-def load_model(folder: str | Path, arch: str | None = None, classes: Sequence[str] | None = None
-               ) -> tuple[nn.Module, ModelInfo, str]:
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_model(folder: str | Path, arch: str | None = None, classes: Sequence[str] | None = None, *,
+               trust_factories: Iterable[str | Callable] = ()) -> tuple[nn.Module, ModelInfo, str]:
     """Rebuild the model saved in ``folder`` with its weights; returns ``(model, info, sha256)``.
 
     Args:
         arch: refuse a checkpoint of another architecture.
         classes: refuse a checkpoint whose classes differ.
+        trust_factories: the factories (``package.module:callable`` or the callables) the caller allows
+            ``folder``'s ``model.json`` to name: a run of one's own factory is reloaded by naming it here.
+
+    Raises:
+        CheckpointError: the description or the weights cannot be used (naming the file and field).
+        edgerev.errors.TrustError: ``model.json`` names a factory not allowed, or a file leads out of ``folder``:
+            refused before anything is imported or the weights are read.
     """
     info, raw = read_info(folder)
+    check_file_arch(info.arch, f"{Path(folder) / INFO}: arch", trust_factories)  # before the weights are read
     if arch is not None and info.arch != arch:
         raise CheckpointError(f"{folder} holds a {info.arch} model, not {arch}")
     if classes is not None and tuple(classes) != info.classes:
         raise CheckpointError(f"{folder} was trained on classes {list(info.classes)}, not {list(classes)}")
     sha = raw.get("weights_sha256")
     state = load_tensors(Path(folder) / WEIGHTS, sha)
-    model = build_model(info, folder)
+    model = build_model(info, folder, trust_factories)
     load_state(model, state, str(folder))
     return model, info, sha

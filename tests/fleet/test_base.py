@@ -91,7 +91,7 @@ def test_the_servers_first_parameters_and_a_devices_first_round_are_the_bases(ba
     for fm in received:  # the device's round model: what came, composed with its own fresh copy of the base
         assert fm.weights == str(path) and fm.classes == FLEET
         write_model(tmp_path / "round", fm, device_model(fm, check_shared(fm), None))
-        model, info, _ = load_model(tmp_path / "round")
+        model, info, _ = load_model(tmp_path / "round", trust_factories=[FACTORY])  # the fleet's, allowed here
         assert info.arch == FACTORY and info.classes == FLEET
         for name, t in model.state_dict().items():  # the batch-norm statistics too: the base's, not fresh
             assert torch.equal(t, want[name]), name

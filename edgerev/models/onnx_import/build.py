@@ -26,7 +26,7 @@ from edgerev.errors import UnsupportedModel
 from edgerev.models.onnx_import.fold import ShapeValue, Sym, evaluate, fold_shape_op, shape_entries
 from edgerev.models.onnx_import.model import ImportedModel
 from edgerev.models.onnx_import.ops import OPS
-from edgerev.models.onnx_import.read import OPS_PAGE, OnnxFile, initializers, read_io, read_onnx
+from edgerev.models.onnx_import.read import OPS_PAGE, OnnxFile, check_classifier, initializers, read_io, read_onnx
 from edgerev.models.onnx_import.signature import OnnxIO
 
 
@@ -38,14 +38,22 @@ class Unfolded:
     op: str
 
 
-def load_onnx(path: str | Path) -> ImportedModel:
-    """Import an ONNX classifier as a trainable :class:`ImportedModel` (train mode off: it starts in eval mode).
+def load_onnx(path: str | Path, *, classifier: bool = False) -> ImportedModel:
+    """Import an ONNX graph as a trainable :class:`ImportedModel` (train mode off: it starts in eval mode).
+
+    Args:
+        classifier: refuse a graph whose output is not one row of scores per image (``(batch, classes)``), as
+            the trainer needs; the op-by-op tests import any graph.
 
     Raises:
         UnsupportedModel: one line naming the file, the node and its op type, before anything runs.
+        edgerev.errors.TrustError: external data or the sidecar leads outside the file's folder.
     """
     file = read_onnx(path)
-    return Builder(file, read_io(file)).build()
+    io = read_io(file)
+    if classifier:
+        check_classifier(file)
+    return Builder(file, io).build()
 
 
 def check_onnx(path: str | Path) -> OnnxIO:

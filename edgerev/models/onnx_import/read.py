@@ -10,6 +10,7 @@ runs before anything trains.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from onnx import TensorProto, numpy_helper
 
 from edgerev.errors import UnsupportedModel
 from edgerev.models.onnx_import.signature import OnnxIO
+from edgerev.models.trust import confined
 
 MIN_OPSET = 13
 #: the newest default-domain opset the installed onnx writes and checks
@@ -41,6 +43,7 @@ class OnnxFile:
     #: inferred element types: value name -> TensorProto type
     types: dict[str, int] = field(default_factory=dict)
     sidecar: dict = field(default_factory=dict)
+    sidecar_name: str = ""  # how messages name the sidecar
 
 
 def read_onnx(path: str | Path) -> OnnxFile:
@@ -78,7 +81,7 @@ def read_onnx(path: str | Path) -> OnnxFile:
         if t.data_type not in INITIALIZER_TYPES:
             raise UnsupportedModel(f"{what}: initializer {t.name!r} holds {_type(t.data_type)}; edgerev imports "
                                    f"float32 models (see {OPS_PAGE})")
-    file = OnnxFile(proto=proto, what=what, opset=opset, sidecar=_sidecar(path))
+    file = OnnxFile(proto=proto, what=what, opset=opset, sidecar=_sidecar(path), sidecar_name=sidecar_path(path).name)
     _infer(file)
     return file
 
@@ -119,14 +122,39 @@ def read_io(file: OnnxFile) -> OnnxIO:
     shape = (None,) + shape[1:]  # the batch is dynamic in the import, whatever the file fixed
     out = graph.output[0]
     out_shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in out.type.tensor_type.shape.dim)
-    meta = {p.key: p.value for p in file.proto.metadata_props}
-    side = file.sidecar
-    classes = side.get("classes") or _json_list(meta.get("classes"))
-    mean, std = side.get("mean") or _json_list(meta.get("mean")), side.get("std") or _json_list(meta.get("std"))
+    pre = {**_metadata(file), **{k: (v, f"{file.sidecar_name}: {k}") for k, v in file.sidecar.items() if v}}
+    classes, mean, std = (pre.get(k, ((), ""))[0] for k in ("classes", "mean", "std"))
+    channels = shape[1] if layout == "NCHW" else shape[3]
+    if len(mean) != len(std):
+        raise UnsupportedModel(f"{pre['std' if 'std' in pre else 'mean'][1]}: {len(std)} values of std for "
+                               f"{len(mean)} of mean; one of each per channel expected")
+    if mean and len(mean) != channels:
+        raise UnsupportedModel(f"{pre['mean'][1]}: {len(mean)} values for {channels} input channels")
     return OnnxIO(input_name=x.name, input_shape=shape, layout=layout, dtype="float32", output_names=(out.name,),
-                  output_shape=out_shape, batch_name=batch_name, opset=file.opset,
-                  classes=tuple(str(c) for c in classes or ()), mean=tuple(float(m) for m in mean or ()),
-                  std=tuple(float(s) for s in std or ()), resize=side.get("resize"), fixed_batch=fixed_batch)
+                  output_shape=out_shape, batch_name=batch_name, opset=file.opset, classes=tuple(map(str, classes)),
+                  mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std),
+                  resize=file.sidecar.get("resize"), fixed_batch=fixed_batch)
+
+
+def check_classifier(file: OnnxFile) -> None:
+    """Refuse a graph whose one output is not a classifier's: one row of scores per image, ``(batch, classes)``.
+
+    Raises:
+        UnsupportedModel: naming the output, the node that computes it and its rank.
+    """
+    out = file.proto.graph.output[0].name
+    shape = file.shapes.get(out)
+    if shape is not None and len(shape) == 2:
+        return
+    node = next((n for n in file.proto.graph.node if out in n.output), None)
+    by = f" of node {node.name!r} ({node.op_type})" if node is not None else ""
+    rank = "a shape that cannot be inferred" if shape is None else f"{len(shape)} dimensions {_dims(shape)}"
+    raise UnsupportedModel(f"{file.what}: output {out!r}{by} has {rank}; edgerev trains classifiers, whose output "
+                           f"is one row of scores per image (batch, classes)")
+
+
+def _dims(shape: tuple) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
 
 
 def sidecar_path(path: str | Path) -> Path:
@@ -135,23 +163,76 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
+#: what a sidecar (or the file's metadata) may say, and how each is checked
+PREPROCESSING = ("classes", "mean", "std", "resize")
+
+
 def _sidecar(path: Path) -> dict:
+    """The sidecar beside ``path`` (read only inside its folder), each key checked; ``{}`` when there is none."""
     side = sidecar_path(path)
-    if not side.is_file():
+    if not side.is_file() and not side.is_symlink():
         return {}
+    confined(path.parent, side.name, side.name)
     try:
         data = json.loads(side.read_text())
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RecursionError) as e:
         raise UnsupportedModel(f"{side.name}: not a JSON object of preprocessing ({_line(e)})") from None
-    if not isinstance(data, dict) or set(data) - {"classes", "mean", "std", "resize"}:
-        raise UnsupportedModel(f"{side.name}: a JSON object with keys classes, mean, std, resize expected")
+    if not isinstance(data, dict) or set(data) - set(PREPROCESSING):
+        raise UnsupportedModel(f"{side.name}: a JSON object with keys {', '.join(PREPROCESSING)} expected")
+    for key, value in data.items():
+        if value is not None:
+            _check_preprocessing(key, value, f"{side.name}: {key}")
     return data
+
+
+def _metadata(file: OnnxFile) -> dict[str, tuple[list, str]]:
+    """``classes``, ``mean`` and ``std`` from the file's metadata, each checked, with where it came from.
+
+    A value that is not a JSON list is another tool's convention and is left alone; a JSON list is edgerev's,
+    and is refused when its entries are not what the key needs (a sidecar overrides the file's metadata).
+    """
+    meta = {p.key: p.value for p in file.proto.metadata_props}
+    out = {}
+    for key in ("classes", "mean", "std"):
+        value = _json_list(meta.get(key))
+        if value:
+            where = f"{file.what}: metadata {key}"
+            _check_preprocessing(key, value, where, f" (a sidecar {file.sidecar_name} overrides the file's metadata)")
+            out[key] = (value, where)
+    return out
+
+
+def _check_preprocessing(key: str, value, where: str, hint: str = "") -> None:
+    """``classes``: distinct non-empty names (or integers); ``mean``, ``std``: finite numbers (``std`` positive);
+    ``resize``: a positive integer."""
+    def bad(expected: str):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise UnsupportedModel(f"{where}: {expected} expected, got {shown}{hint}")
+
+    if key == "classes":  # names, or numbers as some exporters write them (read as their text)
+        if not isinstance(value, list) or not all(isinstance(c, str) and c or type(c) is int for c in value) \
+                or len({str(c) for c in value}) != len(value):
+            bad("a list of distinct, non-empty class names")
+    elif key in ("mean", "std"):
+        if not isinstance(value, list) or not all(_finite(v) and (key == "mean" or v > 0) for v in value):
+            bad("a list of finite numbers, one per channel" + (", each above 0" if key == "std" else ""))
+    elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):  # resize
+        bad("a positive integer (the side images are resized to)")
+
+
+def _finite(v) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _json_list(text: str | None) -> list | None:
     try:
         value = json.loads(text) if text else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, list) else None
 
@@ -165,15 +246,21 @@ def _load_external(proto: onnx.ModelProto, path: Path) -> None:
         if not uses_external_data(t):
             continue
         info = {e.key: e.value for e in t.external_data}
-        file = (folder / info.get("location", "")).resolve()
-        if folder not in file.parents:
-            raise UnsupportedModel(f"{path.name}: external data of {t.name!r} lies outside the model's folder")
+        where = f"{path.name}: external data of {t.name!r}"
+        location = info.get("location", "")
+        file = confined(folder, location, f"{where}: location")
+        span = {}
+        for key in ("offset", "length"):
+            text = info.get(key, "0")
+            if not (text.isascii() and text.isdigit()):
+                raise UnsupportedModel(f"{where}: {key}: a number of bytes expected, got {text!r}")
+            span[key] = int(text)
         if not file.is_file():
-            raise UnsupportedModel(f"{path.name}: external data file {info.get('location')!r} of initializer "
+            raise UnsupportedModel(f"{path.name}: external data file {location!r} of initializer "
                                    f"{t.name!r} is missing")
-        end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        end = span["offset"] + span["length"]
         if file.stat().st_size < end:
-            raise UnsupportedModel(f"{path.name}: external data file {info.get('location')!r} is truncated "
+            raise UnsupportedModel(f"{path.name}: external data file {location!r} is truncated "
                                    f"({file.stat().st_size} bytes, {t.name!r} ends at {end})")
     onnx.load_external_data_for_model(proto, str(folder))
 
