@@ -14,11 +14,17 @@ directory, an ONNX file, a factory ``package.module:callable``, or an ``nn.Modul
 
 The command line parses its flags into the same calls: there is one way a model is planned and one
 way it is trained.
+
+A model directory is data: the factory its ``model.json`` names is built only when the caller allows it
+(``trust_factories``: ``package.module:callable`` names or the callables themselves; see
+:mod:`edgerev.models.trust`). A run of one's own factory is reloaded so::
+
+    edgerev.fit("runs/mine", "photos/", out="runs/more", trust_factories=[MyNet])
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,7 +92,8 @@ def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int,
 
 def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: int | None = None,
          device: str = "cpu", momentum: bool = True, estimate: bool = False, verify: bool = False,
-         trainable: str = "all", weights: str | Path | None = None, args: dict | None = None) -> PlanResult:
+         trainable: str = "all", weights: str | Path | None = None, args: dict | None = None,
+         trust_factories: Iterable[str | Callable] = ()) -> PlanResult:
     """The micro-batch and per-stage modes (or checkpoint segments) that train ``model`` fastest under ``budget``.
 
     Args:
@@ -102,6 +109,7 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
         trainable: which parameters train (``all``).
         weights: pretrained weights for a registry name or a factory.
         args: a registry model's or factory's keyword arguments.
+        trust_factories: the factories a model directory ``model`` may name (:mod:`edgerev.models.trust`).
 
     Raises:
         edgerev.memory.costs.BudgetTooSmall: the budget is below the smallest step (named).
@@ -112,11 +120,13 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     from edgerev.memory.autoplan import verify as verify_plan
     from edgerev.models.resolve import resolve_model
     from edgerev.models.spec import check_size
+    from edgerev.models.trust import owner_factories
     from edgerev.train.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from edgerev.train.memory import loss_of, step_shape
 
     budget = _budget(budget)
-    net = resolve_model(model, weights=weights, args=args).to(device)
+    trusted = owner_factories(trust_factories)  # a misspelt one is refused whatever the source
+    net = resolve_model(model, weights=weights, args=args, trust_factories=trusted).to(device)
     check_size(net, size)
     # the trainer's default recipe at this size and batch: the same step the trainer accounts and plans
     mom = OptimConfig().momentum if momentum else 0.0
@@ -163,7 +173,8 @@ def fit_run(model: str | Path | nn.Module | None = None, data: str | Path | Labe
             epochs: int | None = None, batch: int | None = None, lr: float | None = None, device: str | None = None,
             weights: str | Path | None = None, args: dict | None = None,
             config: RunConfig | dict | str | Path | None = None, resume: bool = False,
-            stop: Callable[[], bool] | None = None, progress: bool | None = False):
+            stop: Callable[[], bool] | None = None, progress: bool | None = False,
+            trust_factories: Iterable[str | Callable] = ()):
     """:func:`fit`, returning the trainer's :class:`~edgerev.train.trainer.RunResult` (status, steps, summary):
     what ``edgerev train`` prints.
 
@@ -179,12 +190,14 @@ def fit_run(model: str | Path | nn.Module | None = None, data: str | Path | Labe
         resume: continue the run in ``out`` (nothing else may change).
         stop: polled after every step; True stops at a step boundary with a checkpoint.
         progress: what stderr shows (None: a bar on a terminal, lines otherwise; False: nothing).
+        trust_factories: factories a model directory (``model``, the recipe's ``model.init``) may name, added
+            to the recipe's ``model.trust_factories`` (names or the callables; :mod:`edgerev.models.trust`).
     """
     from edgerev.train.config import RunConfig, SourceConfig
     from edgerev.train.labeled import LabeledImages
     from edgerev.train.trainer import train
 
-    if resume and config is None and model is None and data is None:
+    if resume and config is None and model is None and data is None:  # the saved recipe, its trust included
         return train(None, out, resume=True, stop=stop, progress=progress)
     if config is None:
         cfg = RunConfig()
@@ -194,6 +207,11 @@ def fit_run(model: str | Path | nn.Module | None = None, data: str | Path | Labe
         cfg = from_dict(RunConfig, config)
     else:
         cfg = from_dict(RunConfig, load_yaml(config))
+    if trust_factories:
+        from edgerev.models.trust import owner_factories
+
+        named = tuple(dict.fromkeys([*cfg.model.trust_factories, *sorted(owner_factories(trust_factories))]))
+        cfg = replace(cfg, model=replace(cfg.model, trust_factories=named))
     given = None
     if isinstance(model, nn.Module):
         from edgerev.models.resolve import module_arch
@@ -210,7 +228,8 @@ def fit_run(model: str | Path | nn.Module | None = None, data: str | Path | Labe
         cfg = replace(cfg, model=replace(cfg.model, arch=str(model), args=dict(args or {}),
                                          weights=None if weights is None else str(weights)))
         if not resume:  # resolved once here: its own input size is the default size
-            given = resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args)
+            given = resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args,
+                                  trust_factories=cfg.model.factories)
     if size is None and given is not None:
         from edgerev.models.spec import model_spec
 

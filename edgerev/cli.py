@@ -147,7 +147,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     p = plan(_source(args.arch), size=args.size, budget=args.budget, batch=args.batch, device=device,
-             momentum=args.momentum, estimate=args.estimate, verify=args.verify, weights=args.weights)
+             momentum=args.momentum, estimate=args.estimate, verify=args.verify, weights=args.weights,
+             trust_factories=args.trust_factory)
     result, budget = p.summary, p.summary["budget_bytes"]
     if args.json:
         print(json.dumps(result, indent=2))
@@ -186,7 +187,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, ask_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         result = fit_run(_source(args.arch) if args.arch else None, out=args.out, config=cfg, resume=args.resume,
-                         weights=args.weights, stop=lambda: stop["asked"], progress=False if args.quiet else None)
+                         weights=args.weights, stop=lambda: stop["asked"], progress=False if args.quiet else None,
+                         trust_factories=args.trust_factory)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -213,7 +215,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from edgerev.export.onnx import export_onnx
 
-    r = export_onnx(args.run, args.out, batch=args.batch, tolerance=args.tolerance, exporter=args.exporter)
+    r = export_onnx(args.run, args.out, batch=args.batch, tolerance=args.tolerance, exporter=args.exporter,
+                    trust_factories=args.trust_factory)
     if args.json:
         print(json.dumps(r.to_json(), indent=2))
         return 0
@@ -259,6 +262,12 @@ def cmd_finetune_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trust_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-factory", action="append", default=[], metavar="PACKAGE.MODULE:CALLABLE",
+                   help="a factory a model directory may name (repeatable): a model directory is data and runs no "
+                        "code unless you allow its factory here; naming one trusts its module's code")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgerev",
                                 description="On-device continual learning: reversible networks trained under a hard "
@@ -291,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "cached.")
     pl.add_argument("--arch", required=True, help="the model: " + SOURCES)
     pl.add_argument("--weights", help="pretrained weights of a registry model or factory: safetensors or a state_dict")
+    _trust_argument(pl)
     pl.add_argument("--size", type=_positive("--size"), required=True, help="input height and width")
     pl.add_argument("--budget", required=True, help="bytes, e.g. 400MiB, 1.5GB or 1000000: the whole step, as the "
                     "trainer counts it (weights, gradients, momentum, the batch, activations)")
@@ -330,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--arch", help="the model, in place of the recipe's model.arch: " + SOURCES)
     t.add_argument("--weights", help="pretrained weights of a registry model or factory (the recipe's model.weights)")
     t.add_argument("--out", required=True, help="output folder of the run")
+    _trust_argument(t)
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines")
     t.add_argument("--json", action="store_true", help="print the run's summary as JSON")
@@ -360,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--exporter", choices=("auto", "dynamo", "legacy"), default="auto",
                    help="torch.export-based (dynamo), the deprecated TorchScript exporter (legacy), or auto (default): "
                         "dynamo, and legacy where dynamo fails (torch 2.6); either file is verified the same way")
+    _trust_argument(e)
     e.add_argument("--json", action="store_true", help="print JSON")
     e.set_defaults(fn=cmd_export)
 

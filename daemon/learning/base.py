@@ -57,7 +57,7 @@ def write_base(config: DaemonConfig, out: Path) -> tuple[str, ...]:
     from edgerev.train.checkpoint import ModelInfo, read_info, save_model
 
     t = config.training
-    model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args)
+    model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, trust_factories=t.model.factories)
     classes = base_classes(model, t.model.arch)
     spec = model_spec(model)
     if not classes or len(classes) != spec.num_classes:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from edgerev.errors import ExportError
@@ -24,14 +24,18 @@ RESULT = "export.json"  # beside the ONNX file: the child's result
 LOG = "export.log"  # the child's standard error, read back when it fails
 
 
-def command(run_dir: Path, out: Path, threads: int | None) -> list[str]:
+def command(run_dir: Path, out: Path, threads: int | None, trust_factories: Sequence[str] = ()) -> list[str]:
     """The child's command line."""
     cmd = [sys.executable, "-m", "edgerev_daemon.learning.exporting", str(run_dir), str(out)]
+    cmd += [f"--trust-factory={f}" for f in trust_factories]
     return cmd + (["--threads", str(threads)] if threads else [])
 
 
-def export(run_dir: Path, out: Path, stop: Callable[[], bool], threads: int | None = None) -> dict:
+def export(run_dir: Path, out: Path, stop: Callable[[], bool], threads: int | None = None,
+           trust_factories: Sequence[str] = ()) -> dict:
     """Export the model directory ``run_dir`` to ``out`` in a child process, verified with ONNX Runtime.
+
+    ``trust_factories``: the factories ``run_dir`` may name (the daemon's ``training.model.factories``).
 
     Args:
         stop: asked while the child runs; True kills the child.
@@ -46,7 +50,7 @@ def export(run_dir: Path, out: Path, stop: Callable[[], bool], threads: int | No
     """
     result, log = out.parent / RESULT, out.parent / LOG
     result.unlink(missing_ok=True)
-    code = children.run(command(run_dir, out, threads), log, stop, "the ONNX export")
+    code = children.run(command(run_dir, out, threads, trust_factories), log, stop, "the ONNX export")
     if code != 0 or not result.is_file():
         raise ExportError(f"the ONNX export failed (exit status {code}): {children.tail(log)}")
     return json.loads(result.read_text())
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--threads", type=int)
+    p.add_argument("--trust-factory", action="append", default=[])
     args = p.parse_args(argv)
     children.end_with_parent()
     import torch
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    r = export_onnx(args.run_dir, args.out)
+    r = export_onnx(args.run_dir, args.out, trust_factories=args.trust_factory)
     figures = {"max_abs_diff": r.max_abs_diff, "opset": r.opset, "ir_version": r.ir_version,
                "export_seconds": round(r.seconds, 3), "size_bytes": r.size_bytes}
     atomic_write(args.out.parent / RESULT, (json.dumps(figures) + "\n").encode())

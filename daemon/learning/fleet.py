@@ -305,6 +305,28 @@ def _replace_dir(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_source(daemon, fm: FleetModel, what: str) -> None:
+    """Refuse a fleet model whose ``arch`` is a factory this device's owner has not allowed: the fleet's message
+    arrives as data, and a factory's module runs code on import (:mod:`edgerev.models.trust`). A registry name
+    or a model source on the device (whose own files are checked when read) passes.
+
+    Raises:
+        FleetError: recorded as a refusal.
+    """
+    from edgerev.models.names import SourceKind, source_kind
+    from edgerev.models.trust import ENTRY_POINT_GROUP, allows
+
+    try:
+        kind = source_kind(fm.arch)
+    except ValueError as e:
+        raise refuse(daemon, what, f"the fleet's model: {e}") from None
+    if kind is SourceKind.FACTORY and not allows(fm.arch, daemon.config.training.model.factories):
+        raise refuse(daemon, what, f"the fleet's model {fm.arch!r} is a factory (code in module "
+                                   f"{fm.arch.partition(':')[0]}) that this device's owner has not allowed: allow it, "
+                                   f"if you trust its module, in training.model.trust_factories of the daemon's "
+                                   f"config, or through an installed package's {ENTRY_POINT_GROUP!r} entry point")
+
+
 def refuse(daemon, what: str, error: str) -> FleetError:
     """One log line and one event for a fleet request refused; the exception to raise."""
     log.error("fleet %s refused: %s", what, error)
@@ -322,7 +344,7 @@ def device_config(daemon, fm: FleetModel, adopt: bool = False):
     t = daemon.config.training
     epochs, lr = (fm.adopt_epochs, fm.adopt_lr or fm.lr) if adopt else (fm.epochs, fm.lr)
     bn_stats = "frozen" if fm.share_bn_stats and fm.norms_measured else t.train.bn_stats
-    training = replace(t, model=ModelConfig(arch=fm.arch, args=dict(fm.args)),
+    training = replace(t, model=ModelConfig(arch=fm.arch, args=dict(fm.args), trust_factories=t.model.trust_factories),
                        train=replace(t.train, epochs=epochs, bn_stats=bn_stats),
                        optim=replace(t.optim, lr=lr or t.optim.lr),
                        continual=replace(t.continual, distill=fm.adopt_distill) if adopt else t.continual)
@@ -341,7 +363,7 @@ def measure_norms(daemon, folder: Path) -> dict[str, torch.Tensor]:
     from edgerev.train.norms import calibrate, norms
     from edgerev_daemon.learning.jobs import load_samples
 
-    model, info, _ = load_model(folder)
+    model, info, _ = load_model(folder, trust_factories=daemon.config.training.model.factories)
     images = load_samples(daemon.store.samples(Split.TRAIN), daemon.blobs, daemon.store.labels()).images
     step = daemon.config.training.train.eval_batch
     calibrate(model, lambda: (normalize(images[k:k + step], info) for k in range(0, len(images), step)))
@@ -412,6 +434,7 @@ def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False
     from edgerev.config import ConfigError
     from edgerev_daemon.learning.jobs import check_training
 
+    check_source(daemon, fm, "round")
     try:
         fresh = check_shared(fm)
     except FleetError as e:
@@ -518,6 +541,7 @@ def consider(daemon, fm: FleetModel) -> Consideration:
     from edgerev_daemon.learning.jobs import job_dir
     from edgerev_daemon.learning.promote import figures, held_out, score
 
+    check_source(daemon, fm, "model")
     try:
         fresh = check_shared(fm)
     except FleetError as e:
@@ -550,8 +574,9 @@ def consider(daemon, fm: FleetModel) -> Consideration:
         write_model(out, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
     gate = daemon.config.promotion
     held = held_out(store, daemon.blobs, job, gate.recent_window_days)
-    cand = score(out, held)
-    cur = score(current, held) if current is not None else None
+    trust = daemon.config.training.model.factories
+    cand = score(out, held, trust)
+    cur = score(current, held, trust) if current is not None else None
     promote, why = fleet_judge(held, cand, cur, gate)
     old = None if cur is None else set(cur.known)
     samples = {"all": len(held.labels), "recent": sum(held.recent)}

@@ -198,7 +198,8 @@ def check_training(config: DaemonConfig) -> None:
 
     t = config.training
     try:
-        model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2)
+        model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2,
+                              trust_factories=t.model.factories)
         check_size(model, config.image_size)
     except ValueError as e:
         raise ConfigError(f"training: {e} (image_size {config.image_size})") from None

@@ -33,7 +33,8 @@ def _target(config: DaemonConfig):
 
     from edgerev.models.resolve import resolve_model
 
-    model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2)
+    model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2,
+                          trust_factories=t.model.factories)
     if not hasattr(model, "body"):  # a model from outside: checkpoint segments, no stage profile
         return None
     device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -64,7 +65,8 @@ def ensure_profile(config: DaemonConfig, folder: Path, stop: Callable[[], bool])
     folder.mkdir(parents=True, exist_ok=True)
     t = config.training
     spec = {"arch": t.model.arch, "weights": t.model.weights, "args": dict(t.model.args), "size": config.image_size,
-            "device": device, "estimate": estimate, "threads": t.train.threads}
+            "device": device, "estimate": estimate, "threads": t.train.threads,
+            "trust_factories": list(t.model.factories)}
     log = folder / LOG
     code = children.run(command(spec), log, stop, "the stage profile's measurement")
     if code != 0:
@@ -79,7 +81,7 @@ def command(spec: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edgerev_daemon.learning.profiling", description=__doc__.splitlines()[0])
-    p.add_argument("spec", help="JSON: arch, weights, args, size, device, estimate, threads")
+    p.add_argument("spec", help="JSON: arch, weights, args, size, device, estimate, threads, trust_factories")
     spec = json.loads(p.parse_args(argv).spec)
     children.end_with_parent()
     import torch
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from edgerev.train.config import default_threads
 
     torch.set_num_threads(spec.get("threads") or default_threads())  # the trainer's: the profile times steps
-    model = resolve_model(spec["arch"], weights=spec["weights"], args=spec["args"], num_classes=2)
+    model = resolve_model(spec["arch"], weights=spec["weights"], args=spec["args"], num_classes=2,
+                          trust_factories=spec.get("trust_factories", ()))  # the daemon's config's, handed down
     load_or_measure(model, spec["size"], spec["device"], estimate=spec["estimate"])
     return 0
 

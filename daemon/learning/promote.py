@@ -107,20 +107,22 @@ def recent_flags(samples: Sequence[Sample], window_days: float | None) -> list[b
     return [s.added_at >= newest[s.label] - window_days * DAY for s in samples]
 
 
-def _predicted(model_dir: Path, data: LabeledImages) -> tuple[list[str], tuple[str, ...]]:
-    """The model's top class of each sample, and the classes it knows."""
-    model, info, _ = load_model(model_dir)
+def _predicted(model_dir: Path, data: LabeledImages, trust_factories: Sequence[str] = ()
+               ) -> tuple[list[str], tuple[str, ...]]:
+    """The model's top class of each sample, and the classes it knows (``trust_factories``: the factories its
+    directory may name, the daemon's ``training.model.factories``)."""
+    model, info, _ = load_model(model_dir, trust_factories=trust_factories)
     if len(data) == 0:
         return [], tuple(info.classes)
     logits = predict_logits(model, data, info)
     return [info.classes[k] for k in logits.argmax(1).tolist()], tuple(info.classes)
 
 
-def score(model_dir: Path, held: HeldOut) -> Scores:
+def score(model_dir: Path, held: HeldOut, trust_factories: Sequence[str] = ()) -> Scores:
     """Whether the model gets each held-out sample right (its top class is the sample's label; a label it
     does not know is always wrong), and its confusion matrix."""
     data = held.data
-    predicted, known = _predicted(model_dir, data)
+    predicted, known = _predicted(model_dir, data, trust_factories)
     truth = list(held.labels)
     columns = list(dict.fromkeys([*known, *data.classes]))
     return Scores(tuple(p == t for p, t in zip(predicted, truth, strict=True)), known,
@@ -137,8 +139,9 @@ def held_out(store: Store, blobs: BlobStore, job: Job, window_days: float | None
 
 
 def decide(candidate: Path, current: Path | None, held: HeldOut, gate: PromotionConfig,
-           stop: Callable[[], bool] = lambda: False) -> Decision:
-    """Score both models on the same held-out samples and apply :func:`judge`.
+           stop: Callable[[], bool] = lambda: False, trust_factories: Sequence[str] = ()) -> Decision:
+    """Score both models on the same held-out samples and apply :func:`judge` (``trust_factories``: the
+    factories their directories may name).
 
     Raises:
         Stopped: ``stop()`` said so before one of the models was scored (each takes about a second
@@ -146,12 +149,12 @@ def decide(candidate: Path, current: Path | None, held: HeldOut, gate: Promotion
     """
     if stop():
         raise Stopped("the evaluation")
-    cand = score(candidate, held)
+    cand = score(candidate, held, trust_factories)
     if current is None:
         return judge(held, cand, None, gate)
     if stop():
         raise Stopped("the evaluation")
-    return judge(held, cand, score(current, held), gate)
+    return judge(held, cand, score(current, held, trust_factories), gate)
 
 
 # figures ---------------------------------------------------------------------------------------------

@@ -181,9 +181,11 @@ def rank(logits: torch.Tensor, count: int, pool: int) -> list[int]:
 
 
 def score(model_dir: Path, samples: Sequence[Sample], blobs: BlobStore,
-          stop: Callable[[], bool] = lambda: False) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+          stop: Callable[[], bool] = lambda: False, trust_factories: Sequence[str] = ()
+          ) -> tuple[torch.Tensor, tuple[str, ...]] | None:
     """The logits the model in ``model_dir`` gives each sample, and its classes; None when ``stop()`` said so
-    (asked between batches of :data:`BATCH` samples: a stop request is not kept waiting by a long list)."""
+    (asked between batches of :data:`BATCH` samples: a stop request is not kept waiting by a long list).
+    ``trust_factories``: the factories ``model_dir`` may name (the daemon's ``training.model.factories``)."""
     import torch
 
     from edgerev.train.checkpoint import load_model
@@ -191,7 +193,7 @@ def score(model_dir: Path, samples: Sequence[Sample], blobs: BlobStore,
     from edgerev.train.labeled import LabeledImages
     from edgerev_daemon.learning.jobs import decode_samples
 
-    model, info, _ = load_model(model_dir)
+    model, info, _ = load_model(model_dir, trust_factories=trust_factories)
     classes = tuple(info.classes)
     out = [torch.zeros(0, len(classes))]
     for i in range(0, len(samples), BATCH):
@@ -242,7 +244,7 @@ def refresh(config: DaemonConfig, store: Store, blobs: BlobStore, registry: Regi
     chosen: list[Question] = []
     scored = 0
     if current is not None and candidates:
-        scores = score(registry.path(current), candidates, blobs, stop)
+        scores = score(registry.path(current), candidates, blobs, stop, config.training.model.factories)
         if scores is None:
             return None
         logits, classes = scores

@@ -435,7 +435,7 @@ class Daemon:
         gate = self.config.promotion
         try:
             held = held_out(self.store, self.blobs, job, gate.recent_window_days, outcome.held_back)
-            decision = decide(outcome.run_dir, current, held, gate, self._alive)
+            decision = decide(outcome.run_dir, current, held, gate, self._alive, self.config.training.model.factories)
         except Stopped as e:  # the trained candidate waits in its folder: the next start evaluates it again
             return self._stopped(job, e)
         summary = outcome.summary or {}
@@ -535,7 +535,8 @@ class Daemon:
         if not self.registry.path(version.id).is_dir():
             onnx = out / "model.onnx"
             metrics = dict(version.metrics)
-            metrics["export"] = export(out, onnx, self._alive, self.config.training.train.threads)
+            metrics["export"] = export(out, onnx, self._alive, self.config.training.train.threads,
+                                       self.config.training.model.factories)
             if self._alive():
                 raise Stopped("the promotion (exported, the version not yet written)")
             self.registry.write(version.id, version_files(out, onnx, metrics))

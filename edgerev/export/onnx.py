@@ -32,7 +32,7 @@ import logging
 import re
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -97,7 +97,7 @@ def weights_sha256(model: nn.Module) -> str:
 
 def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: ModelInfo | None = None,
                 batch: int = 4, tolerance: float = 1e-4, opset: int | None = None, exporter: str = "auto",
-                seed: int = 0) -> ExportResult:
+                seed: int = 0, trust_factories: Iterable[str | Callable] = ()) -> ExportResult:
     """Export a model to ONNX with a dynamic batch, verify it with ONNX Runtime, write it atomically.
 
     Args:
@@ -112,10 +112,13 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
             (``torch.export``, needs onnxscript) or ``"legacy"`` (TorchScript tracing; deprecated in torch, kept
             for torch releases whose dynamo exporter fails and for installs without onnxscript).
         seed: seed of the random verification pixels.
+        trust_factories: the factories a model directory's ``model.json`` may name (one's own runs of a factory:
+            :func:`edgerev.models.resolve.load_model`).
 
     Raises:
         ExportError: bad arguments, a failed export, or a verification above ``tolerance``.
         CheckpointError: the model directory is missing or broken.
+        edgerev.errors.TrustError: the directory names a factory not in ``trust_factories``.
     """
     if batch < 1:
         raise ExportError(f"verification batch must be positive, got {batch}")
@@ -133,7 +136,7 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
             raise ExportError("exporting a model object needs its ModelInfo (classes, input size, normalization)")
         model, sha = source, weights_sha256(source)
     else:
-        model, info, sha = load_model(source)
+        model, info, sha = load_model(source, trust_factories=trust_factories)
     if isinstance(getattr(model, "onnx_source", None), bytes):
         return _export_imported(model, info, sha, out_path, batch=batch, tolerance=tolerance, seed=seed)
     arch = getattr(model, "arch", info.arch)

@@ -141,10 +141,12 @@ def own_test(test, spec: DeviceSpec):
     return test.restrict([test.classes[c] for c in spec.classes])
 
 
-def _dir_accuracy(folder: Path, data) -> float:
+def _dir_accuracy(folder: Path, data, daemon) -> float:
+    """The accuracy of the model in ``folder`` (a version of ``daemon``, read with the factories its config
+    allows)."""
     from edgerev.train.checkpoint import load_model
 
-    model, info, _ = load_model(folder)
+    model, info, _ = load_model(folder, trust_factories=daemon.config.training.model.factories)
     return _accuracy(model, info, data)
 
 
@@ -221,8 +223,9 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
             report = d.daemon.cycle()
             job = report.job or {}
             version = d.daemon.registry.current_path()
-            local[d.spec.name] = _dir_accuracy(version, test) if version is not None else None
-            local_own[d.spec.name] = _dir_accuracy(version, own_test(test, d.spec)) if version is not None else None
+            local[d.spec.name] = _dir_accuracy(version, test, d.daemon) if version is not None else None
+            local_own[d.spec.name] = (_dir_accuracy(version, own_test(test, d.spec), d.daemon) if version is not None
+                                      else None)
             v = d.daemon.store.get_version(job["version"]) if job.get("version") else None
             peak = peak_of((v.metrics.get("training") or {}).get("plan") or {}) if v else None
             if peak:
@@ -285,8 +288,8 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
                 own = own_test(test, d.spec)
                 acc, acc_own = _accuracy(model, info, test), _accuracy(model, info, own)
                 current = d.daemon.registry.current()
-                cur_acc = _dir_accuracy(d.daemon.registry.current_path(), test) if current else None
-                cur_own = _dir_accuracy(d.daemon.registry.current_path(), own) if current else None
+                cur_acc = _dir_accuracy(d.daemon.registry.current_path(), test, d.daemon) if current else None
+                cur_own = _dir_accuracy(d.daemon.registry.current_path(), own, d.daemon) if current else None
                 gate, promoted = d.decision(f"{run_id}/{server_round}", current)
                 if server_round < f.judge_from:
                     gate = f"not judged: the devices judge the fleet model from round {f.judge_from} (judge-from)"

@@ -26,12 +26,17 @@ class ModelConfig:
     ``weights``: pretrained weights for a registry model or a factory, a safetensors file or a
     ``state_dict`` saved by ``torch.save`` (read with ``weights_only``); its classifier is then re-made
     for the data's classes. ``init``: a model directory (a previous run's output) to continue from,
-    keeping its classes and growing its head for new ones."""
+    keeping its classes and growing its head for new ones. ``trust_factories``: factories
+    ``package.module:callable`` that a model directory (``arch``, ``init``, a daemon's versions) may name.
+    A model directory is data and never names code to run unless its owner allows it here (or an installed
+    package registers the factory as an ``edgerev.models`` entry point); a factory named in ``arch`` is
+    allowed too. Naming a factory is trusting its module: importing it runs its code."""
 
     arch: str = "revnext"
     args: dict = field(default_factory=dict)
     weights: str | None = None
     init: str | None = None
+    trust_factories: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from edgerev.errors import UnknownModelError
@@ -41,10 +46,25 @@ class ModelConfig:
             kind = source_kind(self.arch)
         except UnknownModelError as e:
             check(False, "arch", str(e))
+        for i, name in enumerate(self.trust_factories):
+            try:
+                trusted = source_kind(name) is SourceKind.FACTORY
+            except UnknownModelError:
+                trusted = False
+            check(trusted, f"trust_factories[{i}]", f"{name!r} is not a factory package.module:callable")
         check("num_classes" not in self.args, "args.num_classes", "set by the data's classes, not here")
         if kind in (SourceKind.DIRECTORY, SourceKind.ONNX):
             check(not self.args, "args", f"{self.arch} carries its own architecture; leave args out")
             check(self.weights is None, "weights", f"{self.arch} carries its own weights; leave weights out")
+
+    @property
+    def factories(self) -> tuple[str, ...]:
+        """The factories a model directory of this recipe may name: ``trust_factories``, and ``arch`` when it
+        is one (the owner named it)."""
+        from edgerev.models.names import SourceKind, source_kind
+
+        return tuple(dict.fromkeys([*([self.arch] if source_kind(self.arch) is SourceKind.FACTORY else []),
+                                    *self.trust_factories]))
 
 
 @dataclass(frozen=True)

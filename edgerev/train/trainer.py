@@ -145,7 +145,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     torch.manual_seed(cfg.train.seed)
     teacher, start_eval, source_sha, replay = None, None, None, None
     if cfg.model.init is not None:
-        start, info0, source_sha = load_model(cfg.model.init)
+        start, info0, source_sha = load_model(cfg.model.init, trust_factories=cfg.model.factories)
         if given is None and not _same_arch(info0.arch, cfg.model.arch):
             raise RunError(f"model.init {cfg.model.init} holds a {info0.arch} model, "
                            f"but model.arch is {cfg.model.arch}")
@@ -171,7 +171,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
         classes = train_new.present()
         try:
             model = (resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args,
-                                   num_classes=len(classes)) if given is None
+                                   num_classes=len(classes), trust_factories=cfg.model.factories) if given is None
                      else resolve_model(given, num_classes=len(classes)))
         except EdgerevError as e:
             raise RunError(f"model.arch: {e}") from None
