@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from edgerev.atomic import fsync_dir
-from edgerev.errors import EdgerevError
+from edgerev.errors import EdgerevError, TrustError
 from edgerev.models.info import CheckpointError, model_classes
 
 VERSION_RE = re.compile(r"v\d{4,}")
@@ -85,7 +85,7 @@ class Registry:
         try:
             path = self.current_path()
             return model_classes(path) if path else ()
-        except (RegistryError, CheckpointError):
+        except (RegistryError, CheckpointError, TrustError):
             return ()
 
     def write(self, version: str, files: Mapping[str, Path | bytes]) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgerev.errors import EdgerevError
+from edgerev.errors import EdgerevError, TrustError
 from edgerev.models.info import CheckpointError, read_info
 from edgerev.models.names import SourceKind, source_kind
 
@@ -24,7 +24,7 @@ def carried_image_size(arch: str) -> int | None:
     if kind is SourceKind.DIRECTORY:
         try:
             size = read_info(path)[0].input_size  # as the directory's loader reads it (no torch)
-        except (CheckpointError, OSError):
+        except (CheckpointError, TrustError, OSError):  # the start check refuses it, in one line
             return None
         return size if size > 0 else None
     if kind is SourceKind.ONNX:

@@ -158,5 +158,6 @@ def model_classes(folder: str | Path) -> tuple[str, ...]:
 
     Raises:
         CheckpointError: no description there, or not a valid one.
+        edgerev.errors.TrustError: ``model.json`` is a link out of ``folder``.
     """
     return read_info(folder)[0].classes
