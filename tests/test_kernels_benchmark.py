@@ -1,0 +1,59 @@
+"""benchmarks/kernels.py, the kernel-count benchmark: its counts on a tiny RevNeXt, and the JSON it writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "kernels.py"
+TINY = {"width": 4}
+
+
+def _load_script():
+    """benchmarks/kernels.py as a module (benchmarks/ is not a package; ``kernels`` is also a PyPI name)."""
+    sys.path.insert(0, str(SCRIPT.parent))  # for its own imports (_common)
+    try:
+        spec = importlib.util.spec_from_file_location("edgerev_kernels_benchmark", SCRIPT)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return module
+
+
+kernels = _load_script()
+
+
+def test_a_step_counts_more_kernels_inverted_than_stored_by_autograd():
+    plain = kernels.count_row("revnext", "plain", batch=2, size=16, overrides=TINY)
+    invert = kernels.count_row("revnext", "invert", batch=2, size=16, overrides=TINY)
+    for row in (plain, invert):
+        assert set(row) >= {"ops", "ops_by_phase", "flops", "top_ops"}
+        assert isinstance(row["ops"], int) and row["ops"] > 0 and row["flops"] > 0
+        assert sum(row["ops_by_phase"].values()) == row["ops"]
+        assert all(row["ops_by_phase"][p] > 0 for p in kernels.PHASES)
+        assert 0 < len(row["top_ops"]) <= 10 and sum(row["top_ops"].values()) <= row["ops"]
+        assert not set(row["top_ops"]) & (kernels.NOT_KERNELS | kernels.SYNCS)
+    assert plain["ops"] < invert["ops"]
+    assert plain["flops"] < invert["flops"]  # the backward rebuilds the activations it did not keep
+
+
+def test_the_json_has_a_row_per_mode_with_its_ratios_to_plain_autograd(tmp_path):
+    out = tmp_path / "kernels.json"
+    result = kernels.main(["--models", "revnext", "--modes", "invert", "--width", "4", "--batch", "2",
+                           "--sizes", "16", "--plan-sizes", "", "--jobs", "0", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["counted_on"] == "meta" and result["planned"] == []
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"plain", "invert"}
+    for r in rows.values():
+        assert (r["model"], r["batch"], r["size"]) == ("revnext", 2, 16)
+        for key in ("ops", "flops", "peak_bytes", "host_syncs"):
+            assert isinstance(r[key], int) and r[key] >= 0, (key, r)
+        assert r["ops"] > 0 and r["peak_bytes"] > 0
+    assert rows["plain"]["ops_vs_plain"] == rows["plain"]["flops_vs_plain"] == 1.0
+    assert rows["invert"]["ops_vs_plain"] > 1 and rows["invert"]["flops_vs_plain"] > 1
+    assert rows["invert"]["peak_bytes_vs_plain"] < 1  # what invert is for
