@@ -25,7 +25,9 @@ onnxscript or hypothesis needed) inside ``--budget-seconds`` (460, under 8 minut
   (nothing in edgerev, its daemon or deploy/ sets it: the allocator's default, no expandable segments),
   and once with ``expandable_segments:True``;
 * ``step_time``: step time of each mode against plain autograd, same weights, interleaved, at 32x32 and
-  batch 32 (``step_time.py``; the 240x240 steps' times are in the memory part);
+  batch 32 (``step_time.py``), with each mode's kernel ops per step (counted on the meta device by the CPU,
+  ``kernels.py``); beside them the same ratios at the memory part's batch 32, 240x240, from its one step per
+  mode and plain autograd's (the memory part times both alike);
 * ``train``: the same recipe under its cap on the generated data set (no download): accuracy and wall
   time, with as many epochs (at most ``--epochs``) as the cap part's step time fits in half its limit.
 
@@ -131,6 +133,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--part-seconds", type=float, default=60.0, help=argparse.SUPPRESS)  # its limit
     p.add_argument("--train-step-seconds", type=float, default=None, help=argparse.SUPPRESS)  # the cap part's
+    p.add_argument("--size-steps", type=json.loads, default=None, help=argparse.SUPPRESS)  # the memory part's
     args = p.parse_args(argv)
     if args.models is None:
         from edgerev.models import list_models
@@ -235,6 +238,19 @@ class Campaign:
         seconds = planned.get("seconds_per_step") if planned.get("steps") else None
         return ("--train-step-seconds", str(seconds)) if seconds else ()
 
+    def size_steps(self) -> tuple[str, ...]:
+        """Each model's step seconds per mode and plain autograd's at the memory part's size, as it measured them:
+        the step-time part reports their ratios beside its own."""
+        mem = self.result["parts"].get("memory", {}).get("result", {})
+        steps: dict[str, dict] = {}
+        for arch, row in mem.get("plain", {}).items():
+            if "step_seconds" in row:
+                steps.setdefault(arch, {})["plain"] = row["step_seconds"]
+        for row in mem.get("rows", []):
+            if "step_seconds" in row:
+                steps.setdefault(row["arch"], {})[row["mode"]] = row["step_seconds"]
+        return ("--size-steps", json.dumps(steps)) if steps else ()
+
     def _clock(self) -> str:
         return f"{time.monotonic() - self.start:5.0f} s"
 
@@ -277,7 +293,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                     continue
                 if p.plans:
                     c.wait("profile")  # measured once, not by each
-                c.launch(p, c.step_seconds() if p.name == "train" else ())
+                extra = {"train": c.step_seconds, "step_time": c.size_steps}.get(p.name, tuple)()
+                c.launch(p, extra)
                 c.wait(p.name)
             for name in list(c.running):
                 c.wait(name)
@@ -291,6 +308,22 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
 
 def _mb(n) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _step_line(r: dict) -> str:
+    """One model's step-time ratios: at the step-time size [its kernel ops there] | at the memory part's size."""
+    ops = r.get("kernel_ops", {})
+    big = r.get("at_size", {})
+    big_rel, big_s = big.get("relative_to_plain", {}), big.get("step_seconds", {})
+    cells = []
+    for v, x in r["relative_to_plain"].items():
+        if v == "plain":
+            continue
+        cell = f"{v} {x:.2f}" + (f" [{ops[v]:,}]" if v in ops else "")
+        cells.append(cell + (f" | {big_rel[v]:.2f}" if v in big_rel else ""))
+    plain = f"plain {r['median_seconds']['plain'] * 1e3:.1f} ms" + (f" [{ops['plain']:,}]" if "plain" in ops else "")
+    plain += f" | {big_s['plain'] * 1e3:.0f} ms" if "plain" in big_s else ""
+    return f"  {r['arch']:<10} {plain}; {', '.join(cells)}"
 
 
 def summary(result: dict) -> list[str]:
@@ -319,13 +352,14 @@ def summary(result: dict) -> list[str]:
                          f"{_mb(p):>10} {ratio:>10} {r['step_seconds']:>7.2f}")
     st = parts_.get("step_time", {}).get("result", {})
     if st:
-        lines.append(f"step time relative to plain autograd (batch {st['batch']}, {st['size']}x{st['size']}):")
+        at = st.get("at_size", {})
+        lines.append(f"step time relative to plain autograd at batch {st['batch']}, {st['size']}x{st['size']} "
+                     f"[kernel ops per step there] | at batch {at.get('batch')}, {at.get('size')}x{at.get('size')}:")
         for r in st["rows"]:
             if "error" in r:
                 lines.append(f"  {r['arch']:<10} error: {r['error'][:80]}")
                 continue
-            rel = ", ".join(f"{v} {x:.2f}" for v, x in r["relative_to_plain"].items() if v != "plain")
-            lines.append(f"  {r['arch']:<10} plain {r['median_seconds']['plain'] * 1e3:.1f} ms; {rel}")
+            lines.append(_step_line(r))
     for name in ("cap", "cap_expandable"):
         c = parts_.get(name, {}).get("result")
         if not c or "planned" not in c:

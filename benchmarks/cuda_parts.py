@@ -78,18 +78,51 @@ def memory(args, save: Save) -> dict:
     Each configuration runs a warm-up step first (one-time allocations such as cuBLAS's workspace land in
     the baseline, as in a training run's later steps), then one step read by the allocator, then one counted
     by the tracker on the same device's tensors. The cache is emptied between configurations so a reserved
-    peak belongs to its own configuration.
+    peak belongs to its own configuration. Plain autograd's step of each model is read and timed the same way
+    first (``plain``): each row's ``relative_to_plain`` is its step time over plain's at this batch and size.
     """
     import torch
 
+    from edgerev import plain
     from edgerev.memory.measure import set_modes, step_peak
     from edgerev.models import create_model
 
     rows: list[dict] = []
-    result = {"batch": args.batch, "size": args.size, "overrides": args.overrides, "rows": rows,
+    plains: dict[str, dict] = {}
+    result = {"batch": args.batch, "size": args.size, "overrides": args.overrides, "rows": rows, "plain": plains,
               "tracker_on": args.device,
               "allocator": "torch.cuda max_memory_allocated / max_memory_reserved" if _cuda(args.device)
               else "none (CPU): the tracker's figure stands in for the allocator's"}
+
+    def one_step(model) -> dict:
+        """A warm-up step (one-time allocations such as cuBLAS's workspace land in the baseline), then one step
+        read by the allocator and timed: each mode's and plain autograd's the same way."""
+        step_peak(model, min(2, args.batch), args.size, args.device)
+        if _cuda(args.device):
+            torch.cuda.empty_cache()
+        t1 = time.perf_counter()
+        alloc = step_peak(model, args.batch, args.size, args.device)
+        row = {"step_seconds": round(time.perf_counter() - t1, 3), "allocated_peak_bytes": alloc.peak_bytes,
+               "reserved_peak_bytes": alloc.reserved_bytes, "allocated_baseline_bytes": alloc.baseline_bytes}
+        if not _cuda(args.device):  # the tracker read the step
+            row.update(tracker_peak_bytes=alloc.peak_bytes, tracker_baseline_bytes=alloc.baseline_bytes,
+                       tracker_peak_op=alloc.peak_op, allocated_minus_tracker_bytes=0)
+        return row
+
+    # plain autograd's step first (the cheapest): the step_time part divides each mode's step by it
+    for arch in args.models:
+        try:
+            torch.manual_seed(0)
+            model = create_model(arch, **args.overrides).to(args.device)
+            with plain(model):
+                plains[arch] = one_step(model)
+        except Exception as e:  # noqa: BLE001
+            plains[arch] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            model = None
+            if _cuda(args.device):
+                torch.cuda.empty_cache()
+        save(result)
     # the engine slices per-sample temporaries to the chunk budget: at 240x240 a RevNeXt step in invert mode
     # runs some 380,000 ops and in floor mode 2.3 million (counted on fake tensors), seconds of kernel
     # launches on any GPU; the cheap modes go first so that a time limit cuts the dearest rows
@@ -101,23 +134,17 @@ def memory(args, save: Save) -> dict:
             torch.manual_seed(0)
             model = create_model(arch, **args.overrides).to(args.device)
             set_modes(model, mode)
-            step_peak(model, min(2, args.batch), args.size, args.device)  # warm-up: one-time allocations
-            if _cuda(args.device):
-                torch.cuda.empty_cache()
-            t1 = time.perf_counter()
-            alloc = step_peak(model, args.batch, args.size, args.device)
-            row["step_seconds"] = round(time.perf_counter() - t1, 3)
-            row.update(allocated_peak_bytes=alloc.peak_bytes, reserved_peak_bytes=alloc.reserved_bytes,
-                       allocated_baseline_bytes=alloc.baseline_bytes)
-            if not _cuda(args.device):
-                row.update(tracker_peak_bytes=alloc.peak_bytes, tracker_baseline_bytes=alloc.baseline_bytes,
-                           tracker_peak_op=alloc.peak_op, allocated_minus_tracker_bytes=0)
-            elif row["step_seconds"] <= args.tracker_seconds:
+            row.update(one_step(model))
+            base = plains.get(arch, {}).get("step_seconds")
+            row["relative_to_plain"] = round(row["step_seconds"] / base, 3) if base else None
+            # on CPU the step was the tracker's already (one_step)
+            if _cuda(args.device) and row["step_seconds"] <= args.tracker_seconds:
                 tracked = step_peak(model, args.batch, args.size, args.device, tracker=True)
                 row.update(tracker_peak_bytes=tracked.peak_bytes, tracker_baseline_bytes=tracked.baseline_bytes,
                            tracker_peak_op=tracked.peak_op,
-                           allocated_minus_tracker_bytes=alloc.peak_bytes - tracked.peak_bytes)
-            else:  # the tracker's dispatch costs several times the step: the prediction counts the same tensors
+                           allocated_minus_tracker_bytes=row["allocated_peak_bytes"] - tracked.peak_bytes)
+            elif _cuda(args.device):
+                # the tracker's dispatch costs several times the step: the prediction counts the same tensors
                 row["tracker_skipped"] = f"the step took {row['step_seconds']} s (over --tracker-seconds)"
         except Exception as e:  # noqa: BLE001 (an OOM or a CUDA error of one configuration: recorded, next one)
             row["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -328,14 +355,33 @@ def cap(args, save: Save) -> dict:
     return result
 
 
+def _kernel_ops(arch: str, overrides: dict, variants: list[str], batch: int, size: int, until: float) -> dict:
+    """Kernel ops of one step per variant, counted on the meta device by the CPU (``kernels.count_step``),
+    while the part has time (``until``, a ``time.monotonic`` reading)."""
+    from kernels import build, configure, count_step
+
+    ops = {}
+    for v in variants:
+        if time.monotonic() > until:
+            break
+        model = build(arch, overrides)
+        configure(model, v)
+        ops[v] = sum(count_step(model, batch, size).ops.values())
+    return ops
+
+
 def step_time(args, save: Save) -> dict:
-    """Step time of each mode against plain autograd, same weights, interleaved (``step_time.time_steps``)."""
+    """Step time of each mode against plain autograd, same weights, interleaved (``step_time.time_steps``),
+    with each variant's kernel ops per step (meta device); and at the memory part's batch and size, each mode's
+    one step there over plain autograd's (``--size-steps``: its steps, timed alike after a warm-up)."""
     import statistics
 
     from step_time import time_steps
 
     rows: list[dict] = []
-    result = {"batch": args.time_batch, "size": args.time_size, "repeats": args.repeats, "rows": rows}
+    result = {"batch": args.time_batch, "size": args.time_size, "repeats": args.repeats, "rows": rows,
+              "at_size": {"batch": args.batch, "size": args.size,
+                          "from": "the memory part: one step per mode and plain autograd's, each after a warm-up"}}
     started = time.monotonic()
     for arch in sorted(args.models, key=lambda a: a != "revnext"):
         if time.monotonic() - started > 0.6 * args.part_seconds:
@@ -345,10 +391,25 @@ def step_time(args, save: Save) -> dict:
         try:
             times = time_steps(arch, args.time_batch, args.time_size, args.device, args.repeats, 1, modes)
             base = statistics.median(times["plain"])
-            rows.append({"arch": arch, "median_seconds": {v: statistics.median(t) for v, t in times.items()},
-                         "relative_to_plain": {v: statistics.median(t) / base for v, t in times.items()}})
+            row = {"arch": arch, "median_seconds": {v: statistics.median(t) for v, t in times.items()},
+                   "relative_to_plain": {v: statistics.median(t) / base for v, t in times.items()}}
+            sized = (args.size_steps or {}).get(arch, {})
+            if sized.get("plain"):
+                row["at_size"] = {"step_seconds": sized,
+                                  "relative_to_plain": {v: s / sized["plain"] for v, s in sized.items()}}
+            rows.append(row)
         except Exception as e:  # noqa: BLE001
             rows.append({"arch": arch, "error": f"{type(e).__name__}: {e}"[:500]})
+        save(result)
+    # the counts after every timing, so that they never crowd a model's timing out of the part's limit
+    for row in rows:
+        if "median_seconds" not in row:
+            continue
+        try:
+            row["kernel_ops"] = _kernel_ops(row["arch"], args.overrides, list(row["median_seconds"]),
+                                            args.time_batch, args.time_size, started + 0.85 * args.part_seconds)
+        except Exception as e:  # noqa: BLE001
+            row["kernel_ops_error"] = f"{type(e).__name__}: {e}"[:500]
         save(result)
     return result
 

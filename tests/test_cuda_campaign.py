@@ -59,8 +59,11 @@ def check_memory(result: dict, cuda: bool) -> None:
     predicted = {(r["arch"], r["mode"]): r["predicted_peak_bytes"] for r in rows}
     seen = {(r["arch"], r["mode"]) for r in mem["rows"]}
     assert seen == {(a, m) for a in ("revnext", "resnet18") for m in modes_of(a)} == set(predicted)
+    assert set(mem["plain"]) == {"revnext", "resnet18"}  # plain autograd's step, the ratios' reference
+    assert all(p["allocated_peak_bytes"] > p["allocated_baseline_bytes"] > 0 for p in mem["plain"].values())
     for r in mem["rows"]:
         assert "error" not in r, r
+        assert r["relative_to_plain"] > 0
         assert r["allocated_peak_bytes"] > r["allocated_baseline_bytes"] > 0
         p = predicted[(r["arch"], r["mode"])]
         if cuda:  # the allocator rounds blocks up and adds workspaces the tracker cannot see
@@ -93,9 +96,17 @@ def check_cap(result: dict, cuda: bool) -> None:
 def check_rest(result: dict) -> None:
     st = result["parts"]["step_time"]["result"]
     for r in st["rows"]:
-        assert set(r["relative_to_plain"]) == {"plain"} | modes_of(r["arch"])
+        variants = {"plain"} | modes_of(r["arch"])
+        assert set(r["relative_to_plain"]) == variants
         assert r["relative_to_plain"]["plain"] == 1.0
         assert all(0 < t < 60 for t in r["median_seconds"].values())
+        # the memory part's steps at its own size, over plain autograd's there
+        assert set(r["at_size"]["relative_to_plain"]) == variants and r["at_size"]["relative_to_plain"]["plain"] == 1
+        # kernel ops per step on the meta device, plain's first, the rest while the part has time
+        ops = r["kernel_ops"]
+        assert "plain" in ops and set(ops) <= variants and all(isinstance(n, int) and n > 0 for n in ops.values())
+    assert (st["at_size"]["batch"], st["at_size"]["size"]) == (result["parts"]["memory"]["result"]["batch"],
+                                                               result["parts"]["memory"]["result"]["size"])
     t = result["parts"]["train"]["result"]
     assert t["steps"] >= 1 and 0.0 <= t["final"]["acc"] <= 1.0 and t["seconds"] > 0
     assert t["plan"]["micro_batch"] >= 1
