@@ -128,11 +128,11 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
         assert d.cycle().job["promoted"]
         real, scored = promote.score, []
 
-        def candidate_as_current(folder, held):  # the candidate (still under jobs/) scores as v0001 does
+        def candidate_as_current(folder, held, *trust):  # the candidate (still under jobs/) scores as v0001 does
             if "jobs" in str(folder):
                 scored.append(folder)
                 folder = d.registry.path("v0001")
-            return real(folder, held)
+            return real(folder, held, *trust)
 
         monkeypatch.setattr(promote, "score", candidate_as_current)
         drop(config, 160, range(2), start=5000)
