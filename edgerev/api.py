@@ -140,7 +140,7 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     summary = {"arch": str(arch), "size": size, "device": device, "budget_bytes": budget, "step_batch": batch,
                **tp.summary}
     if verify:
-        summary.update(verify_plan(net, tp.modes, tp.batch, size, device, segments=tp.segments))
+        summary.update(verify_plan(net, tp.modes, tp.batch, size, device, segments=tp.segments, slices=tp.slices))
         if device == "cpu":  # the whole step as the trainer holds it, measured on real tensors
             summary["measured_peak_bytes"] = account_step(net, step, tp.batch, tp.apply, loss_of(cfg), real=True).total
     return PlanResult(tp.batch, summary["predicted_peak_bytes"], summary, tp.account, tp.apply)

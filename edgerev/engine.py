@@ -94,6 +94,8 @@ class Execution:
         slices: per stage, the byte budget of the batch slices its per-sample temporaries are computed in
             (``0``: the whole batch at once), as the planner chose it under the cap; None: the default of
             :func:`edgerev.layers.chunk_budget` for every stage (the lean setting).
+        watch: called as ``watch(i)`` when stage ``i``'s forward or backward starts and ``watch(None)`` when
+            the engine hands back to autograd (the planner attributes a step's peak to stages this way).
     """
 
     plain: bool = False
@@ -101,6 +103,7 @@ class Execution:
     probe: Callable[[nn.Module, Tensor], None] | None = None
     owns_buffers: bool = False
     slices: tuple[int, ...] | None = None
+    watch: Callable[[int | None], None] | None = None
 
 
 def _parse_mode(value: Mode | str) -> Mode:
@@ -275,6 +278,7 @@ def _restore_(y: Tensor, xin: Tensor, stages: Sequence[nn.Module], tape: Tape) -
             for stage in rest:
                 h = stage.forward_(h, tape)
             y[sl].copy_(h)
+            del h  # one slice's output at a time
 
 
 def _record_stats(stage: nn.Module, tape: Tape) -> None:
@@ -297,9 +301,11 @@ class _Engine(torch.autograd.Function):
         stored: dict[int, object] = {}
         back = _hands_back(seq)
         h = x
+        watch = run.watch or _unwatched
         for i, (stage, mode) in enumerate(zip(seq.stages, seq._modes)):
             budget = seq.slice_budget(i)
             tape.slice_bytes = default_slices if budget is None else budget
+            watch(i)
             if mode is Mode.STORE:
                 xin = h.detach().requires_grad_(i > 0 or ctx.needs_input_grad[0])
                 saved: set[int] = set()
@@ -338,6 +344,7 @@ class _Engine(torch.autograd.Function):
                 if (h is x and not run.owns_buffers) or not h.is_contiguous():
                     h = h.clone(memory_format=torch.contiguous_format)  # never overwrite the caller's tensor
                 h = stage.forward_(h, tape)
+        watch(None)
         check_finite(h, "the output of the invertible sequence (diverged weights or a bad input)")
         ctx.seq, ctx.tape, ctx.stored, ctx.samples, ctx.params = seq, tape, stored, samples, params
         ctx.back = back
@@ -377,10 +384,12 @@ class _Engine(torch.autograd.Function):
         grads: Grads = {}
         stored, back = ctx.stored, ctx.back
         restore = _restorable(seq)
+        watch = seq.execution.watch or _unwatched
         for i in reversed(range(len(seq.stages))):
             stage, mode = seq.stages[i], seq._modes[i]
             budget = seq.slice_budget(i)
             tape.slice_bytes = ctx.default_slices if budget is None else budget
+            watch(i)
             if i in restore and y is not None:
                 j = restore[i]
                 _restore_(y, stored[j][0], seq.stages[j:i + 1], tape)
@@ -418,8 +427,13 @@ class _Engine(torch.autograd.Function):
             if not gy.is_contiguous():
                 gy = gy.contiguous()  # autograd may hand back a strided gradient; stages work in place
         del y
+        watch(None)
         gx = gy if ctx.needs_input_grad[0] else None
         return (gx, None, None, *[grads.get(p) for p in ctx.params])
+
+
+def _unwatched(stage: int | None) -> None:
+    pass
 
 
 def _autograd_backward(stage: nn.Module, xin: Tensor, out: Tensor, gy: Tensor,

@@ -52,6 +52,7 @@ class _Pool(Invertible):
         for sl in tape.slices(flat):
             tmp = flat[sl].clone().view(-1, c, h, w)
             flat[sl].view(-1, 2, 2, c, h // 2, w // 2).copy_(_to_subimages(tmp))
+            del tmp  # before the next slice's copy: one slice's temporary at a time
         return x.view(self._pooled_shape(b, c, h, w))
 
     def inverse_(self, y: Tensor, tape: Tape) -> Tensor:
@@ -62,6 +63,7 @@ class _Pool(Invertible):
             # straight into the six-axis view of the destination: a reshape of the permuted copy would make a
             # second copy of the slice first
             flat[sl].view(-1, c, h // 2, 2, w // 2, 2).copy_(tmp.permute(0, 3, 4, 1, 5, 2))
+            del tmp
         return y.view(b, c, h, w)
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
@@ -133,4 +135,5 @@ def global_pool_grad(y: Tensor, gout: Tensor, samples: int, kind: str, slice_byt
         hit = u[sl] == u[sl].amax(dim=(1, 3, 4), keepdim=True)
         share = gout[sl].view(-1, 1, c, 1, 1) / hit.sum(dim=(1, 3, 4), keepdim=True)
         torch.mul(hit, share, out=gu[sl])
+        del hit, share  # one slice's masks at a time
     return gy

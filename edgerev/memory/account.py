@@ -25,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev._torchapi import fake_copy, fake_mode
+from edgerev.engine import InvertibleSequence
 from edgerev.memory.cap import accumulate, split_batch
 from edgerev.memory.tracker import MemoryTracker
 from edgerev.models.spec import model_spec
@@ -133,7 +134,8 @@ def beyond_model(model: nn.Module, shape: StepShape, micro_batch: int) -> int:
 
 
 def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Callable[[nn.Module], None],
-                 loss_fn: Callable[..., Tensor] | None = None, real: bool = False) -> StepAccount:
+                 loss_fn: Callable[..., Tensor] | None = None, real: bool = False,
+                 stage_peaks: dict[int, int] | None = None) -> StepAccount:
     """The bytes of one training step of ``model`` under ``shape``, in micro-batches of ``micro_batch``.
 
     Args:
@@ -142,6 +144,8 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
             (default: cross-entropy).
         real: run ``model`` itself on real tensors (CPU) and measure, instead of predicting on a fake
             copy: the check of a prediction (``edgerev plan --verify``).
+        stage_peaks: filled with the step's peak while each stage of the engine body ran (its forward and its
+            backward; baseline included), by stage index: what the stage's own batch slices decide.
 
     The step runs through the trainer's own micro-batch loop, on fake tensors unless ``real``: nothing
     is allocated. Its first two micro-batches are run: the later ones repeat the second (gradients
@@ -166,12 +170,18 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         if shape.teacher_bytes:
             targets += (torch.randn(batch, max(1, shape.teacher_classes)),)
         parts = split_batch(batch, math.ceil(batch / micro_batch))[:2]
-        with MemoryTracker(baseline=baseline) as tracker:
+        tracker = MemoryTracker(baseline=baseline)
+        body = getattr(run, "body", None)
+        if stage_peaks is not None and isinstance(body, InvertibleSequence):
+            body.set_execution(replace(body.execution, watch=tracker.enter))
+        with tracker:
             if shape.unlabeled:
                 weak_forward(run, x[:min(micro_batch, shape.unlabeled)])
             accumulate(run, x, targets, parts, loss_fn)
         if real:
             run.zero_grad(set_to_none=True)
+    if stage_peaks is not None:
+        stage_peaks.update(tracker.section_peaks)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return StepAccount(**terms, gradients=_nbytes(trainable), step_bytes=tracker.peak - baseline, batch=batch,
                        micro_batch=micro_batch)

@@ -10,7 +10,14 @@
    :mod:`edgerev.memory.segments` for a plain one);
 3. *check*: the proposal's whole step is accounted exactly; if it passes the budget, the solver is
    asked again under a budget reduced by the overshoot (*shrink*), a few rounds, and the floor plan
-   is the answer if nothing faster fits.
+   is the answer if nothing faster fits;
+4. *widen*: the engine computes per-sample temporaries in batch slices, and every slice is a round of
+   kernel launches. The stage modes are solved and checked at the lean slices (1 MiB); then each stage
+   gets the largest slice budget under which the step still fits: the whole step is accounted at
+   uniform budgets from the whole batch down (:data:`SLICE_LADDER`), each account attributing its peak
+   to the stage that was running (``stage_peaks``), and each stage takes the largest budget whose peak
+   stayed under the budget. The mixed plan is accounted once more. Under a generous cap the step runs
+   whole-batch; under a tight one only the stages at the peak slice.
 
 So the bytes a plan is reported with are those of the whole step, the figure an error names is a
 budget that trains, and the two kinds of model differ only in their solver.
@@ -31,7 +38,7 @@ from edgerev.memory import profile as profiles
 from edgerev.memory.account import StepAccount, StepShape, account_step, beyond_model
 from edgerev.memory.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
 from edgerev.memory.graph import planned
-from edgerev.memory.knapsack import default_batches, plan, smallest_budget
+from edgerev.memory.knapsack import default_batches, exact_only, plan, smallest_budget
 from edgerev.memory.measure import apply_plan, fake_step_peak, step_peak
 from edgerev.memory.segments import plan_segments
 from edgerev.models.spec import model_spec
@@ -46,9 +53,10 @@ class Proposal:
     segments: tuple[Segment, ...] | None
     fitted_peak_bytes: int
     step_seconds: float
+    slices: tuple[int, ...] | None = None
 
     def apply(self, model: nn.Module) -> None:
-        apply_plan(model, self.modes, self.segments)
+        apply_plan(model, self.modes, self.segments, self.slices)
 
 
 class _ModesSolver:
@@ -59,6 +67,13 @@ class _ModesSolver:
     def __init__(self, model: nn.Module, size: int, device: str, profile: Profile | None, estimate: bool) -> None:
         self.model, self.size, self.device, self.estimate = model, size, device, estimate
         self.profile = profile
+        self._full = profile  # with the approximate modes too; an estimate is first made without them
+
+    def full(self) -> Profile:
+        """The profile with every mode (estimated when first needed: only where no exact plan fits)."""
+        if self._full is None:
+            self._full = profiles.load_or_measure(self.model, self.size, self.device, estimate=self.estimate)
+        return self._full
 
     def floors(self) -> list[Proposal]:
         """Batch 1 in the least-memory plans: per stage floor, else invert, else recompute, else a 4-bit copy;
@@ -75,18 +90,25 @@ class _ModesSolver:
         return out
 
     def smallest(self) -> int:
-        return smallest_budget(self.profile)
+        return smallest_budget(self.full())
 
     def prepare(self) -> None:
         if self.profile is None:
-            self.profile = profiles.load_or_measure(self.model, self.size, self.device, estimate=self.estimate)
+            self.profile = profiles.load_or_measure(self.model, self.size, self.device, estimate=self.estimate,
+                                                    exact=True)
+            self._full = None if self.estimate else self.profile
 
     def solve(self, target: int, batches: list[int] | None) -> Proposal:
-        p = plan(self.profile, target, batches=batches)
+        """The fastest plan in exact modes; approximate ones (``store8``, ``store4``) only where no exact plan fits."""
+        try:
+            p = plan(exact_only(self.profile), target, batches=batches)
+        except BudgetTooSmall:
+            p = plan(self.full(), target, batches=batches)
         return Proposal(p.batch, p.modes, None, p.predicted_peak_bytes, p.step_seconds)
 
     def floor_seconds(self, floor: Proposal) -> float:
-        return sum(self.profile.stages[i][m].seconds.at(1) for i, m in enumerate(floor.modes))
+        prof = self.profile if all(m in self.profile.stages[i] for i, m in enumerate(floor.modes)) else self.full()
+        return sum(prof.stages[i][m].seconds.at(1) for i, m in enumerate(floor.modes))
 
     @property
     def source(self) -> str:
@@ -155,10 +177,11 @@ class TrainingPlan:
     solve_seconds: float = 0.0
     step_seconds: float = 0.0
     profile: Profile | None = None
+    slices: tuple[int, ...] | None = None  # per stage, the batch-slice budget (0: the whole batch); None: default
 
     def apply(self, model: nn.Module) -> None:
         """Set the plan on ``model`` (a model without an engine body: on its chain, see ``planned``)."""
-        apply_plan(planned(model), self.modes, self.segments)
+        apply_plan(planned(model), self.modes, self.segments, self.slices)
 
     @property
     def samples_per_second(self) -> float:
@@ -166,8 +189,10 @@ class TrainingPlan:
 
     def stages(self, model: nn.Module) -> list[dict]:
         modes = self.modes if self.modes is not None else SegmentPlan(1, self.segments, 0, 1.0).stage_modes()
-        return [{"name": getattr(s, "name", n), "type": type(s).__name__, "mode": m}  # a chain's pieces are named
-                for (n, s), m in zip(model.body.stages.named_children(), modes)]
+        slices = self.slices or (None,) * len(modes)
+        return [{"name": getattr(s, "name", n), "type": type(s).__name__, "mode": m,  # a chain's pieces are named
+                 **({"slice_bytes": b} if b is not None else {})}
+                for (n, s), m, b in zip(model.body.stages.named_children(), modes, slices)]
 
 
 def _batches(max_batch: int | None, batches: list[int] | None) -> list[int] | None:
@@ -180,7 +205,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
                   max_batch: int | None = None, step: StepShape | None = None,
                   loss_fn: Callable[..., Tensor] | None = None, profile: Profile | None = None,
                   stats: list[StageStats] | None = None, check: bool | None = None, rounds: int = 4,
-                  batches: list[int] | None = None, segments: bool | None = None) -> TrainingPlan:
+                  batches: list[int] | None = None, segments: bool | None = None, widen: bool = True) -> TrainingPlan:
     """The fastest plan for ``model`` at ``size`` whose whole step stays under ``budget`` bytes.
 
     ``model`` is an edgerev model or any classifier (``nn.Module``): one without an engine body is captured
@@ -197,6 +222,8 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
         check: account each proposal exactly on fake tensors (default: on CPU, where that is exact).
         segments: plan checkpoint segments (True) or stage modes (False); default: segments for a
             model without an invertible stage.
+        widen: give each stage the largest batch slices the budget allows (:func:`widen_slices`, accounted on
+            fake tensors); False: the default slices (the lean setting the stage costs are profiled at).
 
     Raises:
         BudgetTooSmall: the budget is below the floor (named in the message), checked before anything
@@ -216,7 +243,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
     extra = beyond_model(model, step, 1)  # what the solvers' bare-step costs leave out
     floor, floor_account = None, None
     if check:  # before anything is profiled: a budget below the floor is refused in seconds
-        floor, floor_account = _floor(solver, exact)
+        floor, floor_account = _floor(solver, exact, step.batch)
         if budget < floor_account.total:
             raise BudgetTooSmall(budget, floor_account.total)
     solver.prepare()
@@ -232,19 +259,79 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
                 break
             raise BudgetTooSmall(budget, solver.smallest() + extra) from None
         solve = time.perf_counter() - t0
-        if not check:
+        if widen and p.modes is not None:  # checked at the widest slices that fit (the lean ones last)
+            p, account = widen_slices(model, step, p, budget, loss_fn)
+            if account.total <= budget or not check:  # unchecked (CUDA): the solver's word, fitted on device after
+                peak = account.total if account.total <= budget else \
+                    p.fitted_peak_bytes + beyond_model(model, step, p.batch)
+                return _result(solver, p, account if account.total <= budget else None, peak, solve)
+        elif not check:
             return _result(solver, p, None, p.fitted_peak_bytes + beyond_model(model, step, p.batch), solve)
-        account = exact(p)
-        if account.total <= budget:
-            return _result(solver, p, account, account.total, solve)
+        else:
+            account = exact(p)
+            if account.total <= budget:
+                return _result(solver, p, account, account.total, solve)
         target -= account.total - budget + max(1, budget // 200)  # the fit missed by a roughly constant amount
     floor = replace(floor, step_seconds=solver.floor_seconds(floor), fitted_peak_bytes=floor_account.total)
+    if widen and floor.modes is not None:
+        wide, account = widen_slices(model, step, floor, budget, loss_fn)
+        if account.total <= budget:
+            floor, floor_account = wide, account
     return _result(solver, floor, floor_account, floor_account.total, solve)
 
 
-def _floor(solver, exact: Callable[[Proposal], StepAccount]) -> tuple[Proposal, StepAccount]:
+#: the batch-slice budgets :func:`widen_slices` tries, largest first: the whole batch (0), then halving from
+#: 256 MiB to the lean 1 MiB at which stage costs are profiled and plans are checked
+SLICE_LADDER: tuple[int, ...] = (0, *(1 << k for k in range(28, 19, -1)))
+
+
+def widen_slices(model: nn.Module, step: StepShape, p: Proposal, budget: int,
+                 loss_fn: Callable[..., Tensor] | None = None) -> tuple[Proposal, StepAccount]:
+    """``p`` with each stage's largest batch-slice budget under which the whole step fits ``budget``: fewer slices,
+    fewer kernel launches, the same arithmetic; and its account (over ``budget`` when nothing fits, not even the
+    lean slices: the check of ``p`` failed).
+
+    The step is accounted at uniform budgets, largest first, each account attributing its peak to the stage
+    that ran (a stage's temporaries are freed before the next stage runs, so its peak depends on its own slices
+    alone); a stage keeps the first budget under which its peak fitted. The plan of those budgets is accounted
+    once more; were it over (an effect between stages, or a peak outside the stages), the largest uniform budget
+    that fitted whole.
+    """
+    n = len(model.body.stages)
+    chosen: list[int | None] = [None] * n
+    uniform: tuple[Proposal, StepAccount] | None = None
+    last: tuple[Proposal, StepAccount] | None = None
+    for b in SLICE_LADDER:
+        peaks: dict[int, int] = {}
+        q = replace(p, slices=(b,) * n)
+        last = (q, accounted(model, step, q, loss_fn, peaks))
+        if last[1].total <= budget and uniform is None:
+            uniform = last
+            if all(c is None for c in chosen):
+                return uniform  # every stage at this budget, none could take a larger one
+        for i in range(n):
+            if chosen[i] is None and peaks.get(i, 0) <= budget:
+                chosen[i] = b
+        if all(c is not None for c in chosen):
+            break
+    if any(c is None for c in chosen):
+        return uniform or last
+    q = replace(p, slices=tuple(chosen))
+    acc = accounted(model, step, q, loss_fn)
+    return (q, acc) if acc.total <= budget else (uniform or last)
+
+
+def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None = None) -> tuple[Proposal, StepAccount]:
+    """The least of the solver's floors at micro-batch 1; and, when the step's whole ``batch`` in one micro-batch may
+    hold less (its extra samples' activations below the gradients that accumulating micro-batches holds twice: a
+    small model), the same modes at that batch."""
     accounts = [(f, exact(f)) for f in solver.floors()]
-    return min(accounts, key=lambda a: a[1].total)
+    best = min(accounts, key=lambda a: a[1].total)
+    one = best[1]
+    if batch and batch > 1 and one.gradients >= max(0, one.step_bytes - 2 * one.gradients) * (batch - 1):
+        whole = [(replace(f, batch=batch), exact(replace(f, batch=batch))) for f, _ in accounts]
+        best = min([best, *whole], key=lambda a: a[1].total)
+    return best
 
 
 def floor_plan(model: nn.Module, step: StepShape,
@@ -254,7 +341,7 @@ def floor_plan(model: nn.Module, step: StepShape,
     model = planned(model, step.size)
     solver = _SegmentsSolver(model, step.size, "cpu") if is_plain(model) else \
         _ModesSolver(model, step.size, "cpu", None, False)
-    return _floor(solver, lambda p: accounted(model, step, p, loss_fn))
+    return _floor(solver, lambda p: accounted(model, step, p, loss_fn), step.batch)
 
 
 def _loss_key(loss_fn) -> tuple | None:
@@ -268,10 +355,11 @@ def _loss_key(loss_fn) -> tuple | None:
 
 
 _ACCOUNTS: dict[tuple, StepAccount] = {}  # (model, step, plan, loss) -> its account, for this process
+_STAGE_PEAKS: dict[tuple, dict[int, int]] = {}  # the same key -> the account's peak per stage
 
 
-def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[..., Tensor] | None = None
-              ) -> StepAccount:
+def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[..., Tensor] | None = None,
+              stage_peaks: dict[int, int] | None = None) -> StepAccount:
     """:func:`~edgerev.memory.account.account_step` of proposal ``p``, remembered for this process.
 
     An account on fake tensors depends only on the model's structure, its weights' types and which are
@@ -280,14 +368,18 @@ def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[
     """
     loss = _loss_key(loss_fn)
     if loss is None:
-        return account_step(model, step, p.batch, p.apply, loss_fn)
+        return account_step(model, step, p.batch, p.apply, loss_fn, stage_peaks=stage_peaks)
     key = (profiles.model_key(model, step.size, "cpu"),
            tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in model.named_parameters()),
            tuple((n, tuple(t.shape), t.dtype) for n, t in model.named_buffers()),
            tuple(str(m) for m in getattr(getattr(model, "body", None), "modes", None) or ()),  # a plan of None
-           step, p.batch, p.modes, p.segments, loss)
-    if key not in _ACCOUNTS:
-        _ACCOUNTS[key] = account_step(model, step, p.batch, p.apply, loss_fn)
+           step, p.batch, p.modes, p.segments, p.slices, loss)
+    if key not in _ACCOUNTS or (stage_peaks is not None and key not in _STAGE_PEAKS):
+        peaks: dict[int, int] = {}
+        _ACCOUNTS[key] = account_step(model, step, p.batch, p.apply, loss_fn, stage_peaks=peaks)
+        _STAGE_PEAKS[key] = peaks
+    if stage_peaks is not None:
+        stage_peaks.update(_STAGE_PEAKS[key])
     return _ACCOUNTS[key]
 
 
@@ -301,7 +393,7 @@ def _result(solver, p: Proposal, account: StepAccount | None, peak: int, solve: 
     if p.segments is not None:
         summary["segments"] = [{"start": s.start, "end": s.end, "mode": s.mode} for s in p.segments]
     tp = TrainingPlan(p.batch, p.modes, p.segments, peak, summary, account, p.fitted_peak_bytes, solve,
-                      p.step_seconds, getattr(solver, "profile", None))
+                      p.step_seconds, getattr(solver, "profile", None), p.slices)
     summary["stages"] = tp.stages(solver.model)
     return tp
 
@@ -366,9 +458,9 @@ def minimal_segments(model: nn.Module, size: int) -> tuple[tuple, int]:
 
 
 def verify(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: int, device: str = "cpu",
-           steps: int = 2, segments: tuple | None = None) -> dict:
+           steps: int = 2, segments: tuple | None = None, slices: tuple[int, ...] | None = None) -> dict:
     """Run real training steps with the plan: measured peak bytes and seconds per step."""
-    apply_plan(model, modes, segments)
+    apply_plan(model, modes, segments, slices)
     peak = step_peak(model, batch, size, device).peak_bytes
     spec = model_spec(model)
     x = torch.randn(batch, spec.in_channels, size, size, device=device)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from edgerev.errors import EdgerevError
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: estimated seconds count kernel launches; byte fits at adaptive large batches
 
 
 class BudgetTooSmall(EdgerevError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edgerev.errors import EdgerevError
 from edgerev.memory.costs import BudgetTooSmall, ModeCost, Plan, Profile
@@ -110,6 +110,16 @@ def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, gr
             raise _NoPlan
         raise BudgetTooSmall(budget, smallest_budget(profile, head_bytes_per_sample))
     return best
+
+
+APPROXIMATE = frozenset({"store8", "store4"})  # modes whose gradients are approximate (edgerev.approximate)
+
+
+def exact_only(profile: Profile) -> Profile:
+    """``profile`` without the approximate modes: the planner's first question (a stage that had only those keeps
+    them)."""
+    stages = [{m: c for m, c in s.items() if m not in APPROXIMATE} or dict(s) for s in profile.stages]
+    return replace(profile, stages=stages)
 
 
 def smallest_budget(profile: Profile, head_bytes_per_sample: float = 0.0, *, batch: int = 1) -> int:

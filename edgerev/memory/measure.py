@@ -85,11 +85,14 @@ def fake_step_peak(model: nn.Module, modes: tuple[str, ...] | None, batch: int, 
     return account_step(model, StepShape(size), batch, lambda m: apply_plan(m, modes, segments)).total
 
 
-def apply_plan(model: nn.Module, modes: tuple[str, ...] | None, segments: tuple | None) -> None:
-    """Set stage ``modes`` (None: leave them) and checkpoint ``segments`` (None: the engine) on ``model``."""
+def apply_plan(model: nn.Module, modes: tuple[str, ...] | None, segments: tuple | None,
+               slices: tuple[int, ...] | None = None) -> None:
+    """Set stage ``modes`` (None: leave them), checkpoint ``segments`` (None: the engine) and the stages' batch-slice
+    budgets (None: the default) on ``model``."""
     if modes is not None:
         model.body.set_modes(list(modes))
-    model.body.set_execution(Execution(segments=tuple(segments) if segments is not None else None))
+    model.body.set_execution(Execution(segments=tuple(segments) if segments is not None else None,
+                                       slices=tuple(slices) if slices is not None else None))
 
 
 def set_modes(model: nn.Module, modes: str) -> None:

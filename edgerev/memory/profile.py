@@ -6,7 +6,9 @@ seconds are fitted as ``intercept + slope * batch`` (per sample of the *model's*
 pooling is accounted for). Bytes come from the live-tensor tracker, seconds from the wall clock
 after warm-up steps. A profile is cached per (model, input size, device) as JSON and reused.
 Without measurement (``estimate=True``) bytes come from the same tracker under fake tensors and
-seconds from FLOP counts at a nominal rate: the planner can answer before anything has run.
+seconds from the same fake run's FLOPs and kernel launches at nominal rates (a step of many small kernels
+is slow on any device: on a GPU each launch costs about as much as a small kernel's arithmetic): the
+planner can answer before anything has run. Stages of the same structure and input shape are run once.
 """
 
 from __future__ import annotations
@@ -29,13 +31,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from edgerev._torchapi import fake_copy, fake_mode, storage_key
 from edgerev.engine import Execution, InvertibleSequence, Mode, supported_modes
 from edgerev.errors import EdgerevError
-from edgerev.layers.base import replaying
+from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
 from edgerev.memory.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats
 from edgerev.memory.tracker import MemoryTracker
 from edgerev.models.spec import model_spec
 
-# seconds per FLOP used by estimates (about 20 GFLOP/s: a small CPU; a measured profile replaces it)
-NOMINAL_SECONDS_PER_FLOP = 1 / 20e9
+# seconds per FLOP used by estimates, per device type (a measured profile replaces them): about 20 GFLOP/s on a
+# small CPU, 2 TFLOP/s on a small GPU (a GTX 750 peaks at 1.1, a Jetson Orin's at several)
+NOMINAL_SECONDS_PER_FLOP = {"cpu": 1 / 20e9, "cuda": 1 / 2e12}
+# seconds per kernel launch (an op that is not a view or an allocation) used by estimates: an eager op costs
+# some microseconds of dispatch on a CPU and 10-15 us of launch on a GPU (14.1 us fitted on an H200)
+NOMINAL_SECONDS_PER_KERNEL = 10e-6
+
+
+def nominal_seconds(flops: float, kernels: int, device: str = "cpu") -> float:
+    """Estimated seconds of ``flops`` FLOPs in ``kernels`` kernel launches on a device of type ``device``."""
+    per_flop = NOMINAL_SECONDS_PER_FLOP.get(torch.device(device).type, NOMINAL_SECONDS_PER_FLOP["cpu"])
+    return flops * per_flop + kernels * NOMINAL_SECONDS_PER_KERNEL
 
 
 def model_key(model: nn.Module, size: int, device: str) -> str:
@@ -67,7 +79,8 @@ def _body(model: nn.Module) -> InvertibleSequence:
 
 
 def stage_inputs(model: nn.Module, size: int, device: str | torch.device = "cpu") -> list[tuple[int, ...]]:
-    """Input shape of every stage for a batch of one image (dim 0 is the batch multiplier)."""
+    """Input shape of every stage for a batch of one image (dim 0 is the batch multiplier): a forward of a fake copy,
+    shapes only (``device`` is where the model is; the copy runs nowhere)."""
     body = _body(model)
     shapes: dict[int, tuple[int, ...]] = {}
     def record(i: int):
@@ -76,14 +89,12 @@ def stage_inputs(model: nn.Module, size: int, device: str | torch.device = "cpu"
 
         return hook
 
-    hooks = [s.register_forward_pre_hook(record(i)) for i, s in enumerate(body.stages)]
-    was_training = model.training
-    try:
-        model.eval()
+    with fake_mode() as mode:
+        fake = fake_copy(model, mode)
+        hooks = [s.register_forward_pre_hook(record(i)) for i, s in enumerate(_body(fake).stages)]
+        fake.eval()
         with torch.no_grad():
-            model(torch.zeros(1, model_spec(model).in_channels, size, size, device=device))
-    finally:
-        model.train(was_training)
+            fake(torch.zeros(1, model_spec(model).in_channels, size, size))
         for h in hooks:
             h.remove()
     return [shapes[i] for i in range(len(body.stages))]
@@ -122,14 +133,28 @@ def _run(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first
     return (kept, fwd, bwd, seconds) if track else (0.0, 0.0, 0.0, seconds)
 
 
-BYTE_BATCHES = ((1, 2), (64, 128))  # small and large batches of the byte fits (run on fake tensors)
+SMALL_BATCHES = (1, 2)  # the byte fit at small batches (run on fake tensors)
+LARGE_BATCH_LIMIT = 64  # the large fit's first batch at most
+
+
+def large_batches(shape: tuple[int, ...], element_size: int = 4) -> tuple[int, int]:
+    """The batches of the byte fit at large batches: from the batch at which every slice of the stage's
+    temporaries is full, so its bytes grow by the activations alone (the lean 1 MiB budget; the narrowest
+    slice the layers take is a quarter of the stage's input row). Larger batches only cost fake ops."""
+    per_sample = max(1, math.prod(shape) * element_size)  # bytes of the stage input per sample of the model
+    k = min(LARGE_BATCH_LIMIT, max(2, math.ceil(4 * LEAN_SLICE_BYTES / per_sample)))
+    return k, 2 * k
 
 
 def _bytes_curves(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool) -> tuple[Curve, Curve, Curve]:
-    """Byte fits from fake-tensor runs: exact bytes, nothing allocated, any batch."""
+    """Byte fits from fake-tensor runs at the lean slices: exact bytes, nothing allocated, any batch."""
     fits = []
-    for b1, b2 in BYTE_BATCHES:
-        with fake_mode() as mode_:
+    large = large_batches(shape)
+    # slices full from the second batch on (two slices at least): one fit serves both (a line through batches 2
+    # and 4 lies above the bytes of batch 1, whose one slice is the whole batch)
+    pairs = (large,) if large[0] == 2 else (SMALL_BATCHES, large)
+    for b1, b2 in pairs:
+        with fake_mode() as mode_, chunk_budget(LEAN_SLICE_BYTES):
             fake = fake_copy(stage, mode_)
             r1 = _run(fake, mode, shape, b1, first, "cpu", True)
             r2 = _run(fake, mode, shape, b2, first, "cpu", True)
@@ -138,7 +163,7 @@ def _bytes_curves(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: b
     own = float(sum(p.numel() * p.element_size() for p in stage.parameters()))
     for fit in fits:
         fit[2] = Linear(max(fit[2].intercept - own, 0.0), fit[2].slope)
-    small, large = fits
+    small, large = fits[0], fits[-1]
     return tuple(Curve(small[k], large[k]) for k in range(3))
 
 
@@ -203,42 +228,79 @@ def fixed_bytes(model: nn.Module) -> int:
     return 2 * params + buffers
 
 
-def estimate_profile(model: nn.Module, size: int, device: str = "cpu") -> Profile:
-    """Bytes from fake-tensor runs of each stage, seconds from FLOP counts at a nominal rate."""
+def estimate_profile(model: nn.Module, size: int, device: str = "cpu", exact: bool = False) -> Profile:
+    """Bytes from fake-tensor runs of each stage, seconds from the FLOPs and kernel launches of a fake run at
+    nominal rates (:func:`estimated_seconds`). A stage of the same structure, input shape and trainable
+    weights as one already estimated (RevNeXt's blocks within a level) takes its costs. ``exact``: the exact modes
+    only (the planner's first question: ``store8``/``store4`` are asked for only where no exact plan fits)."""
     body = _body(model)
     # the shapes from a forward where the model is (a CUDA model's forward on a CPU image fails); the rest
     # runs on fake CPU copies of its stages
     shapes = stage_inputs(model, size, next(model.parameters()).device)
     stages, names = [], []
+    seen: dict[tuple, dict[str, ModeCost]] = {}
     for i, (stage, shape) in enumerate(zip(body.stages, shapes)):
-        costs = {}
-        for m in supported_modes(stage):
-            kept, fwd, bwd = _bytes_curves(stage, m, shape, i == 0)
-            flops = {}
-            for b in (1, 2):
-                counter = FlopCounter()
-                with fake_mode() as mode_:
-                    fake = fake_copy(stage, mode_)
-                    with counter:
-                        _run(fake, m, shape, b, i == 0, "cpu", False)
-                flops[b] = counter.total * NOMINAL_SECONDS_PER_FLOP
-            costs[m.value] = ModeCost(kept, fwd, bwd, Linear.fit(1, flops[1], 2, flops[2]))
-        stages.append(costs)
+        key = (repr(stage), shape, i == 0, tuple(p.requires_grad for p in stage.parameters()),
+               tuple(m.training for m in stage.modules()))
+        if key not in seen:
+            seen[key] = {m.value: ModeCost(*_bytes_curves(stage, m, shape, i == 0),
+                                           estimated_seconds(stage, m, shape, i == 0, device))
+                         for m in supported_modes(stage) if not (exact and m.bits is not None)}
+        stages.append(dict(seen[key]))
         names.append(type(stage).__name__)
     return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
-                   "estimated", fixed_bytes(model), stages, names)
+                   "estimated exact" if exact else "estimated", fixed_bytes(model), stages, names)
+
+
+def estimated_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str = "cpu"
+                      ) -> Linear:
+    """Seconds of a forward and backward of ``stage`` in ``mode`` as a line in the batch: its FLOPs and its kernel
+    launches, counted on fake tensors at batches 1 and 2 with whole-batch slices (the planner widens a plan's
+    slices as far as its budget allows, :func:`edgerev.memory.autoplan.widen_slices`), at the nominal rates of a
+    ``device`` (:func:`nominal_seconds`)."""
+    seconds = {}
+    for b in SMALL_BATCHES:
+        counter = FlopCounter()
+        with fake_mode() as mode_, chunk_budget(0):
+            fake = fake_copy(stage, mode_)
+            with counter:
+                _run(fake, mode, shape, b, first, "cpu", False)
+        seconds[b] = nominal_seconds(counter.total, counter.kernels, device)
+    b1, b2 = SMALL_BATCHES
+    return Linear.fit(b1, seconds[b1], b2, seconds[b2])
+
+
+#: ATen ops that launch no kernel: views are counted out by their schema, these by name
+NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+                       "detach", "alias", "_local_scalar_dense"})
+
+
+def launches_kernel(func) -> bool:
+    """Does this ATen op launch a kernel on a device? Everything but views, allocations and aliases (and reading a
+    scalar back, which is a host synchronisation rather than a kernel: :class:`FlopCounter` counts it apart)."""
+    return func.namespace == "aten" and not func.is_view and func._overloadpacket.__name__ not in NO_KERNEL
 
 
 class FlopCounter(TorchDispatchMode):
-    """FLOPs of every op PyTorch has a formula for (convolutions, matrix products), by shapes only.
+    """FLOPs of every op PyTorch has a formula for (convolutions, matrix products), by shapes only, and the kernel
+    launches of all ops (:func:`launches_kernel`): on any device, meta and fake tensors included.
 
     ``torch.utils.flop_counter.FlopCounterMode`` also tracks modules with hooks, which breaks the
     engine's own ``autograd.grad`` calls inside its backward; this counts ops and nothing else.
+
+    Attributes:
+        total: FLOPs.
+        kernels: ops that launch a kernel.
+        syncs: values read back to the host (``.item()``, a tensor's truth value): each waits for the device.
+        by_op: kernel launches per op name.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.kernels = 0
+        self.syncs = 0
+        self.by_op: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils.flop_counter import flop_registry
@@ -248,15 +310,22 @@ class FlopCounter(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
+        name = func._overloadpacket.__name__
+        if name == "_local_scalar_dense":
+            self.syncs += 1
+        elif launches_kernel(func):
+            self.kernels += 1
+            self.by_op[name] = self.by_op.get(name, 0) + 1
         return out
 
 
-def _cached(model: nn.Module, size: int, device: str, root: Path, estimate: bool) -> tuple[Path, Profile | None]:
+def _cached(model: nn.Module, size: int, device: str, root: Path, estimate: bool,
+            exact: bool = False) -> tuple[Path, Profile | None]:
     """Where the profile of (model, size, device) is cached under ``root``, and the profile if one is there."""
     key = model_key(model, size, device)
-    kind = "estimated" if estimate else "measured"
+    kind = ("estimated exact" if exact else "estimated") if estimate else "measured"
     name = f"{getattr(model, 'arch', 'model')}-{size}-{device}-{key}"
-    path = root / (f"{name}-estimated.json" if estimate else f"{name}.json")
+    path = root / (f"{name}-{kind.replace(' ', '-')}.json" if estimate else f"{name}.json")
     if path.exists():
         try:
             d = json.loads(path.read_text())
@@ -276,7 +345,7 @@ def cached_profile(model: nn.Module, size: int, device: str = "cpu", cache: Path
 
 
 def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
-                    estimate: bool = False) -> Profile:
+                    estimate: bool = False, exact: bool = False) -> Profile:
     """The cached profile for (model, size, device), measuring it (or estimating it) the first time.
 
     Estimates are cached too (their own file, and in this process): an estimate depends only on the
@@ -284,13 +353,14 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
     a minute and more on a small CPU; a daemon or a fleet round that plans each job of the same model
     would pay it every job.
     """
-    key = model_key(model, size, device)
+    exact = exact and estimate  # a measured profile has every mode
+    key = (model_key(model, size, device), exact)
     if estimate and key in _ESTIMATES:
         return _own_bytes(copy.deepcopy(_ESTIMATES[key]), model)
     root = cache or cache_dir()
-    path, prof = _cached(model, size, device, root, estimate)
+    path, prof = _cached(model, size, device, root, estimate, exact)
     if prof is None:
-        prof = estimate_profile(model, size, device) if estimate else measure_profile(model, size, device)
+        prof = estimate_profile(model, size, device, exact=exact) if estimate else measure_profile(model, size, device)
         try:
             root.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -311,7 +381,7 @@ def _own_bytes(prof: Profile, model: nn.Module) -> Profile:
     return prof if prof.fixed_bytes == own else replace(prof, fixed_bytes=own)
 
 
-_ESTIMATES: dict[str, Profile] = {}  # model key -> estimated profile, for this process
+_ESTIMATES: dict[tuple[str, bool], Profile] = {}  # (model key, exact modes only) -> estimated profile, this process
 
 
 # ---- plain models: per-stage statistics for checkpoint segments (edgerev.memory.segments) ----

@@ -32,6 +32,7 @@ class MemoryTracker(TorchDispatchMode):
         current: bytes live now (counted storages not yet freed).
         peak: the largest value ``current`` reached.
         peak_op: the operator that allocated at the moment of the peak (where to look).
+        section_peaks: the largest value ``current`` reached in each section named by :meth:`enter`.
 
     Args:
         budget: if set, raise :class:`MemoryBudgetExceeded` as soon as ``current`` passes it.
@@ -44,6 +45,14 @@ class MemoryTracker(TorchDispatchMode):
         self.current = self.peak = baseline
         self.peak_op = ""
         self._live: dict[int, int] = {}
+        self.section: object = None
+        self.section_peaks: dict[object, int] = {}
+
+    def enter(self, section: object) -> None:
+        """Attribute what follows to ``section`` (None: to no section) in :attr:`section_peaks`."""
+        self.section = section
+        if section is not None and self.current > self.section_peaks.get(section, -1):
+            self.section_peaks[section] = self.current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -73,6 +82,8 @@ class MemoryTracker(TorchDispatchMode):
             return
         if self.current > self.peak:
             self.peak, self.peak_op = self.current, str(func)
+        if self.section is not None and self.current > self.section_peaks.get(self.section, -1):
+            self.section_peaks[self.section] = self.current
         if self.budget is not None and self.current > self.budget:
             raise MemoryBudgetExceeded(
                 f"live tensors reached {self.current} bytes, over the budget of {self.budget} bytes (at {func})"
