@@ -12,9 +12,11 @@ For every registry model, every engine mode its stages support and plain autogra
 
 ``planned``: the step the planner sets up for ``--plan-model`` (revnext) at batch ``--plan-batch`` (32) under
 caps that are multiples of a lean mode's peak (``--caps``, default 1.10x all-``invert`` and 1.10x
-all-``floor``): ``plan_training(model, size, cap, estimate=True, max_batch=32)`` then ``plan.apply(model)``,
-exactly as a user would, in a fresh process with an empty profile cache; the ops and peak of the step it set
-up (per 32 samples when its micro-batch is smaller), and the wall and CPU seconds planning took.
+all-``floor``): ``plan_training(model, size, cap, "cuda", estimate=True, max_batch=32, check=True,
+batches=[32])`` then ``plan.apply(model)``: the paper's step (micro-batch 32) planned for a GPU (whose nominal
+rates make launches dear; on a CPU's, arithmetic dominates and a micro-batch of 1 or 2 in ``store`` can be the
+fastest there), accounted on fake tensors, in a fresh process with an empty profile cache; the ops and peak of
+the step it set up, and the wall and CPU seconds planning took.
 
 Meta tensors hold no values, so the engine skips its value checks on them (``check_finite``: a few kernels
 and two host reads per check, not in ``ops``): ``host_syncs`` is counted on a real CPU step of the same
@@ -207,7 +209,8 @@ def plan_row(name: str, size: int, budget: int, max_batch: int, overrides: dict 
         os.environ["EDGEREV_CACHE"] = cache
         try:
             t0, c0 = time.perf_counter(), time.process_time()
-            plan = plan_training(model, size, budget, estimate=True, max_batch=max_batch)
+            plan = plan_training(model, size, budget, "cuda", estimate=True, max_batch=max_batch, check=True,
+                                 batches=[max_batch])
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         finally:
             if before is None:

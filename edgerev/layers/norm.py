@@ -135,8 +135,9 @@ class InvBatchNorm2d(Invertible):
             # skip: one op with two outputs of the same sizes keeps the predicted bytes and op count exact
             std, mean = torch.std_mean(gy, dim=(0, 2, 3))
             return mean, std
+        # the weight only scales the input gradient, which is not asked for; CUDA's kernel wants one all the same
         _, ds, dbeta = torch.ops.aten.native_batch_norm_backward(
-            gy, y, None, None, None, c.beta, c.inv_s, True, 0.0, [False, True, True])
+            gy, y, c.inv_s, None, None, c.beta, c.inv_s, True, 0.0, [False, True, True])
         return dbeta, ds
 
     def weight_grad(self, ds: Tensor, tape: Tape) -> Tensor:
