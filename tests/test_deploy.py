@@ -126,6 +126,11 @@ def test_the_unit_has_no_capabilities_and_a_system_call_filter(unit):
     assert seconds(single(unit, "RestartSec")) >= 1
 
 
+def test_a_refusal_at_start_is_not_restarted(unit):
+    """The CLI exits 2 on bad input (a config, a model file): restarting would print the same line every 15 s."""
+    assert single(unit, "RestartPreventExitStatus") == "2"
+
+
 def test_the_unit_writes_only_the_data_directory(unit):
     assert single(unit, "StateDirectory") == "edgerev"  # systemd's /var/lib/edgerev
     assert effective(unit, "ReadWritePaths") == [DATA_DIR]
