@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an optimizer without momentum state (the recipe's SGD keeps one buffer per weight)")
     pl.add_argument("--device", default="cpu", help="cpu or cuda")
     pl.add_argument("--verify", action="store_true", help="run real training steps with the plan and measure them")
-    pl.add_argument("--estimate", action="store_true", help="estimate costs (fake tensors: FLOPs and kernel launches) instead of measuring")
+    pl.add_argument("--estimate", action="store_true",
+                    help="estimate costs (fake tensors: FLOPs and kernel launches) instead of measuring")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(fn=cmd_plan)
 
