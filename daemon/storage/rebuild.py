@@ -96,6 +96,15 @@ def store_state(path: Path, thorough: bool = True) -> str | None:
 
 
 def _inspect(uri: str, thorough: bool) -> str | None:
+    try:
+        return _inspect_schema(uri, thorough)
+    except UnicodeDecodeError as e:
+        # a damaged schema name quoted in SQLite's own message is not UTF-8: Python cannot decode the message and
+        # raises this instead of the sqlite3 error it carries
+        raise sqlite3.DatabaseError(f"malformed database schema (undecodable text at byte {e.start})") from None
+
+
+def _inspect_schema(uri: str, thorough: bool) -> str | None:
     conn = sqlite3.connect(uri, uri=True, timeout=10.0)
     try:
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_version'").fetchone():
