@@ -260,11 +260,11 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
             raise BudgetTooSmall(budget, solver.smallest() + extra) from None
         solve = time.perf_counter() - t0
         if widen and p.modes is not None:  # checked at the widest slices that fit (the lean ones last)
-            p, account = widen_slices(model, step, p, budget, loss_fn)
-            if account.total <= budget or not check:  # unchecked (CUDA): the solver's word, fitted on device after
-                peak = account.total if account.total <= budget else \
-                    p.fitted_peak_bytes + beyond_model(model, step, p.batch)
-                return _result(solver, p, account if account.total <= budget else None, peak, solve)
+            wide, account = widen_slices(model, step, p, budget, loss_fn)
+            if account.total <= budget:
+                return _result(solver, wide, account, account.total, solve)
+            if not check:  # unchecked (CUDA): the solver's word at the lean slices, fitted on the device after
+                return _result(solver, p, None, p.fitted_peak_bytes + beyond_model(model, step, p.batch), solve)
         elif not check:
             return _result(solver, p, None, p.fitted_peak_bytes + beyond_model(model, step, p.batch), solve)
         else:
