@@ -3,7 +3,7 @@
 For every registry model, every engine mode its stages support and plain autograd, and every input size:
 
 * ``ops``: the ATen ops one training step (forward, cross-entropy, backward) dispatches, each one a kernel
-  launch on a GPU; views and allocations are left out (:data:`NOT_KERNELS`), host reads of a tensor
+  launch on a GPU; views and allocations are left out (``edgerev.memory.profile.NO_KERNEL``), host reads of a tensor
   (``_local_scalar_dense``) are ``host_syncs``, counted apart;
 * ``flops``: the step's FLOPs by ``torch.utils.flop_counter``'s formulas (convolutions, matrix products);
 * ``peak_bytes``: the step's predicted peak (``edgerev.memory.account.account_step`` on fake tensors, the one
@@ -51,20 +51,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _common import write_json
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from edgerev.memory.profile import NO_KERNEL, FlopCounter
 
 ROOT = Path(__file__).resolve().parent.parent
-# ATen ops that launch no kernel: allocations and aliases (views are told by ``func.is_view``)
-NOT_KERNELS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
-                         "detach", "alias"})
+NOT_KERNELS = NO_KERNEL  # ops that launch no kernel: edgerev's one list (views are told by ``func.is_view``)
 SYNCS = frozenset({"_local_scalar_dense", "item"})  # a device-to-host read: the host waits for the device
 PHASES = ("forward", "loss", "backward")
 # a killed task cuts the dearest modes: they start first, the cheap ones fill in beside them
 COST = {"floor": 6, "store4": 5, "store8": 5, "invert": 4, "recompute": 2, "store": 1, "plain": 1}
 
 
-class KernelCounter(TorchDispatchMode):
-    """Counts the ATen ops dispatched inside it, per phase and per op name, and their FLOPs.
+class KernelCounter(FlopCounter):
+    """:class:`edgerev.memory.profile.FlopCounter` (the one rule of what launches a kernel, FLOPs and host reads)
+    with its kernel launches split by phase.
 
     Attributes:
         phase: the phase the next ops are counted in (set by the caller).
@@ -75,25 +75,20 @@ class KernelCounter(TorchDispatchMode):
         super().__init__()
         self.phase = PHASES[0]
         self.ops: collections.Counter[str] = collections.Counter()
-        self.by_name: collections.Counter[str] = collections.Counter()
-        self.syncs = 0
-        self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func._overloadpacket.__name__
-        if name in SYNCS:
-            self.syncs += 1
-        elif not (func.is_view or name in NOT_KERNELS):
-            self.ops[self.phase] += 1
-            self.by_name[name] += 1
-            formula = flop_registry.get(func._overloadpacket)
-            if formula is not None:
-                self.flops += int(formula(*args, **kwargs, out_val=out))
+        before = self.kernels
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.ops[self.phase] += self.kernels - before
         return out
+
+    @property
+    def flops(self) -> int:
+        return self.total
+
+    @property
+    def by_name(self) -> collections.Counter[str]:
+        return collections.Counter(self.by_op)
 
 
 def build(name: str, overrides: dict | None = None) -> torch.nn.Module:
