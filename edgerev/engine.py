@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from edgerev import approximate
 from edgerev._torchapi import storage_key
+from edgerev.enums import TextEnum
 from edgerev.errors import ModeError, NonFiniteError
 from edgerev.layers.base import Grads, Invertible, Tape, add_grads, is_fake, replaying
 from edgerev.layers.coupling import Coupling, forward_per_sample
@@ -60,7 +60,7 @@ from edgerev.layers.norm import InvBatchNorm2d
 from edgerev.layers.pooling import POOLS, global_pool, global_pool_grad
 
 
-class Mode(str, enum.Enum):
+class Mode(TextEnum):
     """How a stage is trained (see the module docstring)."""
 
     INVERT = "invert"
@@ -74,9 +74,6 @@ class Mode(str, enum.Enum):
     def bits(self) -> int | None:
         """Bits of the kept copy for the approximate modes, None otherwise."""
         return {"store8": 8, "store4": 4}.get(self.value)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from enum import Enum
+
+from edgerev.enums import TextEnum
 
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 LABEL_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
@@ -23,12 +24,12 @@ def label_problem(name: object) -> str | None:
     return None
 
 
-class Split(str, Enum):
+class Split(TextEnum):
     TRAIN = "train"
     HELDOUT = "heldout"
 
 
-class JobState(str, Enum):
+class JobState(TextEnum):
     """A job goes ``queued -> running -> done | failed``; a running job found at start-up (the daemon
     was killed) may go back to ``queued`` to be resumed from its checkpoint."""
 
@@ -46,7 +47,7 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 
 
-class EventKind(str, Enum):
+class EventKind(TextEnum):
     """What an event row records; its message is a JSON object whose keys depend on the kind."""
 
     DUPLICATE = "duplicate"      # source, sha256, existing (source of the stored copy), label_conflict
@@ -61,7 +62,7 @@ class EventKind(str, Enum):
     LABELED = "labeled"          # sha256, label, split, source (the inbox path or answer that gave it), sample_source
 
 
-class RemovalReason(str, Enum):
+class RemovalReason(TextEnum):
     """Why the retention policy removed a sample (:mod:`edgerev_daemon.storage.retention`)."""
 
     BYTES = "max_bytes"          # the data directory was over storage.max_bytes

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import Enum
 
 from edgerev.doctor.facts import CudaFacts, DiskFacts, FlwrFacts, OrtFacts, PythonFacts, TorchFacts
 from edgerev.doctor.plan import PlanFacts
+from edgerev.enums import TextEnum
 from edgerev.exits import OK, PARTIAL, WARNINGS
 from edgerev.torch_range import problem as torch_problem
 
 GTX750_TORCH = "torch==2.14.1 --index-url https://download.pytorch.org/whl/cu126"
 
 
-class Status(str, Enum):
+class Status(TextEnum):
     OK = "ok"
     WARNING = "warning"
     FAILING = "failing"
