@@ -8,7 +8,8 @@ it. Held (the daemon runs, and the page is served from the daemon's own process)
 too: a request is written whole or not at all), wakes the daemon when it can (the page shares its process),
 and waits a while for the result. The daemon takes the requests at its next cycle (:func:`serve`),
 before it decides on a job; a job under way keeps it busy, so a wait may end first: the answers are then
-applied after that job.
+applied after that job, and their result waits in the queue for whoever asks for it (:func:`result`: the page
+collects the ones its waiters gave up on) until the mailbox's bounds expire it.
 
 An answer is refused, with the reason, when its sample is no longer stored (the retention policy removed
 it), was labelled since, or is named ambiguously; a label the store does not know yet is refused as a
@@ -102,10 +103,12 @@ def submit(root: Path, answers: Sequence[Answer]) -> str:
     return mailbox.post(answers_dir(root), {"answers": [asdict(a) for a in answers]})
 
 
-def serve(config: DaemonConfig, store: Store) -> int:
-    """Apply every waiting request, oldest first, each answered with its outcomes; returns how many."""
+def serve(config: DaemonConfig, store: Store, now: float | None = None) -> int:
+    """Apply every waiting request, oldest first, each answered with its outcomes; returns how many. The results
+    nobody collected (their asker gave up waiting) expire first (:func:`edgerev_daemon.storage.mailbox.expire`, at
+    ``now``: the wall clock unless given)."""
     queue = answers_dir(config.layout.root)
-    taken = mailbox.pending(queue)
+    taken = mailbox.pending(queue, now)
     for rid, req in taken:
         try:
             meta, _ = mailbox.read(req)

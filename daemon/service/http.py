@@ -19,9 +19,18 @@ Routes (GET and HEAD, and POST to ``/label``; any other method is 405, any other
 
 The one write, ``POST /label``, takes the path every answer takes
 (:func:`~edgerev_daemon.service.labelling.give`: under the data directory's lock, through the daemon when it
-holds it). It is refused with 403 unless the form carries the token this server made at its start (random,
-compared in constant time; the pages carry it, and another site's page cannot read them), and unless an
-``Origin`` header, when the browser sends one, is this page's own: no cross-site request can label.
+holds it, waiting up to ``answer_wait`` seconds for its outcome). It is refused with 403 unless the form carries
+the token this server made at its start (random, compared in constant time; the pages carry it, and another
+site's page cannot read them), and unless an ``Origin`` header, when the browser sends one, is this page's own:
+no cross-site request can label.
+
+**Under load.** Each connection is served by a thread of its own; the kernel queues up to
+:data:`_BACKLOG` connections not yet accepted (``listen``'s backlog, capped by ``net.core.somaxconn``), so a burst
+of a few hundred is queued, not reset (the library's default, 5, reset most of 200 answers posted at once). At
+most ``answer_slots`` answers wait for the daemon at a time (a wait lasts up to ``answer_wait`` seconds while
+the daemon's cycle is busy); one more is refused at once with 503 and ``Retry-After``, nothing of it applied.
+An answer whose wait ended before the daemon applied it is noted as handed over; the page collects its outcome
+later (:class:`~edgerev_daemon.service.labelling.Notes`), and one nobody collects expires in the mailbox.
 
 Every request reads through a connection of its own (:func:`~edgerev_daemon.service.status.status` opens the
 store and closes it before it returns): the write-ahead log lets it read while the daemon writes, and
@@ -48,7 +57,6 @@ import socketserver
 import sqlite3
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,6 +65,7 @@ from urllib.parse import parse_qs, urlsplit
 from edgerev.errors import EdgerevError
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
+from edgerev_daemon.service.labelling import Notes
 from edgerev_daemon.service.page import format_html
 from edgerev_daemon.service.status import holder_pid, status
 from edgerev_daemon.storage.registry import VERSION_RE
@@ -72,6 +81,8 @@ _DRAIN_LIMIT = 64 * 1024  # request body bytes read (and dropped) before a 405, 
 _BLOB = re.compile(r"/blobs/([0-9a-f]{64})\.png")
 _FORM_LIMIT = 16 * 1024  # an answer's form is a few hundred bytes
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'"
+_BACKLOG = 256  # connections the kernel queues before accept: a burst of 200 answers at once fits
+_RETRY_AFTER = 1  # seconds a refused answer is asked to wait: a slot frees as soon as the daemon answers one
 
 
 def loopback_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
@@ -377,7 +388,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"store unavailable: {line}\n")
             return
         nonce = secrets.token_urlsafe(16)
-        shown = list(self.server.notes) if notes is None else notes
+        shown = self.server.notes.latest() if notes is None else notes
         page = format_label_page(questions, labels, self.server.token, nonce, shown,
                                  running=holder_pid(config) is not None)
         self._send(code, page, "text/html; charset=utf-8",
@@ -395,7 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (the base class dispatches on this name)
         from edgerev_daemon.learning.answers import Answer
-        from edgerev_daemon.service.labelling import give, pending_text
+        from edgerev_daemon.service.labelling import give
 
         if urlsplit(self.path).path != "/label":
             self._not_allowed()
@@ -429,15 +440,20 @@ class _Handler(BaseHTTPRequestHandler):
             answer = Answer(sample, form.get("new_label", "").strip(), new_label=True)
         else:
             answer = Answer(sample, form.get("label", ""))
+        if not self.server.slots.acquire(blocking=False):
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE,
+                       f"busy: {self.server.answer_slots} answers wait for the daemon already; this one was not "
+                       f"taken: send it again in {_RETRY_AFTER} s\n", headers={"Retry-After": str(_RETRY_AFTER)})
+            return
         try:
             given = give(self.server.config, [answer], wait=self.server.answer_wait, wakeup=self.server.wakeup)
         except (EdgerevError, sqlite3.Error, OSError) as e:
             line = " ".join(str(e).split()) or type(e).__name__
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"store unavailable: {line}\n")
             return
-        notes = given.outcomes if given.outcomes is not None else [pending_text(given)]
-        for n in notes:
-            self.server.notes.appendleft(n)
+        finally:
+            self.server.slots.release()
+        notes = self.server.notes.add(given)
         if given.outcomes is not None and not all(o.ok for o in given.outcomes):
             self._label_page(HTTPStatus.CONFLICT, notes)  # the reason, at once, with the questions still waiting
             return
@@ -460,11 +476,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = _BACKLOG
     config: DaemonConfig
     token: str  # the answers' token, made at the start
-    notes: deque  # the latest outcomes of answers, newest first, for the labelling page
+    notes: Notes  # the latest outcomes of answers, newest first, for the labelling page
     wakeup: Callable[[], None] | None
     answer_wait: float
+    answer_slots: int
+    slots: threading.BoundedSemaphore  # one per answer that may wait for the daemon at a time
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind asks for the host's FQDN, a DNS lookup that can hang on a device offline
@@ -487,14 +506,18 @@ class StatusServer:
         clock: the time snapshots are taken at (``time.time``; tests inject a fixed one).
         wakeup: wakes the daemon's loop when an answer is handed to it (the service passes its own).
         answer_wait: seconds a POST waits for the daemon to apply an answer before the page says it is pending.
+        answer_slots: answers that may wait at a time; one more is refused with 503 and ``Retry-After``.
     """
 
     def __init__(self, config: DaemonConfig, poll_interval: float = 0.5,
                  clock: Callable[[], float] = time.time, wakeup: Callable[[], None] | None = None,
-                 answer_wait: float = 5.0) -> None:
+                 answer_wait: float = 5.0, answer_slots: int = 8) -> None:
+        if answer_slots < 1:
+            raise ValueError(f"answer_slots: must be at least 1, got {answer_slots}")
         self.config = config
         self.wakeup = wakeup
         self.answer_wait = answer_wait
+        self.answer_slots = answer_slots
         self.token = ""
         self.poll_interval = poll_interval
         self.clock = clock
@@ -541,8 +564,9 @@ class StatusServer:
         server.clock = self.clock
         # per start: a page served before a restart cannot answer after it (the token is in no file)
         self.token = server.token = secrets.token_urlsafe(32)
-        server.notes = deque(maxlen=10)
+        server.notes = Notes(self.config.layout.root)
         server.wakeup, server.answer_wait = self.wakeup, self.answer_wait
+        server.answer_slots, server.slots = self.answer_slots, threading.BoundedSemaphore(self.answer_slots)
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, args=(self.poll_interval,),
                                         name="edgerev-http", daemon=True)

@@ -11,12 +11,18 @@ answer the top question with the label of that number and ``s`` skips it, throug
 Content-Security-Policy admits by a nonce of this response alone (no script from anywhere else runs). Every
 form carries the server's token: a page from another site cannot read it, so it cannot label. Every value
 is escaped.
+
+:class:`Notes` keeps what the page says became of the latest answers, and turns a request the daemon had not
+answered in time into its outcomes once it has (the result is collected, not left in the queue).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import LockError
@@ -25,6 +31,7 @@ from edgerev_daemon.learning.answers import Answer, Outcome
 from edgerev_daemon.learning.questions import Question
 from edgerev_daemon.service.lock import DataDirLock
 from edgerev_daemon.service.page import esc
+from edgerev_daemon.storage import mailbox
 from edgerev_daemon.storage.store import Store
 
 
@@ -63,6 +70,43 @@ def give(config: DaemonConfig, answers: Sequence[Answer], wait: float = 10.0,
 def pending_text(given: Given) -> str:
     return (f"handed to the running daemon (request {given.request}): it applies the answers at its next cycle, "
             "after the job under way if one is")
+
+
+class Notes:
+    """What the page says became of the latest answers, newest first (at most ``size``): their outcomes, or a
+    line for a request handed to the daemon that had not answered before its waiter gave up. :meth:`latest`
+    collects the results of those requests (the newest :data:`~edgerev_daemon.storage.mailbox.RESULT_KEEP`) and
+    shows their outcomes instead; a result nobody collects expires in the mailbox. Safe across threads."""
+
+    def __init__(self, root: Path, size: int = 10) -> None:
+        self._root = root
+        self._lock = threading.Lock()
+        self._notes: deque[Outcome | str] = deque(maxlen=size)
+        self._handed: dict[str, str] = {}  # request id -> its line among the notes, oldest first
+
+    def add(self, given: Given) -> list[Outcome | str]:
+        """Note what :func:`give` did; returns the notes it made."""
+        made: list[Outcome | str] = list(given.outcomes) if given.outcomes is not None else [pending_text(given)]
+        with self._lock:
+            if given.outcomes is None and given.request is not None:
+                self._handed[given.request] = pending_text(given)
+                while len(self._handed) > mailbox.RESULT_KEEP:
+                    del self._handed[next(iter(self._handed))]
+            self._notes.extendleft(made)
+        return made
+
+    def latest(self) -> list[Outcome | str]:
+        """The notes, newest first, with the outcomes of the handed-over requests the daemon has answered since."""
+        with self._lock:
+            for rid in list(self._handed):
+                got = answers_mod.result(self._root, rid)
+                if got is None:
+                    continue
+                line = self._handed.pop(rid)
+                if line in self._notes:
+                    self._notes.remove(line)
+                self._notes.extendleft(got)
+            return list(self._notes)
 
 
 # the page -----------------------------------------------------------------------------------------------

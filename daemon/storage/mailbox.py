@@ -14,6 +14,15 @@ daemon killed between the two removes the answered request at its next start (:f
 carrying it out twice. A daemon killed while it carries a request out takes it again at its next start (a
 fleet round resumes from its checkpoint).
 
+**Taken once, or expired.** A reader takes a result by renaming it to a hidden name of its own before it reads
+it (:func:`collect`): two readers (a waiter and the page that collects what its waiters gave up on) never read
+one result twice or half. A result whose asker gave up waiting is nobody's to collect; the daemon, each time it
+serves a queue (:func:`pending`), removes the results older than :data:`RESULT_MAX_AGE` and all but the newest
+:data:`RESULT_KEEP` (never one whose request is still there: it is what says the request was carried out), and
+what a writer or reader killed midway left behind (hidden folders) once it is as old. A waiter polls for its
+result, so it collects one within a poll of its writing; the bounds only reach results nobody waits for. Ages
+are the folders' modification times against the wall clock (``now``, injected in tests).
+
 **Read safely.** Nothing but JSON and safetensors is read (no pickle); a request is a folder made inside the
 queue, and a link is never followed. Requests are taken oldest first (by the folder's mtime).
 """
@@ -30,6 +39,8 @@ from edgerev.atomic import atomic_write, fsync_dir
 
 REQUEST, RESULT = ".request", ".result"
 META, TENSORS = "meta.json", "shared.safetensors"
+RESULT_MAX_AGE = 3600.0  # seconds an uncollected result is kept: the page shows a late outcome within it
+RESULT_KEEP = 64  # uncollected results kept at most (the newest): more than the page's waiters and a few CLIs
 
 
 def _write(final: Path, meta: dict, tensors: dict | None) -> None:
@@ -73,12 +84,14 @@ def post(queue: Path, meta: dict, tensors: dict | None = None) -> str:
     return rid
 
 
-def pending(queue: Path) -> list[tuple[str, Path]]:
+def pending(queue: Path, now: float | None = None) -> list[tuple[str, Path]]:
     """The requests waiting in ``queue``, oldest first: (id, folder). A request whose result is written (the
-    daemon was killed before it removed the request) is removed, not returned."""
+    daemon was killed before it removed the request) is removed, not returned. The results nobody collected
+    are expired first (:func:`expire`, at ``now``: the wall clock unless given)."""
     queue = Path(queue)
     if not queue.is_dir():
         return []
+    expire(queue, now)
     found = []
     for p in queue.iterdir():
         if p.name.endswith(REQUEST) and not p.is_symlink() and p.is_dir():
@@ -102,13 +115,63 @@ def collect(queue: Path, rid: str) -> tuple[dict, dict | None] | None:
     Raises:
         OSError, ValueError, KeyError: the result is there but cannot be read (see :func:`read`).
     """
-    folder = Path(queue) / f"{rid}{RESULT}"
-    if not folder.is_dir() or folder.is_symlink():
+    taken = _take(Path(queue) / f"{rid}{RESULT}")
+    if taken is None:
         return None
     try:
-        return read(folder)
+        return read(taken)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(taken, ignore_errors=True)
+
+
+def _take(folder: Path) -> Path | None:
+    """``folder`` renamed to a hidden name of this caller's own, or None: not there (not written yet, or another
+    reader or the expiry took it first), or not a folder."""
+    if folder.is_symlink() or not folder.is_dir():
+        return None
+    taken = folder.with_name(f".{folder.name}.{uuid.uuid4().hex}.taken")
+    try:
+        folder.rename(taken)
+    except FileNotFoundError:
+        return None
+    if taken.is_symlink() or not taken.is_dir():  # swapped in between: nothing of ours
+        taken.unlink(missing_ok=True)
+        return None
+    return taken
+
+
+def expire(queue: Path, now: float | None = None, max_age: float = RESULT_MAX_AGE, keep: int = RESULT_KEEP) -> int:
+    """Remove the results in ``queue`` nobody collected: those older than ``max_age`` seconds at ``now`` (the wall
+    clock unless given) and all but the newest ``keep``; and the hidden folders a writer or reader killed midway
+    left, once older than ``max_age``. A result whose request is still there (the daemon was killed between the
+    two) stays: it says the request was carried out. Returns how many results were removed."""
+    queue = Path(queue)
+    now = time.time() if now is None else now
+    results, leftovers = [], []
+    for p in queue.iterdir() if queue.is_dir() else ():
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue  # collected meanwhile
+        if p.name.startswith("."):
+            leftovers.append((st.st_mtime, p))
+        elif p.name.endswith(RESULT):
+            results.append((st.st_mtime, p))
+    results.sort(key=lambda r: r[0], reverse=True)  # newest first
+    removed = 0
+    for i, (mtime, p) in enumerate(results):
+        if (queue / f"{p.name[: -len(RESULT)]}{REQUEST}").exists():
+            continue  # the record that its request was carried out, until :func:`pending` removes the request
+        if (i >= keep or now - mtime > max_age) and (taken := _take(p)) is not None:
+            shutil.rmtree(taken, ignore_errors=True)
+            removed += 1
+    for mtime, p in leftovers:
+        if now - mtime > max_age:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+    return removed
 
 
 def wait(queue: Path, rid: str, timeout: float, poll: float) -> tuple[dict, dict | None] | None:

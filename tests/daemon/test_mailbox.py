@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,13 @@ def test_a_daemon_killed_between_its_answer_and_the_removal_does_not_carry_a_req
     assert mailbox.waiting(queue, rid)
     assert mailbox.pending(queue) == [] and not mailbox.waiting(queue, rid)  # answered: removed, not returned
     assert mailbox.collect(queue, rid) == ({"counts": {"a": 1}}, None)
+    # restarted after its result's time: the result still says the request was carried out
+    rid = mailbox.post(queue, {"kind": "classes"})
+    monkeypatch.setattr(mailbox.shutil, "rmtree", lambda *a, **k: None)
+    mailbox.answer(queue, rid, {"counts": {"a": 1}})
+    monkeypatch.undo()
+    assert mailbox.pending(queue, now=time.time() + 10 * mailbox.RESULT_MAX_AGE) == []
+    assert not mailbox.waiting(queue, rid)
 
 
 def test_a_result_that_cannot_be_read_is_removed_and_said(tmp_path):
@@ -101,3 +110,43 @@ def test_an_owners_unreadable_result_is_an_outcome_that_says_so(tmp_path):
     [outcome] = answers.result(root, rid)
     assert not outcome.ok and f"result for request {rid} could not be read" in outcome.text
     assert answers.wait(root, rid, 0.0, 0.01) is None  # removed: the request is gone too
+
+
+def test_a_result_is_taken_by_one_reader_only(tmp_path):
+    queue = tmp_path / "q"
+    rid = mailbox.post(queue, {})
+    mailbox.answer(queue, rid, {"ok": True})
+    barrier, got = threading.Barrier(8), []
+
+    def reader():
+        barrier.wait()
+        got.append(mailbox.collect(queue, rid))  # an exception would leave got short
+
+    readers = [threading.Thread(target=reader) for _ in range(8)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert got.count(({"ok": True}, None)) == 1 and got.count(None) == 7
+    assert list(queue.iterdir()) == []
+
+
+def test_results_nobody_collects_expire_by_age_and_count_and_what_a_kill_left_goes_too(tmp_path):
+    queue, now = tmp_path / "q", time.time()
+    ids = [mailbox.post(queue, {"n": i}) for i in range(5)]
+    for i, rid in enumerate(ids):
+        mailbox.answer(queue, rid, {"n": i})
+        os.utime(queue / f"{rid}.result", (now - 100 * (5 - i),) * 2)  # aged 500, 400, ... 100 s
+    (queue / ".killed.request.tmp").mkdir()  # a writer killed before its rename, long ago
+    os.utime(queue / ".killed.request.tmp", (now - 1000,) * 2)
+    (queue / ".busy.result.tmp").mkdir()  # a writer at work now
+    waiting = mailbox.post(queue, {"n": "waits"})
+    # 500 s and 400 s are past the age, 300 s past the two newest kept; a request is never expired
+    assert mailbox.expire(queue, now=now, max_age=350, keep=2) == 3
+    assert sorted(p.name for p in queue.iterdir()) == sorted(
+        [f"{ids[3]}.result", f"{ids[4]}.result", ".busy.result.tmp", f"{waiting}.request"])
+    assert mailbox.collect(queue, ids[4]) == ({"n": 4}, None)
+    # the daemon's pass over the queue expires what is left at its clock (an hour on), and lists the request
+    assert [r for r, _ in mailbox.pending(queue, now=now + mailbox.RESULT_MAX_AGE + 1)] == [waiting]
+    assert [p.name for p in queue.iterdir()] == [f"{waiting}.request"]
+    assert mailbox.RESULT_KEEP >= 8  # more than the labelling page's waits at a time (StatusServer's answer_slots)
