@@ -6,11 +6,12 @@ directory's lock when it is free and applies the answers itself, or hands them t
 
 The page (:func:`format_label_page`) lists the questions waiting, each with its picture (the stored,
 normalized image, ``/blobs/<hash>.png``), the model's guess and how unsure it was, and the file it came from;
-one form per question, one button per known label, a skip button and a field for a new label. Keys 1-9
-answer the top question with the label of that number and ``s`` skips it, through a small inline script the
-Content-Security-Policy admits by a nonce of this response alone (no script from anywhere else runs). Every
-form carries the server's token: a page from another site cannot read it, so it cannot label. Every value
-is escaped.
+one form per question, one button per known label, a skip button and a field for a new label. A digit key
+answers the top question with the label whose badge shows that digit (:func:`label_keys`: a label that is
+itself one digit is its own key, so pressing ``5`` answers ``5``; the other labels take the digits left) and
+``s`` skips it, through a small inline script the Content-Security-Policy admits by a nonce of this response
+alone (no script from anywhere else runs). Every form carries the server's token: a page from another site
+cannot read it, so it cannot label. Every value is escaped.
 
 :class:`Notes` keeps what the page says became of the latest answers, and turns a request the daemon had not
 answered in time into its outcomes once it has (the result is collected, not left in the queue).
@@ -121,7 +122,7 @@ button{margin:.1em .2em .1em 0}kbd{border:1px solid #aaa;border-radius:3px;paddi
 
 _SCRIPT = """document.addEventListener('keydown', function (e) {
   if (e.altKey || e.ctrlKey || e.metaKey || /^(INPUT|TEXTAREA|SELECT)$/.test(e.target.tagName)) return;
-  if (!/^[1-9s]$/.test(e.key)) return;
+  if (!/^[0-9s]$/.test(e.key)) return;
   var form = document.querySelector('form.q');
   var button = form && form.querySelector('button[data-key="' + e.key + '"]');
   if (button) { e.preventDefault(); button.click(); }
@@ -139,8 +140,9 @@ _PAGE = """<!DOCTYPE html>
 <header><h1>Questions</h1><p class="muted">{header}</p></header>
 {notes}
 {forms}
-<footer><p class="muted">Keys: <kbd>1</kbd>-<kbd>9</kbd> answer the top question with that label, <kbd>s</kbd>
-skips it. <a href="/">status</a></p></footer>
+<footer><p class="muted">Keys: the digit in a label's badge answers the top question with that label (a label that
+is one digit is its own key; the other labels take the digits left, 1 to 9 then 0), <kbd>s</kbd> skips it.
+<a href="/">status</a></p></footer>
 <script nonce="{nonce}">{script}</script>
 </body>
 </html>
@@ -152,12 +154,34 @@ def blob_path(sha256: str) -> str:
     return f"/blobs/{sha256}.png"
 
 
-def _form(q: Question, labels: Sequence[str], token: str) -> str:
+_DIGITS = "0123456789"
+_KEY_ORDER = "1234567890"  # the order in which the labels that are no digit take the keys left
+
+
+def label_keys(labels: Sequence[str]) -> dict[str, str]:
+    """The key that answers with each label, by label (a label past the ten digits has none).
+
+    A label that is itself one digit is its own key, whatever its place: with labels ``0``..``9`` the key ``5``
+    answers ``5``. The other labels take the digits no such label took, 1 to 9 then 0, in the order of
+    ``labels``. So a key never reads as another label than the one it answers with.
+    """
+    own = {label for label in labels if len(label) == 1 and label in _DIGITS}
+    left = iter(k for k in _KEY_ORDER if k not in own)
+    keys = {}
+    for label in labels:
+        key = label if label in own else next(left, None)
+        if key is not None:
+            keys[label] = key
+    return keys
+
+
+def _form(q: Question, labels: Sequence[str], keys: dict[str, str], token: str) -> str:
     guesses = ", ".join(f"{esc(c)} {100 * p:.0f} %" for c, p in q.top)
     buttons = "".join(
         f'<button type="submit" name="label" value="{esc(label)}"'
-        + (f' data-key="{k}"><kbd>{k}</kbd> ' if k <= 9 else ">") + f"{esc(label)}</button>"
-        for k, label in enumerate(labels, 1))
+        + (f' data-key="{keys[label]}"><kbd>{keys[label]}</kbd> ' if label in keys else ">")
+        + f"{esc(label)}</button>"
+        for label in labels)
     return (f'<form class="q" method="post" action="/label" id="q-{esc(q.sample[:12])}">'
             f'<input type="hidden" name="token" value="{esc(token)}">'
             f'<input type="hidden" name="sample" value="{esc(q.sample)}">'
@@ -171,8 +195,8 @@ def _form(q: Question, labels: Sequence[str], token: str) -> str:
 
 def format_label_page(questions: Sequence[Question], labels: Sequence[str], token: str, nonce: str,
                       notes: Sequence[Outcome | str] = (), running: bool = False) -> str:
-    """The labelling page: ``questions`` waiting, with a button per label of ``labels`` (in the store's order,
-    so a number key keeps its label), the latest outcomes in ``notes``; every value escaped."""
+    """The labelling page: ``questions`` waiting, with a button per label of ``labels`` (in the store's order) and
+    its key (:func:`label_keys`), the latest outcomes in ``notes``; every value escaped."""
     header = (f"{len(questions)} waiting" + (" · the daemon runs: answers go through it" if running else "")
               + " · labelled samples are trained on at the next job")
     lines = []
@@ -183,6 +207,7 @@ def format_label_page(questions: Sequence[Question], labels: Sequence[str], toke
         else:
             lines.append(f"<li>{esc(n)}</li>")
     notes_html = f'<ul id="notes">{"".join(lines)}</ul>' if lines else ""
-    forms = "\n".join(_form(q, labels, token) for q in questions) or "<p>No question waits.</p>"
+    keys = label_keys(labels)
+    forms = "\n".join(_form(q, labels, keys, token) for q in questions) or "<p>No question waits.</p>"
     return _PAGE.format(style=_STYLE, header=esc(header), notes=notes_html, forms=forms, nonce=esc(nonce),
                         script=_SCRIPT)

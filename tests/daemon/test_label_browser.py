@@ -1,7 +1,7 @@
 """The labelling page in a real browser: headless Chromium (Debian's ``chromium`` and ``chromium-driver``)
 driven by Selenium, on a copy of conftest's ``served`` data directory with unlabelled images stored. One
 question is answered by a click, one by a key; the store has them labelled. A forged POST (no token) is
-refused and labels nothing.
+refused and labels nothing. With labels that are digits, a digit key answers with the label it reads as.
 
 ``.ci/run`` installs the browser. Without it the test fails and says what to install; set
 ``EDGEREV_NO_BROWSER=1`` to skip it on a machine that has none.
@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from edgerev_daemon.learning import questions
+from edgerev_daemon.learning import answers, questions
 from edgerev_daemon.storage.store import Store
 from tests.daemon.test_questions import true_label
 
@@ -106,3 +106,30 @@ def test_an_owner_answers_by_click_and_by_key_and_a_forged_post_labels_nothing(l
     refused.value.close()
     with Store(config.layout.database) as store:
         assert store.get_sample(third).label is None and store.count_samples(labeled=True) == before + 2
+
+
+def test_with_digit_labels_the_key_5_answers_5(label_page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    config, server, _ = label_page
+    digits = [str(d) for d in range(10)]
+    with Store(config.layout.database) as store:  # ten samples labelled 0..9: the store knows them as labels
+        given = [answers.Answer(q.sample, d, new_label=True)
+                 for q, d in zip(questions.waiting(config.layout.root, store)[-10:], digits, strict=True)]
+        assert all(o.ok for o in answers.apply(config, store, given))
+        assert store.labels()[-10:] == digits
+    driver = browser()
+    try:
+        driver.get(server.url + "label")
+        top = top_question(driver)
+        form = driver.find_element(By.CSS_SELECTOR, "form.q")
+        badges = {b.get_attribute("value"): b.find_element(By.TAG_NAME, "kbd").text
+                  for b in form.find_elements(By.CSS_SELECTOR, "button[name=label][data-key]")}
+        assert badges == {d: d for d in digits}  # each digit label's badge reads its own digit
+        driver.find_element(By.TAG_NAME, "body").send_keys("5")
+        WebDriverWait(driver, WAIT).until(lambda d: top_question(d) != top)
+    finally:
+        driver.quit()
+    with Store(config.layout.database) as store:
+        assert store.get_sample(top).label == "5"

@@ -10,7 +10,9 @@ import urllib.parse
 import urllib.request
 
 from edgerev_daemon.learning import questions
+from edgerev_daemon.learning.questions import Question
 from edgerev_daemon.service.daemon import Daemon
+from edgerev_daemon.service.labelling import format_label_page, label_keys
 from edgerev_daemon.storage.store import Store
 from tests.daemon.conftest import Clock
 from tests.daemon.test_http import get
@@ -116,3 +118,19 @@ def test_an_answer_goes_through_the_daemon_that_holds_the_data_directory(label_p
         assert "handed to the running daemon" in get(server, "/label")[2].decode()
         assert d.cycle().answers == 1
         assert d.store.get_sample(sample).label == label
+
+
+def test_a_key_answers_with_the_label_it_reads_as():
+    digits = [str(d) for d in range(10)]
+    assert label_keys(digits) == {d: d for d in digits}  # not 1 for '0', 2 for '1' ...
+    assert label_keys(["cat", "3", "dog"]) == {"cat": "1", "3": "3", "dog": "2"}
+    assert label_keys(["cat", "1", "dog"]) == {"cat": "2", "1": "1", "dog": "3"}
+    assert label_keys(digits + ["cat"]) == {d: d for d in digits}  # no digit left: clicked, not keyed
+    many = [f"c{i}" for i in range(12)]
+    assert list(label_keys(many).values()) == list("1234567890")  # then 0; the eleventh has none
+    assert label_keys(["05", "\u0665"]) == {"05": "1", "\u0665": "2"}  # not one ASCII digit: a label like others
+    q = Question("ab" * 32, "5", 0.1, (("5", 0.5), ("4", 0.4)), "unlabeled/x.png")
+    page = format_label_page([q], digits, "token", "nonce")
+    assert '<button type="submit" name="label" value="5" data-key="5"><kbd>5</kbd> 5</button>' in page
+    assert '<button type="submit" name="label" value="0" data-key="0"><kbd>0</kbd> 0</button>' in page
+    assert "a label that\nis one digit is its own key" in page
