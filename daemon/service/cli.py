@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from edgerev.exits import PARTIAL as EXIT_PARTIAL
+from edgerev.exits import STOPPED as EXIT_STOPPED
 from edgerev_daemon.service.logs import setup_logging
 from edgerev_daemon.service.signals import Requests, handling
 
@@ -68,10 +69,11 @@ def cmd_once(args: argparse.Namespace) -> int:
         with (handling({signal.SIGTERM: requests.ask_stop}, wakeup=requests.wakeup),
               Daemon(config, config_path=args.config, requests=requests) as daemon):
             report = daemon.cycle()
+        stopped = requests.stop  # SIGTERM came before the cycle ended: what it left resumes at the next start
     finally:
         requests.close()
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps(report.to_json() | {"stopped": stopped}, indent=2))
     else:
         i = report.ingest
         print(f"ingest: {i['accepted']} stored, {i['duplicates']} duplicates, {len(i['quarantined'])} quarantined, "
@@ -79,6 +81,10 @@ def cmd_once(args: argparse.Namespace) -> int:
         print(f"job: {json.dumps(report.job)}" if report.job else f"no job due ({report.not_due})")
         if report.waiting:
             print(f"waiting: {report.waiting} (see the log and status)")
+    if stopped:
+        print("edgerev daemon once: stopped by SIGTERM before the cycle ended; a job under way resumes from its "
+              "checkpoint at the next start", file=sys.stderr)
+        return EXIT_STOPPED
     if report.failed:
         why = report.job.get("error") if report.job and report.job.get("error") else f"waiting for {report.waiting}"
         print(f"edgerev daemon once: error: {why}", file=sys.stderr)
@@ -246,7 +252,7 @@ def add_parser(sub) -> None:
     r.set_defaults(fn=cmd_run)
     o = with_config(dsub.add_parser("once", help="one full cycle (ingest, train if due, evaluate, promote, "
                                                  "export), then exit (status 1 if its job failed or a storage "
-                                                 "condition held it back)"))
+                                                 "condition held it back, 143 if SIGTERM stopped it first)"))
     o.add_argument("--json", action="store_true", help="print the cycle's report as JSON")
     o.set_defaults(fn=cmd_once)
     s = with_config(dsub.add_parser("status", help="samples, labels, the model in service, versions, jobs"))

@@ -23,7 +23,14 @@ from collections.abc import Iterable
 
 from edgerev_daemon.learning.schedule import listed
 from edgerev_daemon.service.events import readable
-from edgerev_daemon.service.status import next_job_text, progress_line, pseudo_text, questions_text, storage_line
+from edgerev_daemon.service.status import (
+    job_state_text,
+    next_job_text,
+    progress_line,
+    pseudo_text,
+    questions_text,
+    storage_line,
+)
 from edgerev_daemon.storage.registry import VERSION_RE
 
 PICTURES = {"curves": "training curves", "classes": "accuracy per class"}
@@ -146,7 +153,7 @@ def _next(s: dict) -> str:
     job = s.get("job")
     if job is not None:
         what = "job" if job["state"] in ("queued", "running") else "last job"
-        text = f"job {job['id']} {job['state']}" + (f": {job['error']}" if job.get("error") else "")
+        text = f"job {job['id']} {job_state_text(s)}" + (f": {job['error']}" if job.get("error") else "")
         text += f"; why: {job['reason']}" if job.get("reason") else ""
         if (line := progress_line(job.get("progress"))) is not None:
             text += f"; {line}"

@@ -352,7 +352,8 @@ def format_status(s: dict, versions: bool = True) -> str:
     if s["job"] is not None:
         j = s["job"]
         what = "job" if j["state"] in ("queued", "running") else "last job"
-        lines.append(f"{what}: {j['id']} {j['state']} ({j['reason']})" + (f": {j['error']}" if j["error"] else ""))
+        error = f": {j['error']}" if j["error"] else ""
+        lines.append(f"{what}: {j['id']} {job_state_text(s)} ({j['reason']}){error}")
         if (line := progress_line(j.get("progress"))) is not None:
             lines.append(f"  {line}")
     if (line := next_job_text(s)) is not None:
@@ -362,6 +363,15 @@ def format_status(s: dict, versions: bool = True) -> str:
     if (q := s.get("questions")) is not None:
         lines.append(f"questions: {questions_text(q)}" + (" (edgerev daemon label)" if q["waiting"] else ""))
     return "\n".join(lines)
+
+
+def job_state_text(s: dict) -> str:
+    """The state of the status's job as the owner should read it: a job the store says is running while no
+    daemon runs was stopped (SIGTERM, a kill, a power cut) before it finished, and waits for the next start."""
+    job = s["job"]
+    if job["state"] == "running" and not s.get("daemon_pid"):
+        return "interrupted (no daemon runs it; it resumes from its checkpoint at the next start)"
+    return job["state"]
 
 
 def next_job_text(s: dict) -> str | None:

@@ -104,3 +104,41 @@ def test_status_and_check_import_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert '"total": 4' in done.stdout and "consistent" in done.stdout
+
+
+def test_once_stopped_by_sigterm_exits_143_and_status_says_the_job_was_interrupted(tmp_path, capsys, monkeypatch):
+    """A SIGTERM during ``daemon once``'s job: the job stops at a step boundary, ``once`` exits 143 with one
+    line (not 0, as if the cycle had finished), and status calls the job interrupted, not running."""
+    import os
+    import signal
+    import time
+
+    from edgerev_daemon.learning.jobs import JobOutcome
+    from edgerev_daemon.service import daemon as service
+    from tests.daemon.conftest import image_bytes, write
+
+    def stopped_at_a_step(config, store, blobs, job, start, base_batch, halt, report=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # the CLI's handler sets the flag the trainer reads between steps
+        while not halt():  # the signals' thread (sigwait) takes it and sets the flag
+            time.sleep(0.001)  # gives that thread the GIL: a loop that never releases it could starve it
+        return JobOutcome("stopped", tmp_path / "run", "stopped at step 3 of 12")
+
+    monkeypatch.setattr(service, "run_job", stopped_at_a_step)
+    config = tmp_path / "d.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\ningest: {{settle_seconds: 0}}\n"
+                      "schedule: {min_new_samples: 10}\n")
+    for i in range(12):
+        write(tmp_path / "data" / "inbox" / f"c{i % 2}" / f"{i}.png", image_bytes(i))
+    assert main(["daemon", "once", "--config", str(config)]) == 143
+    out, err = capsys.readouterr()
+    assert '"status": "stopped"' in out
+    assert err.splitlines()[-1] == ("edgerev daemon once: stopped by SIGTERM before the cycle ended; a job under "
+                                    "way resumes from its checkpoint at the next start")  # after the log's lines
+    assert main(["daemon", "status", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "job: 1 interrupted (no daemon runs it; it resumes from its checkpoint at the next start)" in out, out
+    assert "job: 1 running" not in out
+    assert main(["daemon", "status", "--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["job"]["state"] == "running"  # the store's word, unchanged
+    assert main(["daemon", "once", "--config", str(config), "--json"]) == 143  # the job stops again: same status
+    assert json.loads(capsys.readouterr().out)["stopped"] is True

@@ -315,7 +315,8 @@ def test_a_running_job_shows_its_step_epoch_loss_and_eta(tmp_path):
     write_progress(run_dir, report)
     s = status(cfg)
     assert s["job"]["progress"] == report.to_json()
-    assert f"job: {job.id} running (20 new samples)\n  {report.line()}" in format_status(s)
+    assert f"job: {job.id} running (20 new samples)\n  {report.line()}" in format_status(s | {"daemon_pid": 4242})
+    assert f"job: {job.id} interrupted (no daemon runs it; " in format_status(s)  # the store's 'running', no daemon
     assert f"next job: job {job.id} resumes from its checkpoint at the next start" in format_status(s)
     assert f"next job: job {job.id} runs now" in format_status(s | {"daemon_pid": 4242})
     m = parse_metrics(format_metrics(s))
