@@ -85,3 +85,10 @@ def paired(cand: list[bool] | tuple[bool, ...], cur: list[bool] | tuple[bool, ..
 def p_text(p: float) -> str:
     """A p-value as a reason prints it: three significant figures, scientific below 0.001."""
     return f"{p:.2g}" if p < 1e-3 else f"{p:.3g}"
+
+
+def weighed(p: float, alpha: float, shown: str, chance: str) -> str:
+    """What a one-sided test's p-value means for the owner first, the figure after: ``shown`` when ``p`` is at
+    most ``alpha`` (the difference is real), else ``chance``; e.g. ``too many gains to be chance (p = 2.8e-14,
+    promotion.alpha 0.05)``."""
+    return f"{shown if p <= alpha else chance} (p = {p_text(p)}, promotion.alpha {alpha:g})"

@@ -498,7 +498,7 @@ def fleet_judge(held, cand, cur, gate) -> tuple[bool, str]:
     samples beyond ``gate.forgetting_margin`` with a p-value at most ``gate.alpha`` (a fleet model knows
     more classes; it need not beat a local model on the local ones: :mod:`edgerev_daemon.learning.evidence`), and
     no known class at 0 % (``promotion.refuse_class_at_zero``)."""
-    from edgerev_daemon.learning.evidence import p_text
+    from edgerev_daemon.learning.evidence import weighed
     from edgerev_daemon.learning.promote import comparisons, dead_reason
 
     if not any(held.recent):
@@ -513,9 +513,10 @@ def fleet_judge(held, cand, cur, gate) -> tuple[bool, str]:
     counts = f"{now.gained} gained, {now.lost} lost of {now.n}"
     if p <= gate.alpha:
         return False, (f"fleet model worse on this device's recent held-out samples by {100 * -now.change:.1f} points "
-                       f"({counts}; p = {p_text(p)} <= {gate.alpha:g}); the model in service stays")
-    return True, (f"fleet model on this device's recent held-out samples: {100 * now.change:+.1f} points ({counts}; "
-                  f"p = {p_text(p)}, no evidence of a loss over {100 * gate.forgetting_margin:.1f} points)")
+                       f"({counts}): {weighed(p, gate.alpha, 'too many losses to be chance', '')}; the model in "
+                       "service stays")
+    return True, (f"fleet model on this device's recent held-out samples: {100 * now.change:+.1f} points ({counts}): "
+                  + weighed(p, gate.alpha, "", f"no evidence of a loss over {100 * gate.forgetting_margin:.1f} points"))
 
 
 def _fine_tune(daemon, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor], out: Path) -> None:

@@ -48,7 +48,7 @@ from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages
 from edgerev_daemon.config import PromotionConfig
 from edgerev_daemon.errors import Stopped
-from edgerev_daemon.learning.evidence import Paired, p_text, paired
+from edgerev_daemon.learning.evidence import Paired, paired, weighed
 from edgerev_daemon.learning.jobs import load_samples
 from edgerev_daemon.storage.blobs import BlobStore
 from edgerev_daemon.storage.records import Job, Sample, Split
@@ -233,9 +233,9 @@ def forgetting_reason(old: Paired, gate: PromotionConfig) -> str | None:
     p = old.p_worse(gate.forgetting_margin)
     if p > gate.alpha:
         return None
-    beyond = f" more than the allowed {_points(gate.forgetting_margin)}" if gate.forgetting_margin > 0 else ""
-    return (f"worse on the old classes by {_points(old.change)} ({old.lost} of {old.n} lost, {old.gained} gained; "
-            f"p = {p_text(p)} <= {gate.alpha:g} that it lost{beyond})")
+    beyond = f", more than the allowed {_points(gate.forgetting_margin)}" if gate.forgetting_margin > 0 else ""
+    return (f"worse on the old classes by {_points(old.change)} ({old.lost} of {old.n} lost, {old.gained} gained): "
+            + weighed(p, gate.alpha, f"too many losses to be chance{beyond}", ""))
 
 
 def judge(held: HeldOut, cand: Scores, cur: Scores | None, gate: PromotionConfig) -> Decision:
@@ -273,21 +273,22 @@ def judge(held: HeldOut, cand: Scores, cur: Scores | None, gate: PromotionConfig
     if p_now > gate.alpha:
         sign = "+" if now.change >= 0 else "-"
         return Decision(False, "not better with confidence on the recent held-out samples: "
-                               f"{sign}{_points(now.change)} ({_counts(now)}; p = {p_text(p_now)} > {gate.alpha:g})"
-                               f"{unknown}", m)
+                               f"{sign}{_points(now.change)} ({_counts(now)}): "
+                               + weighed(p_now, gate.alpha, "", "chance alone could give as much")
+                               + unknown, m)
     if dead:
         return Decision(False, f"refused: {dead}", m)
     if lost_old.n == 0:
         old_text = ""
     else:
         word = "lower" if lost_old.change < 0 else "higher" if lost_old.change > 0 else "unchanged"
-        old_text = (f"; old classes {_points(lost_old.change)} {word} ({_counts(lost_old)}; p = {p_text(p_old)}, "
-                    "no evidence of a loss" + (f" over {_points(gate.forgetting_margin)}" if gate.forgetting_margin
-                                               else "") + ")")
+        over = f" over {_points(gate.forgetting_margin)}" if gate.forgetting_margin else ""
+        old_text = (f"; old classes {_points(lost_old.change)} {word} ({_counts(lost_old)}): "
+                    + weighed(p_old, gate.alpha, "", f"no evidence of a loss{over}"))
         if word == "unchanged":
             old_text = f"; old classes unchanged ({_counts(lost_old)})"
-    return Decision(True, f"better on the recent held-out samples by {_points(now.change)} ({_counts(now)}; "
-                          f"p = {p_text(p_now)} <= {gate.alpha:g}){unknown}{old_text}", m)
+    return Decision(True, f"better on the recent held-out samples by {_points(now.change)} ({_counts(now)}): "
+                          + weighed(p_now, gate.alpha, "too many gains to be chance", "") + f"{unknown}{old_text}", m)
 
 
 VERSION_FILES = ("model.safetensors", "model.json", "replay.safetensors", "config.yaml", "summary.json",

@@ -25,8 +25,9 @@ def test_a_candidate_that_forgets_the_old_classes_is_refused(tmp_path):
         v2 = d.store.get_version(job["version"])
         test = v2.metrics["evaluation"]["test"]["old_classes"]
         assert not job["promoted"] and d.registry.current() == "v0001"
-        m = re.fullmatch(r"worse on the old classes by (\d+\.\d) points \((\d+) of (\d+) lost, (\d+) gained; p = (\S+) "
-                         r"<= 0\.05 that it lost more than the allowed 2\.0 points\)", v2.reason)
+        m = re.fullmatch(r"worse on the old classes by (\d+\.\d) points \((\d+) of (\d+) lost, (\d+) gained\): "
+                         r"too many losses to be chance, more than the allowed 2\.0 points "
+                         r"\(p = (\S+), promotion\.alpha 0\.05\)", v2.reason)
         assert m, v2.reason
         lost, n, gained = int(m[2]), int(m[3]), int(m[4])
         assert (lost, n, gained) == (test["lost"], test["n"], test["gained"]) and lost > n / 2

@@ -42,10 +42,11 @@ def test_the_issue_scenario_learns_five_digits_and_loses_two_old_samples():
     held, cand, cur = build(outcomes(spec), cur_known=tuple("01234"))
     d = judge(held, cand, cur, PromotionConfig())
     assert d.promote, d.reason
-    assert d.reason.startswith("better on the recent held-out samples by 44.0 points (68 gained, 2 lost of 150; p = ")
+    assert d.reason.startswith("better on the recent held-out samples by 44.0 points (68 gained, 2 lost of 150): "
+                               "too many gains to be chance (p = ")
     assert "classes the model in service does not know count as wrong for it" in d.reason
-    assert "old classes 2.5 points lower (0 gained, 2 lost of 80; p = 0.81, no evidence of a loss over 2.0 points)" \
-        in d.reason
+    assert ("old classes 2.5 points lower (0 gained, 2 lost of 80): no evidence of a loss over 2.0 points "
+            "(p = 0.81, promotion.alpha 0.05)") in d.reason
     assert d.metrics["current"]["new_classes"] == 0.0 and d.metrics["candidate"]["old_classes"] == 78 / 80
     assert d.metrics["test"]["old_classes"] == {"n": 80, "gained": 0, "lost": 2, "p_worse": pytest.approx(0.81)}
 
@@ -55,10 +56,11 @@ def test_a_candidate_that_forgets_twenty_of_eighty_is_refused_with_how_much_and_
     held, cand, cur = build(outcomes(spec), cur_known=tuple("01234"))
     d = judge(held, cand, cur, PromotionConfig())
     assert not d.promote
-    assert d.reason.startswith("worse on the old classes by 25.0 points (20 of 80 lost, 0 gained; p = 4.4e-06 <= 0.05 "
-                               "that it lost more than the allowed 2.0 points)"), d.reason
+    assert d.reason.startswith("worse on the old classes by 25.0 points (20 of 80 lost, 0 gained): too many losses "
+                               "to be chance, more than the allowed 2.0 points (p = 4.4e-06, promotion.alpha 0.05)"), \
+        d.reason
     plain = judge(held, cand, cur, PromotionConfig(forgetting_margin=0.0))  # McNemar's own test: 2^-20
-    assert "p = 9.5e-07 <= 0.05 that it lost)" in plain.reason
+    assert "gained): too many losses to be chance (p = 9.5e-07, promotion.alpha 0.05)" in plain.reason
     assert judge(held, cand, cur, PromotionConfig(forgetting_margin=0.3)).promote  # the owner allows that much
 
 
@@ -68,7 +70,7 @@ def test_a_small_gain_is_not_evidence_and_the_reason_says_so():
     d = judge(held, cand, cur, PromotionConfig())
     assert not d.promote
     assert d.reason == ("not better with confidence on the recent held-out samples: +2.0 points (3 gained, 1 lost of "
-                        "100; p = 0.312 > 0.05)")
+                        "100): chance alone could give as much (p = 0.312, promotion.alpha 0.05)")
     assert judge(held, cand, cur, PromotionConfig(alpha=0.5)).promote
 
 
@@ -188,7 +190,7 @@ def test_every_decision_follows_the_evidence_and_says_why(scenario, alpha, margi
         assert now.gained > now.lost  # evidence of a gain is never a loss in point estimate
     if lost.p_worse(margin) <= alpha:
         assert d.reason.startswith(f"worse on the old classes by {100 * -lost.change:.1f} points ({lost.lost} of "
-                                   f"{lost.n} lost, {lost.gained} gained; p = ")
+                                   f"{lost.n} lost, {lost.gained} gained): too many losses to be chance")
     first = judge(held, cand, None, gate)
     assert first.reason and (not first.promote or not dead_classes(held, cand, gate))
 
@@ -201,10 +203,10 @@ def test_the_fleet_judge_adopts_within_the_evidence_and_refuses_beyond_it():
     held, cand, cur = build(outcomes(spec), cur_known=("a", "b"))
     adopt, why = fleet_judge(held, cand, cur, PromotionConfig())
     assert adopt and why.startswith("fleet model on this device's recent held-out samples: +22.5 points (20 gained, "
-                                    "2 lost of 80; p = 1"), why
+                                    "2 lost of 80): no evidence of a loss over 2.0 points (p = 1"), why
     held, cand, cur = build(outcomes({"a": (10, 0, 20, 0), "b": (30, 0, 0, 0)}))  # forgets most of a
     adopt, why = fleet_judge(held, cand, cur, PromotionConfig())
     assert not adopt and why.startswith("fleet model worse on this device's recent held-out samples by 33.3 points "
-                                        "(0 gained, 20 lost of 60; p = "), why
+                                        "(0 gained, 20 lost of 60): too many losses to be chance (p = "), why
     first, why = fleet_judge(held, cand, None, PromotionConfig())
     assert first and why == "fleet model, first in service: recent held-out accuracy 0.6667"
