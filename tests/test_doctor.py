@@ -76,12 +76,16 @@ def test_a_build_with_the_gpus_own_kernels_always_runs_it_and_one_with_only_newe
     assert not has_kernels(tuple(f"sm_{a}{b}" for a, b in archs if a > major), (major, minor))
 
 
-def test_no_gpu_is_ok_on_cpu_and_failing_when_the_config_wants_cuda():
+def test_no_gpu_is_ok_on_cpu_and_failing_when_the_config_wants_cuda_a_cuda_build_there_a_warning():
     cpu_torch = gather.TorchFacts("2.14.1+cpu", None)
     none = gather.CudaFacts(False)
     assert judge_gpu(none, cpu_torch, "cpu").status is Status.OK
     c = judge_gpu(none, cpu_torch, "cuda")
     assert c.status is Status.FAILING and "CPU-only build" in c.found and "CUDA build" in c.advice
+    for device in ("cpu", "auto"):  # a CUDA build where no GPU is: several GB of NVIDIA libraries for nothing
+        c = judge_gpu(none, CUDA_TORCH, device)
+        assert c.status is Status.WARNING and f"is a CUDA {CUDA_TORCH.cuda} build" in c.found, c
+        assert "download.pytorch.org/whl/cpu" in c.advice and "+" not in c.advice.split("torch==")[1].split()[0]
     c = judge_gpu(gather.CudaFacts(False, error="driver too old"), CUDA_TORCH, "cuda")
     assert c.status is Status.FAILING and "driver" in c.advice
     assert judge_gpu_memory(none, "cuda", 400 * MiB) is None
