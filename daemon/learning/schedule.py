@@ -1,6 +1,6 @@
 """When the next fine-tuning job runs, and why not yet: one function for the service and ``status``.
 
-A job is due when one is interrupted (it resumes), when ``schedule.min_new_samples`` new samples
+A job is due when one is interrupted (it resumes), when ``schedule.min_new_samples`` new (labelled) samples
 arrived since the data of the last finished job, when a new class became ready since that job (a label
 the model in service does not know reached ``training.min_samples_per_label`` training samples and
 ``promotion.min_heldout_per_class`` held-out ones, so the gate can judge what the job learns of it;
@@ -9,8 +9,10 @@ passed since that job (or since the first sample). A failed job
 holds the schedule back for ``schedule.retry_seconds`` after it failed: retried, not in a loop.
 
 The words, everywhere (this module, the gate, ``status``, the summary and the plots): *new samples*
-are samples that arrived after the data of the last finished job (or of the model in service); *new
-classes* are labels the model in service does not know.
+are labelled samples that arrived (or were labelled) after the data of the last finished job (or of the
+model in service); *new classes* are labels the model in service does not know. Unlabelled samples make no
+job due: they make the label questions due (:mod:`edgerev_daemon.learning.questions`), and the next job
+learns from them with pseudo-labels when ``training.semi`` is on (as in the daemon's defaults).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Schedule:
 
 
 def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str] = (), minimum: int = 1,
-             minimum_heldout: int = 0) -> Schedule:
+             minimum_heldout: int = 0, semi: bool = False) -> Schedule:
     """Whether a job is due at ``now``, and if not, why not.
 
     Args:
@@ -50,6 +52,8 @@ def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str]
         minimum: the training samples a label needs to be trained (``training.min_samples_per_label``).
         minimum_heldout: the held-out samples a new class needs before it makes a job due (the gate's
             ``promotion.min_heldout_per_class``: fewer cannot show what the job learned of it).
+        semi: jobs learn from the unlabelled samples too (``training.semi.enabled``): said when only
+            unlabelled samples arrived, which make no job due.
     """
     if store.active_job() is not None:
         return Schedule("resume the interrupted job", None)
@@ -67,7 +71,7 @@ def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str]
     if ready:
         return Schedule(f"new class{'es' if len(ready) > 1 else ''} to learn: {listed(ready)}", None, n, needed)
     if n == 0:
-        return Schedule(None, "no new samples since the last job", 0, needed)
+        return Schedule(None, "no new samples since the last job" + _unlabeled_note(store, semi), 0, needed)
     done = store.last_job(JobState.DONE)
     since = done.finished_at if done is not None and done.finished_at else store.first_sample_time()
     if since is not None and now - since >= s.max_interval_seconds:
@@ -77,10 +81,21 @@ def next_job(store: Store, s: ScheduleConfig, now: float, known: Collection[str]
                     n, needed)
 
 
+def _unlabeled_note(store: Store, semi: bool) -> str:
+    """What the unlabelled samples waiting do, when no labelled one arrived: they make no job due."""
+    u = store.count_samples(labeled=False)
+    if u == 0:
+        return ""
+    use = ("the next job learns from them with pseudo-labels (training.semi)" if semi
+           else "they are trained on once labelled (training.semi is off)")
+    return (f"; {u} unlabelled samples wait, which make no job due: {use}, and answering the questions "
+            "(edgerev daemon label) labels some")
+
+
 def daemon_schedule(config: DaemonConfig, store: Store, known: Collection[str], now: float) -> Schedule:
     """:func:`next_job` with the daemon's settings; ``known``: the classes of the version in service."""
     return next_job(store, config.schedule, now, known, config.training.min_samples_per_label,
-                    config.promotion.min_heldout_per_class)
+                    config.promotion.min_heldout_per_class, config.training.semi.enabled)
 
 
 def new_classes_ready(store: Store, known: Collection[str], minimum: int, minimum_heldout: int = 0) -> dict[str, int]:

@@ -105,3 +105,20 @@ def test_the_schedule_reads_the_classes_in_service_as_a_job_does(tmp_path):
             with pytest.raises(CheckpointError):
                 model_classes(registry.path(name))
             assert registry.current_classes() == ()
+
+
+def test_unlabelled_samples_alone_make_no_job_due_and_the_reason_says_what_they_do(datadir):
+    """150 unlabelled images and no labelled one: no job, and the reason names them and what becomes of them
+    (the owner saw 'no new samples' beside '150 unlabelled' and could not tell why)."""
+    store, clock = datadir.store, datadir.clock
+    s = ScheduleConfig(min_new_samples=50, max_interval_seconds=3600)
+    store.record_batch([sample(i, label=None) for i in range(150)], [], 0.1)
+    clock.advance(7200)  # past max_interval_seconds too: unlabelled samples never make a job due
+    for semi, use in ((True, "the next job learns from them with pseudo-labels (training.semi)"),
+                      (False, "they are trained on once labelled (training.semi is off)")):
+        wait = next_job(store, s, clock(), semi=semi)
+        assert wait.due is None and wait.new_samples == 0
+        assert wait.waiting == (f"no new samples since the last job; 150 unlabelled samples wait, which make no job "
+                                f"due: {use}, and answering the questions (edgerev daemon label) labels some")
+    store.record_batch([sample(i) for i in range(150, 210)], [], 0.1)
+    assert next_job(store, s, clock(), semi=True).due == "60 new samples (threshold 50)"

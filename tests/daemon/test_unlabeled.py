@@ -529,3 +529,31 @@ def test_a_daemon_cycle_trains_and_judges_on_labelled_samples_only(tmp_path):
         assert metrics["training"]["train_samples"] <= train  # a share of the training split is validation
         assert metrics["evaluation"]["heldout_samples"]["all"] == held
         assert "unlabeled" not in metrics["classes"] and len(metrics["classes"]) == 2
+
+
+def test_the_docs_say_what_the_config_does_with_unlabelled_images():
+    """Every page that speaks of unlabelled images says what the defaults do: jobs learn from them with
+    pseudo-labels (``training.semi`` is on in the daemon's defaults and every preset) and they make no job
+    due. Pages once said they were 'not trained on' or 'enter no training', beside a config that trains."""
+    import re
+
+    from edgerev_daemon.config import DaemonConfig, load_config
+
+    root = Path(__file__).resolve().parents[2]
+    assert DaemonConfig(data_dir="x").training.semi.enabled
+    presets = sorted((root / "configs" / "daemon").glob("*.yaml"))
+    assert presets and all(load_config(p).training.semi.enabled for p in presets), presets
+    pages = [root / "README.md", root / "daemon" / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    wrong = re.compile(r"not trained on|enter no training|never trained on|no training until", re.I)
+    said = []
+    for page in pages:
+        text = " ".join(page.read_text().split())
+        for sentence in re.split(r"(?<=[.:;])\s", text):
+            if re.search(r"unlabell?ed", sentence, re.I) and wrong.search(sentence):
+                said.append(f"{page.relative_to(root)}: {sentence[:160]}")
+    assert not said, said
+    for name in ("README.md", "docs/guides/device.md", "docs/guides/daemon.md"):
+        text = " ".join((root / name).read_text().split())
+        assert "pseudo-labels" in text and "training.semi" in text, name
+    for name in ("docs/guides/device.md", "docs/guides/daemon.md"):
+        assert "make no job due" in " ".join((root / name).read_text().split()), name
