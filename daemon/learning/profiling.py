@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.learning import children
 
 LOG = "profile.log"
+log = logging.getLogger("edgerev.daemon.profiling")
 
 
 def _target(config: DaemonConfig):
@@ -67,10 +69,13 @@ def ensure_profile(config: DaemonConfig, folder: Path, stop: Callable[[], bool])
     spec = {"arch": t.model.arch, "weights": t.model.weights, "args": dict(t.model.args), "size": config.image_size,
             "device": device, "estimate": estimate, "threads": t.train.threads,
             "trust_factories": list(t.model.factories)}
-    log = folder / LOG
-    code = children.run(command(spec), log, stop, "the stage profile's measurement")
+    out = folder / LOG
+    log.info("measuring the stage profile of %s on the %s (%s) before the job trains: once per model, size and "
+             "machine, cached for later jobs; minutes on a small CPU, nothing else is logged meanwhile",
+             t.model.arch, device, "estimated" if estimate else "measured")
+    code = children.run(command(spec), out, stop, "the stage profile's measurement")
     if code != 0:
-        raise EdgerevError(f"the stage profile's measurement failed (exit status {code}): {children.tail(log)}")
+        raise EdgerevError(f"the stage profile's measurement failed (exit status {code}): {children.tail(out)}")
     return True
 
 
