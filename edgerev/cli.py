@@ -93,7 +93,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     rows = []
     with chunk_budget(args.chunk_bytes):
         for arch in archs:
-            row = measure(arch, batch=args.batch, size=args.size, device=device, fake=args.fake, modes=args.mode)
+            row = measure(arch, batch=args.batch, size=args.size, device=device, fake=args.fake, modes=args.mode,
+                          trust_factories=args.trust_factory)
             row["chunk_bytes"] = args.chunk_bytes
             paper = PAPER_PEAK_BYTES.get(arch)
             if paper is not None:
@@ -289,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-slice budget of the engine's temporaries in bytes (default 1 MiB; 0: never slice)")
     m.add_argument("--mode", help=MODE_HELP)
     m.add_argument("--json", action="store_true", help="print JSON")
+    _trust_argument(m)
     m.set_defaults(fn=cmd_memory)
 
     pl = sub.add_parser("plan", help="batch size and per-stage modes that train fastest under a byte budget",

@@ -124,6 +124,11 @@ def test_a_factory_allowed_on_the_command_line(tmp_path, capsys):
     assert "is a factory" in err
     err = _run_cli(["plan", "--arch", str(folder), "--size", "8", "--budget", "1KiB", "--trust-factory", TINY], capsys)
     assert "is a factory" not in err and "budget" in err  # built: refused for its budget only
+    err = _run_cli(["memory", "--arch", str(folder), "--size", "8", "--batch", "2", "--fake"], capsys)
+    assert "is a factory" in err  # every command that builds a model takes the owner's word the same way
+    assert main(["memory", "--arch", str(folder), "--size", "8", "--batch", "2", "--fake", "--json",
+                 "--trust-factory", TINY]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0
 
 
 def test_a_recipe_refuses_a_trust_entry_that_is_no_factory():

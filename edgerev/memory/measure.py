@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -127,7 +128,7 @@ def _maybe_fake(fake: bool):
 
 
 def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fake: bool = False,
-            seed: int = 0, modes: str | None = None, **overrides) -> dict:
+            seed: int = 0, modes: str | None = None, trust_factories: Sequence[str] = (), **overrides) -> dict:
     """Peak at ``batch`` and ``2 * batch``, and the bytes per input pixel (slope between them).
 
     The slope cancels everything that does not grow with the batch (weights, their gradients,
@@ -135,6 +136,7 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
     with fake tensors: nothing is allocated, so any size can be asked for. ``modes`` sets one
     engine mode for every stage that supports it. ``arch`` is any model source
     (:mod:`edgerev.models.resolve`); a model from outside the registry runs through plain autograd.
+    ``trust_factories``: the factories a model directory may name (:mod:`edgerev.models.trust`).
     """
     from edgerev.memory.analytic import model_bytes_per_pixel
     from edgerev.models.names import SourceKind, source_kind
@@ -145,7 +147,7 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
     torch.manual_seed(seed)
     registry = source_kind(arch) is SourceKind.REGISTRY
     # a registry model is built on fake tensors directly; a source from outside loads real weights, then is copied
-    outside = None if registry else resolve_model(arch, args=overrides)
+    outside = None if registry else resolve_model(arch, args=overrides, trust_factories=trust_factories)
     with _maybe_fake(fake) as mode:
         model = create_model(arch, **overrides) if registry else outside if not fake else fake_copy(outside, mode)
         if not fake:
