@@ -216,13 +216,19 @@ class StorageConfig:
     journal, versions, a job's checkpoints, quarantine); null: no budget. ``max_samples``: an optional
     bound on the number of samples kept (null: none). ``target``: the share of each bound the retention
     policy keeps the data directory under: above it at a cycle's check, samples are removed until it is
-    5 points below; the rest of the bound is headroom for what arrives between two checks (a cycle's
-    ingest, a job's checkpoints and the version it writes). Above a bound itself, ingest waits until
-    the policy brings it under. ``max_quarantine_bytes``: quarantine's own bound (the oldest rejected
-    files go first; part of ``max_bytes`` too). ``keep_newest_per_class``: samples of each class and
-    split that are never removed, the newest ones. ``reservoir``: the share of samples (chosen by their
-    hash, so spread evenly over a class's history) that outlive the others: a class's older samples go
-    oldest first, those in the reservoir last."""
+    5 points below. Ingest checks ``max_bytes`` before every file and stops once the data directory
+    passes ``target`` of it: the files it took are recorded, the rest wait in the inbox, untouched, for
+    the next cycle, whose removal makes room first. A burst takes the data directory no further than
+    the target, and each later cycle takes it back there. The rest of the budget is headroom for what
+    ingest overshoots by (the file that passed the target, and what one batch's rows add beyond their
+    estimate), a job's checkpoints and the version it writes, and a removal's journal lines.
+    ``max_samples`` is checked at a cycle's start only: that cycle's ingest may take the count past it,
+    until the next. Above a bound itself (a job reads the samples, or only protected samples remain),
+    ingest waits until the policy brings it under. ``max_quarantine_bytes``: quarantine's own bound
+    (the oldest rejected files go first; part of ``max_bytes`` too). ``keep_newest_per_class``: samples
+    of each class and split that are never removed, the newest ones. ``reservoir``: the share of
+    samples (chosen by their hash, so spread evenly over a class's history) that outlive the others: a
+    class's older samples go oldest first, those in the reservoir last."""
 
     min_free_space: int | str = "100MiB"
     max_bytes: int | str | None = None

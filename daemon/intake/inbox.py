@@ -95,9 +95,11 @@ def _hidden(name: str) -> bool:
 
 class _Scanner:
     def __init__(self, root_fd: int, now: float, settle_seconds: float, max_manifest_bytes: int,
-                 seen: Callable[[str], bool], watch: InboxWatch) -> None:
+                 seen: Callable[[str], bool], watch: InboxWatch,
+                 read_before: Callable[[str, confined.Identity], bool]) -> None:
         self.root_fd, self.now, self.settle = root_fd, now, settle_seconds
         self.max_manifest_bytes, self.seen, self.watch = max_manifest_bytes, seen, watch
+        self.read_before = read_before
         self.scan = Scan()
         self.claimed: dict[tuple[str, ...], str] = {}
 
@@ -187,10 +189,13 @@ class _Scanner:
             self.scan.bad_manifests.append((cand, "manifest is not UTF-8 text"))
             return
         entries = []
+        again = self.read_before(cand.source, confined.identity(st))
         for number, line in lines(text):
             try:
                 entries.append(self.entry(cand.source, parse_line(line)))
             except LineRefused as e:
+                if again:  # refused when first read (recorded then), or its file handled and gone since
+                    continue
                 path = None if e.path is None else shown(e.path)
                 self.scan.refusals.append(Refusal(cand.source, number, path, e.reason))
         self.scan.candidates.extend(c for c in entries if c is not None)
@@ -223,7 +228,8 @@ class _Scanner:
 
 
 def scan_inbox(root_fd: int, now: float, settle_seconds: float, max_manifest_bytes: int,
-               seen: Callable[[str], bool] = lambda source: False, watch: InboxWatch | None = None) -> Scan:
+               seen: Callable[[str], bool] = lambda source: False, watch: InboxWatch | None = None,
+               read_before: Callable[[str, confined.Identity], bool] = lambda source, identity: False) -> Scan:
     """List the inbox open as ``root_fd`` (sorted, so runs are reproducible).
 
     Args:
@@ -232,8 +238,11 @@ def scan_inbox(root_fd: int, now: float, settle_seconds: float, max_manifest_byt
             entry whose file is gone is silently done when it was, refused when it was not.
         watch: what earlier scans saw (a fresh one when ``None``: nothing settles but with
             ``settle_seconds`` 0).
+        read_before: whether an earlier ingest read this manifest, unchanged since (its inbox path and
+            identity), and left it with lines to handle: its lines are not refused again (those refused were
+            recorded then; a file gone since was handled, its sample possibly removed by the retention policy).
     """
-    scanner = _Scanner(root_fd, now, settle_seconds, max_manifest_bytes, seen, watch or InboxWatch())
+    scanner = _Scanner(root_fd, now, settle_seconds, max_manifest_bytes, seen, watch or InboxWatch(), read_before)
     scanner.top()
     scanner.watch.end_scan()
     return scanner.scan

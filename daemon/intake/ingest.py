@@ -43,6 +43,15 @@ Why a crash (``kill -9``, power cut) at any instant loses no file and records no
 - A manifest is deleted only after every file it listed was stored, found a duplicate, gave a label
   or was quarantined; re-read after a crash, its entries whose files are gone are recognized (stored,
   labelling, or quarantined with an event or a reason file, from that path) and skipped.
+- A manifest an ingest leaves with lines to handle (a stop, the storage budget, a file it could not remove)
+  is remembered in the store with its identity, after the last commit. Read again unchanged, none of its
+  lines is refused again: those refused were recorded when it was first read, and a file gone since was
+  handled (the retention policy may have removed its sample since, which the store alone could no longer
+  tell). A crash before the store remembers it leaves the rule above.
+
+The storage budget is checked before every file (:mod:`edgerev_daemon.intake.budget`): once the data directory
+passes ``storage.target`` of ``storage.max_bytes``, the files examined so far are committed as a shorter batch
+and ingest ends; the files not yet examined wait in the inbox for the next cycle, as after a stop.
 
 No file can stop the batch: whatever its name (recorded in the escaped form of
 :mod:`edgerev_daemon.intake.names`), type or content, it ends stored, a duplicate, quarantined, refused (a
@@ -66,6 +75,7 @@ from dataclasses import dataclass, field, replace
 
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.intake import confined
+from edgerev_daemon.intake.budget import IngestBudget
 from edgerev_daemon.intake.confined import Identity, NotConfined
 from edgerev_daemon.intake.images import ImageRejected, normalize
 from edgerev_daemon.intake.inbox import Candidate, Scan, scan_inbox, valid_label
@@ -75,6 +85,7 @@ from edgerev_daemon.intake.watch import InboxWatch
 from edgerev_daemon.storage.blobs import BlobStore
 from edgerev_daemon.storage.records import LABEL_RULE, EventKind, NewLabel, NewSample, Sample
 from edgerev_daemon.storage.store import Store, split_of
+from edgerev_daemon.storage.usage import DiskUsage
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +95,8 @@ class IngestReport:
     """What one :func:`ingest_inbox` call did; ``accepted`` counts the samples stored (``unlabeled`` of them
     without a label); ``labeled``: stored unlabelled samples that got their label from a file; ``quarantined``,
     ``refused`` and ``stuck`` hold ``(inbox path, reason)`` pairs; ``problems``: folders newly found
-    unreadable, ``(folder, reason)``; ``stopped``: the call ended early, files wait for the next."""
+    unreadable, ``(folder, reason)``; ``stopped``: the call ended early, files wait for the next; ``budget``: why
+    it ended at the storage budget (:mod:`edgerev_daemon.intake.budget`), files wait for the next, or None."""
 
     accepted: int = 0
     unlabeled: int = 0
@@ -98,6 +110,7 @@ class IngestReport:
     unsettled: int = 0
     batches: int = 0
     stopped: bool = False
+    budget: str | None = None
     seconds: float = 0.0
 
     @property
@@ -110,7 +123,7 @@ class IngestReport:
                 "quarantined": [list(q) for q in self.quarantined], "refused": [list(r) for r in self.refused],
                 "stuck": [list(s) for s in self.stuck], "problems": [list(p) for p in self.problems],
                 "unsettled": self.unsettled, "batches": self.batches, "stopped": self.stopped,
-                "seconds": round(self.seconds, 4)}
+                "budget": self.budget, "seconds": round(self.seconds, 4)}
 
 
 @dataclass(frozen=True)
@@ -206,8 +219,9 @@ def _precheck(root_fd: int, c: Candidate, extensions: tuple[str, ...]) -> str | 
 
 
 class _Ingest:
-    def __init__(self, config: DaemonConfig, store: Store, clock: Callable[[], float], root_fd: int) -> None:
-        self.config, self.store, self.clock, self.root_fd = config, store, clock, root_fd
+    def __init__(self, config: DaemonConfig, store: Store, clock: Callable[[], float], root_fd: int,
+                 budget: IngestBudget) -> None:
+        self.config, self.store, self.clock, self.root_fd, self.budget = config, store, clock, root_fd, budget
         self.layout = config.layout
         self.blobs = BlobStore(self.layout.blobs)
         self.max_bytes = config.limits.max_file_bytes
@@ -222,6 +236,7 @@ class _Ingest:
             log.warning("cannot quarantine %s (%s): %s", c.source, reason, e.strerror or e)
             self.report.stuck.append((c.source, f"{reason}; could not be moved: {e.strerror or e}"))
             return False
+        self.budget.quarantined(dst)
         log.warning("quarantined %s: %s", c.source, reason)
         batch.events.append((EventKind.QUARANTINE, {"source": c.source, "reason": reason, "moved_to": dst}))
         batch.quarantined += 1
@@ -269,7 +284,7 @@ class _Ingest:
             img = normalize(got.data, self.config.image_size, self.config.limits.max_pixels)
         except ImageRejected as e:
             return self._quarantine(batch, c, e.reason)
-        self.blobs.write(got.sha256, img.png)
+        self.budget.wrote_blob(self.blobs.write(got.sha256, img.png))
         batch.samples.append(NewSample(got.sha256, c.label, img.width, img.height,
                                        hashlib.sha256(img.png).hexdigest(), c.source))
         batch.seen[got.sha256] = c
@@ -309,6 +324,7 @@ class _Ingest:
             self.report.accepted += len(batch.samples)
             self.report.unlabeled += sum(1 for s in batch.samples if s.label is None)
             self.report.labeled += len(batch.labels) + sum(1 for k, _ in batch.events if k is EventKind.LABELED)
+        self.budget.committed()
         for c, ident in batch.remove:
             self._remove(c.source, c.parts, ident, "stored")
 
@@ -323,8 +339,20 @@ class _Ingest:
             batch.events.append((EventKind.INFO, {"where": "inbox", "folder": folder,
                                                   "message": f"inbox folder {folder} is readable again"}))
 
-    def run(self, scan: Scan, problems: tuple[dict[str, str], list[str]], stop: Callable[[], bool]) -> None:
-        """Ingest everything the scan found, or stop between two files when ``stop()`` says so."""
+    def run(self, scan: Scan, problems: tuple[dict[str, str], list[str]], stop: Callable[[], bool],
+            read: dict[str, tuple[int, ...]]) -> None:
+        """Ingest everything the scan found, or stop between two files when ``stop()`` says so or the storage
+        budget is reached; then remember the manifests left with lines to handle (``read``: those remembered)."""
+        left = self._run(scan, problems, stop)
+        for name in left:
+            identity = tuple(scan.manifests[name][1])
+            if read.get(name) != identity:
+                self.store.set_manifest_read(name, identity)
+        for name in read.keys() - left.keys():  # done (removed), or no longer in the inbox
+            self.store.set_manifest_read(name, None)
+
+    def _run(self, scan: Scan, problems: tuple[dict[str, str], list[str]], stop: Callable[[], bool]) -> dict[str, int]:
+        """:meth:`run` up to the last commit; returns the manifests left open, with how many of their files wait."""
         size = self.config.ingest.batch_files
         batch = _Batch()
         self.problems(batch, *problems)
@@ -351,10 +379,19 @@ class _Ingest:
             if i and stop():
                 self._finish(batch, pending, open_manifests, scan)
                 self.report.stopped = True
-                return
+                return open_manifests
+            if self.budget.full():  # what the batch holds is committed, then counted: still full, the rest waits
+                self._finish(batch, pending, open_manifests, scan)
+                batch, pending = _Batch(), []
+                if self.budget.full():
+                    self.report.budget = self.budget.why(len(scan.candidates) - i)
+                    log.info("ingest stopped at the storage budget: %s", self.report.budget)
+                    return open_manifests
+            self.budget.examined()
             if self.examine(batch, c):
                 pending.append(c)
         self._finish(batch, pending, open_manifests, scan)
+        return open_manifests
 
     def _finish(self, batch: _Batch, handled: list[Candidate], open_manifests: dict[str, int], scan: Scan) -> None:
         self.commit(batch)
@@ -369,7 +406,7 @@ class _Ingest:
 
 def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] = time.time,
                  stop: Callable[[], bool] = lambda: False, watch: InboxWatch | None = None,
-                 wait: Callable[[float], object] | None = None) -> IngestReport:
+                 wait: Callable[[float], object] | None = None, usage: DiskUsage | None = None) -> IngestReport:
     """Ingest what waits in the inbox (the caller holds the data directory's lock).
 
     Args:
@@ -381,6 +418,8 @@ def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] 
         wait: sleeps for the given seconds. When the watch has seen no scan yet and files are not
             settled, the inbox is scanned once more after ``wait(settle_seconds)``, so that one call
             (``edgerev daemon once``) still ingests files that are complete.
+        usage: measures the data directory once at the start, for the storage budget (the daemon's, its blob
+            folders' sums cached); None: a fresh one when ``storage.max_bytes`` is set.
 
     Raises:
         StoreError: the store holds images of another size than ``config.image_size``, or a class named like
@@ -396,18 +435,23 @@ def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] 
         return (store.has_source(source) or store.labeled_from(source) or store.quarantined_source(source)
                 or quarantined_from(config.layout.quarantine, source))
 
+    read = store.manifests_read()
+
+    def read_before(source: str, identity: tuple[int, ...]) -> bool:
+        return read.get(source) == tuple(identity)
+
     watch = watch if watch is not None else InboxWatch()
     fresh = watch.scans == 0
     settle = config.ingest.settle_seconds
     root_fd = confined.open_root(config.inbox_path)
     try:
-        scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch)
+        scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch, read_before)
         if scan.unsettled and fresh and wait is not None and settle > 0:
             wait(settle)
-            scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch)
-        job = _Ingest(config, store, clock, root_fd)
+            scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch, read_before)
+        job = _Ingest(config, store, clock, root_fd, IngestBudget(config, usage))
         job.report.unsettled = scan.unsettled
-        job.run(scan, watch.problems(scan.problems), stop)
+        job.run(scan, watch.problems(scan.problems), stop, read)
     finally:
         os.close(root_fd)
     job.report.seconds = time.perf_counter() - started

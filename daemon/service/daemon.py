@@ -98,6 +98,8 @@ class CycleReport:
         """One line for systemd's STATUS=: what this cycle did."""
         i = self.ingest or {}
         parts = [f"ingest {i.get('accepted', 0)} stored"] if i else []
+        if i.get("budget"):
+            parts.append("the rest of the inbox waits for the storage budget")
         if self.job is not None:
             j = self.job
             what = j.get("status") or ("promoted" if j.get("promoted") else "kept out")
@@ -381,7 +383,8 @@ class Daemon:
             # the first cycle (all of `once`) waits settle_seconds once for files not yet seen settled
             if over is None:
                 report.ingest = ingest_inbox(self.config, self.store, self.clock, stop=self._alive,
-                                             watch=self.watch, wait=self.requests.wakeup.wait).to_json()
+                                             watch=self.watch, wait=self.requests.wakeup.wait,
+                                             usage=self.usage).to_json()
             else:
                 report.waiting = "storage budget"  # the job still runs: it may be what holds the samples
             if self.stopping:

@@ -3,8 +3,11 @@
 Checked at the start of every cycle (:func:`enforce`), before ingest. When the data directory holds more
 than ``storage.target`` (90 %) of ``storage.max_bytes`` (or the store more than that share of
 ``storage.max_samples`` samples), samples are removed until it holds :data:`BAND` (5 points) less than
-that share, by the policy below. The rest of the budget is headroom for what arrives between two checks:
-a cycle's ingest, a job's checkpoints and the version it writes; above the budget itself ingest waits.
+that share, by the policy below. Ingest stops where this starts (:mod:`edgerev_daemon.intake.budget`): it
+checks ``max_bytes`` before every file and ends once the data directory passes the target, the rest of a
+burst waiting in the inbox for the next cycle, so a cycle's ingest fills the band a removal frees. The rest
+of the budget is headroom for what ingest overshoots by, a job's checkpoints and the version it writes, and
+a removal's journal lines (written before its blobs go); above the budget itself ingest waits.
 
 1. **Nothing a job reads.** While a job is queued or running (interrupted, to be resumed) it reads every
    sample up to its data, and its evaluation the held-out ones: no sample is removed until it is done.

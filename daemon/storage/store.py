@@ -856,6 +856,27 @@ class Store:
         row = self._one("SELECT value FROM meta WHERE key = 'in_service'")
         return None if row is None else row[0]
 
+    # manifests an ingest left part-done -------------------------------------------------------------
+
+    _MANIFEST = "manifest:"  # meta keys: "manifest:" + the manifest's inbox path -> its identity, JSON
+
+    def manifests_read(self) -> dict[str, tuple[int, ...]]:
+        """The manifests an ingest left in the inbox with lines still to handle, each with the identity it had
+        then (device, inode, size, modification time): their refusals are recorded, and a line of theirs whose
+        file is gone was handled (:mod:`edgerev_daemon.intake.ingest`)."""
+        rows = self._conn.execute("SELECT key, value FROM meta WHERE key >= ? AND key < ?",
+                                  (self._MANIFEST, self._MANIFEST[:-1] + ";"))
+        return {key[len(self._MANIFEST):]: tuple(json.loads(value)) for key, value in rows}
+
+    def set_manifest_read(self, source: str, identity: Sequence[int] | None) -> None:
+        """Record that manifest ``source`` was read as ``identity`` and left with lines to handle (None: forget it)."""
+        with self.transaction() as c:
+            if identity is None:
+                c.execute("DELETE FROM meta WHERE key = ?", (self._MANIFEST + source,))
+            else:
+                c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = "
+                          "excluded.value", (self._MANIFEST + source, json.dumps(list(identity))))
+
     # health -----------------------------------------------------------------------------------------
 
     def checkpoint(self) -> None:
