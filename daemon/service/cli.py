@@ -78,6 +78,8 @@ def cmd_once(args: argparse.Namespace) -> int:
         i = report.ingest
         print(f"ingest: {i['accepted']} stored, {i['duplicates']} duplicates, {len(i['quarantined'])} quarantined, "
               f"{len(i['refused'])} refused")
+        if i.get("budget"):
+            print(f"ingest stopped at the storage budget: {i['budget']}")
         print(f"job: {json.dumps(report.job)}" if report.job else f"no job due ({report.not_due})")
         if report.waiting:
             print(f"waiting: {report.waiting} (see the log and status)")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 
 import pytest
+import torch
+from PIL import Image
 
 from edgerev.cli import main
 
@@ -142,3 +145,24 @@ def test_once_stopped_by_sigterm_exits_143_and_status_says_the_job_was_interrupt
     assert json.loads(capsys.readouterr().out)["job"]["state"] == "running"  # the store's word, unchanged
     assert main(["daemon", "once", "--config", str(config), "--json"]) == 143  # the job stops again: same status
     assert json.loads(capsys.readouterr().out)["stopped"] is True
+
+
+def test_once_says_when_ingest_stopped_at_the_storage_budget(tmp_path, capsys):
+    from tests.daemon.conftest import write
+
+    config = tmp_path / "d.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\ningest: {{settle_seconds: 0, batch_files: 8}}\n"
+                      "schedule: {min_new_samples: 100000}\n"
+                      "storage: {max_bytes: 400KiB, min_free_space: 0, max_quarantine_bytes: 64KiB}\n")
+    noise = torch.Generator().manual_seed(0)
+    for i in range(80):  # incompressible 32x32 images: about 3 KiB each as stored
+        pixels = torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8, generator=noise).numpy()
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        write(tmp_path / "data" / "inbox" / f"c{i % 2}" / f"{i}.png", buf.getvalue())
+    assert main(["daemon", "once", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    line = next((x for x in out.splitlines() if x.startswith("ingest stopped at the storage budget: ")), None)
+    assert line is not None and "inbox files wait for the next cycle" in line, out
+    waiting = int(line.split("storage.max_bytes (409600): ")[1].split()[0])
+    assert waiting == len(list((tmp_path / "data" / "inbox").rglob("*.png"))) > 0
