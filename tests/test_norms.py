@@ -63,3 +63,33 @@ def test_a_frozen_run_trains_at_the_statistics_it_started_with(tmp_path):
     # and it learned: the weights moved
     w0, w1 = load_model(first.out)[0].state_dict(), load_model(frozen.out)[0].state_dict()
     assert any(not torch.equal(w0[k], w1[k]) for k in w0 if k.endswith("weight"))
+
+
+def test_measured_running_statistics_are_the_batches_own_and_leave_frozen_norms_alone():
+    from edgerev.engine import plain
+    from edgerev.train.norms import freeze_norms, measure_running_statistics
+
+    model = _model().train()
+    torch.manual_seed(1)
+    x = torch.randn(12, 3, 16, 16) * 3 + 1
+    with torch.no_grad(), plain(model):
+        want = model(x)  # training mode: each batch norm normalizes by this batch's statistics
+    assert measure_running_statistics(model, [x]) == 1
+    model.eval()
+    with torch.no_grad():
+        got = model(x)  # eval mode: by the running statistics just measured on the same batch
+    # equal but for the running variance being the unbiased one (n/(n-1): 48 values a channel at the last stage)
+    assert torch.allclose(got, want, rtol=2e-2, atol=1e-2), (got - want).abs().max()
+    assert not torch.allclose(got, _model().eval()(x), rtol=2e-2, atol=1e-2)  # the fresh statistics are not
+    assert all(m.momentum == 0.1 and not m.training for _, m in norms(model))
+    # two batches: each statistic is the mean of the two batches' own
+    model.train()
+    measure_running_statistics(model, [x[:6], x[6:]])
+    first = {n: m.running_mean.clone() for n, m in norms(model)}
+    measure_running_statistics(model, [x[6:], x[:6]])
+    assert all(torch.allclose(first[n], m.running_mean, atol=1e-5) for n, m in norms(model))
+    # frozen norms (eval mode while the rest trains) keep their statistics
+    freeze_norms(model)
+    before = [m.running_mean.clone() for _, m in norms(model)]
+    assert measure_running_statistics(model, [x * 10]) == 0
+    assert all(torch.equal(b, m.running_mean) for b, (_, m) in zip(before, norms(model)))

@@ -80,3 +80,35 @@ def set_statistics(model: nn.Module, moments: dict[str, tuple[Tensor, Tensor]], 
             mean, square = moments[name]
             m.running_mean.copy_(mean)
             m.running_var.copy_((square - mean * mean).clamp_min(least_var))
+
+
+def measure_running_statistics(model: nn.Module, batches: Iterable[Tensor]) -> int:
+    """Replace the running statistics of every batch norm of ``model`` that trains (in training mode) by their
+    average over ``batches`` (the model's float input), in one training-mode forward pass per batch, without
+    gradient; returns how many batches were seen.
+
+    A running average with momentum 0.1 trails weights that change fast: early in a run from scratch a model
+    evaluated with it can sit at chance while the same weights, normalized by statistics of the current
+    weights, are right most of the time (``docs/concepts/measurements.md``). Each batch's mean and variance
+    get the weight ``1/k`` (the k-th batch), so after the pass each statistic is the mean of the batches'
+    own (Wu and Johnson's "precise BatchNorm"). Batch norms in eval mode (frozen, ``train.bn_stats:
+    frozen``) are left as they are, and the model comes back in the mode it was in.
+    """
+    from edgerev.engine import plain
+
+    live = [m for _, m in norms(model) if m.training]
+    if not live:
+        return 0
+    momenta = [m.momentum for m in live]
+    seen = 0
+    try:
+        with torch.no_grad(), plain(model):
+            for x in batches:
+                seen += 1
+                for m in live:
+                    m.momentum = 1.0 / seen
+                model(x)
+    finally:
+        for m, momentum in zip(live, momenta):
+            m.momentum = momentum
+    return seen
