@@ -93,3 +93,15 @@ def test_measured_running_statistics_are_the_batches_own_and_leave_frozen_norms_
     before = [m.running_mean.clone() for _, m in norms(model)]
     assert measure_running_statistics(model, [x * 10]) == 0
     assert all(torch.equal(b, m.running_mean) for b, (_, m) in zip(before, norms(model)))
+
+
+def test_a_run_measures_its_statistics_before_it_evaluates_and_trains_the_same_weights(tmp_path):
+    """``train.bn_measure``: the statistics evaluated (and saved) are measured anew; nothing that trains moves."""
+    runs = {n: train(from_dict(RunConfig, recipe(train__epochs=1, train__bn_measure=n)), tmp_path / str(n),
+                     progress=False) for n in (0, 64)}
+    kept, measured = (load_model(runs[n].out)[0].state_dict() for n in (0, 64))
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    assert all(torch.equal(kept[k], measured[k]) for k in kept if not k.endswith(stats))
+    assert any(not torch.allclose(kept[k], measured[k]) for k in kept if k.endswith("running_var"))
+    with pytest.raises(Exception, match="bn_measure: must be at least 0 images"):
+        from_dict(RunConfig, recipe(train__bn_measure=-1))

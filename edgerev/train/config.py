@@ -185,7 +185,11 @@ class TrainConfig:
     the frozen rest keeps no activation and no gradient. ``bn_stats``: ``updated`` (batch norms move their
     running statistics in training) or ``frozen`` (every batch norm normalizes with the model's running
     statistics and leaves them as they are: a pretrained model's, or those a fleet measured for its rounds,
-    :mod:`edgerev.train.norms`)."""
+    :mod:`edgerev.train.norms`). ``bn_measure``: before each evaluation (every epoch's and the final one),
+    the running statistics of the batch norms that train are measured anew on this many training images
+    (a fixed draw, unaugmented; :func:`edgerev.train.norms.measure_running_statistics`): the running
+    average trails weights that change fast, so a run's first epochs were judged, and kept or stopped on,
+    at statistics of weights it no longer has; 0 keeps the running average."""
 
     epochs: int = 10
     patience: int | None = None
@@ -199,6 +203,7 @@ class TrainConfig:
     threads: int | None = None
     trainable: str = "all"
     bn_stats: str = "updated"
+    bn_measure: int = 512
 
     def __post_init__(self) -> None:
         from edgerev.memory.trainable import TrainableError, check_bn_stats, parse_trainable  # no torch
@@ -211,6 +216,7 @@ class TrainConfig:
         for name in ("epochs", "batch", "checkpoint_every", "log_every", "eval_batch"):
             value = getattr(self, name)
             check(value >= 1, name, f"must be at least 1, got {value}")
+        check(self.bn_measure >= 0, "bn_measure", f"must be at least 0 images, got {self.bn_measure}")
         check(self.patience is None or self.patience >= 1, "patience",
               f"must be at least 1 epoch (or null: no early stopping), got {self.patience}")
         check(self.anneal_epochs >= 0, "anneal_epochs", f"must be >= 0 (0: stop at once), got {self.anneal_epochs}")

@@ -48,7 +48,7 @@ from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev.train.memory import loss_of, plan_memory, training_model
-from edgerev.train.norms import freeze_norms
+from edgerev.train.norms import freeze_norms, measure_running_statistics
 from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
 from edgerev.train.schedule import Tail, lr_at, tail_after
 from edgerev.train.semi import UnlabeledOrder, per_step, pseudo_label, quotas, semi_summary, step_targets, weak_probs
@@ -422,6 +422,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                 window = []
             end_of_epoch = step % per_epoch == 0
             if end_of_epoch:
+                _measure_norms(cfg, s, model, info)
                 ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
                 metrics.write({"kind": "eval", "step": step, "epoch": step // per_epoch,
                                **{k: v for k, v in ev.items() if k not in ("per_class", "confusion")},
@@ -465,6 +466,19 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     return RunResult(status, out, step, total, summary)
 
 
+def _measure_norms(cfg: RunConfig, s: _Setup, model: nn.Module, info: ModelInfo) -> None:
+    """Before an evaluation: the running statistics of the batch norms that train, measured anew on
+    ``train.bn_measure`` training images (a fixed draw, unaugmented; none with ``train.bn_stats: frozen``)."""
+    n = min(cfg.train.bn_measure, len(s.train))
+    if n == 0 or cfg.train.bn_stats == "frozen":
+        return
+    device = next(model.parameters()).device
+    pick = torch.randperm(len(s.train), generator=torch.Generator().manual_seed(cfg.train.seed * 7_919 + 1))[:n]
+    b = cfg.train.eval_batch
+    measure_running_statistics(model, (normalize(s.train.images[pick[k:k + b]].to(device), info)
+                                       for k in range(0, n, b)))
+
+
 def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelInfo, rows: list[dict],
             plan_summary: dict, seconds: float, step: int, early: dict | None,
             stop: Callable[[], bool] | None = None, semi: dict | None = None) -> dict | None:
@@ -476,6 +490,7 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
     checkpoint holds the run, and a resume comes straight here). ``semi``: the unlabelled images used (the
     summary's ``semi``, None when none were)."""
     device = next(model.parameters()).device
+    _measure_norms(cfg, s, model, info)
     final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
     if stop is not None and stop():
         return None
