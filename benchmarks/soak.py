@@ -9,17 +9,18 @@ Each simulated day:
   (classes come and go: see :data:`CLASSES`), their look drifting over the year (colour, darkness, blur:
   ``tests/daemon/drift.py``; the drift rises to ``--drift`` at mid-year and falls back);
 - every ``--corrupt-every`` days, a batch of corrupt files beside them (random bytes, truncated PNGs);
-- the clock moves to the day's end and the script waits until the daemon has taken the inbox in (the
-  wall time this takes is the day's cycle time: ingest, and the job when one was due);
+- the clock moves to the day's end and the script waits until the daemon has taken the inbox in and no
+  job is under way (the wall time this takes is the day's cycle time: ingest, and the job when one was due);
 - with probability ``--kill-prob`` the daemon gets SIGKILL at a random moment within ``--kill-window``
   seconds of the day's files (ingest, a job, an export, a promotion...), and is started again at once as
   systemd would (``Restart=on-failure``, without the 15 s pause).
 
 Per simulated month (30 days) the JSON has: the data directory's bytes against the budget (the daemon's
 own measure at each day's end, the largest of the month, and a walk of the folder), the daemon's RSS
-(mean and largest of the days' ends; the export's child process aside), the days' cycle time and the
-jobs' wall time, samples stored / removed by the retention policy / quarantined / lost (written minus
-stored minus removed: must be 0), versions promoted and refused, and the accuracy of the model in
+(at each day's end, once no job has been queued or running for ``--settle`` seconds: mean and largest;
+the export's child process aside; ``job_days``: the days a job started, ran or ended), the days' cycle
+time and the jobs' wall time, samples stored / removed by the retention policy / quarantined / lost
+(written minus stored minus removed: must be 0), versions promoted and refused, and the accuracy of the model in
 service on the month's own distribution (the active classes at the month's drift, images never shown to
 the daemon); with ``--baseline``, beside it a model trained on that month's images alone with the same
 recipe. The targets (issue 24): disk never above the budget, RSS within 10 % of the first month, cycle
@@ -244,6 +245,30 @@ def wait_drained(inbox: Path, running: Running, limit: float) -> bool:
     return False
 
 
+def jobs_seen(database: Path) -> list[tuple[int, str]]:
+    """The store's jobs and their states (read-only; the daemon holds the lock, not the file)."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=30) as db:
+            return db.execute("SELECT id, state FROM jobs ORDER BY id").fetchall()
+    except sqlite3.Error:  # no store yet (the daemon's first start)
+        return []
+
+
+def wait_idle(database: Path, running: Running, settle: float, limit: float) -> None:
+    """After the inbox is taken in: until no job is queued or running for ``settle`` seconds (a job starts
+    after the ingest of its cycle, and the cycle goes on for a moment after the job is done)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end and running.proc.poll() is None:
+        time.sleep(settle)
+        if not any(state in ("queued", "running") for _, state in jobs_seen(database)):
+            return
+        while any(state in ("queued", "running") for _, state in jobs_seen(database)) and \
+                time.monotonic() < end and running.proc.poll() is None:
+            time.sleep(0.05)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         sys.exit(child(sys.argv[2], sys.argv[3], float(sys.argv[4])))
@@ -264,6 +289,8 @@ def main() -> None:
                    help="override a preset key (YAML value); the defaults: a narrow model, 6 epochs, a job per "
                         "2000 samples or 14 days")
     p.add_argument("--poll", type=float, default=0.2)
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="seconds with no job under way before a day's RSS is read (default 1)")
     p.add_argument("--day-limit", type=float, default=900.0, help="seconds a day may take before the run fails")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", type=Path, help="keep the data directory and the daemon's log here")
@@ -320,7 +347,7 @@ def main() -> None:
         for day in range(args.days):
             if day % MONTH_DAYS == 0:
                 month = {"month": day // MONTH_DAYS + 1, "days": [], "cycle_seconds": [], "disk_bytes": [],
-                         "disk_walk_bytes": [], "rss_bytes": [], "kills": 0, "corrupt_files": 0,
+                         "disk_walk_bytes": [], "rss_bytes": [], "job_days": [], "kills": 0, "corrupt_files": 0,
                          "jobs_seen": set(running.jobs)}
                 month_data = []
             classes = active(day)
@@ -334,6 +361,7 @@ def main() -> None:
                 n = corrupt_files(config.inbox_path, day, 20, rng)
                 corrupt += n
                 month["corrupt_files"] += n
+            jobs_before = jobs_seen(config.layout.database)
             set_clock(START + (day + 1) * DAY - 1.0)
             t0 = time.perf_counter()
             if rng.random() < args.kill_prob:
@@ -347,6 +375,9 @@ def main() -> None:
             if not wait_drained(config.inbox_path, running, args.day_limit):
                 raise SystemExit(f"day {day}: the inbox was not taken in (daemon exit status "
                                  f"{running.proc.poll()}); see {log_path}")
+            wait_idle(config.layout.database, running, args.settle, args.day_limit)
+            if jobs_seen(config.layout.database) != jobs_before:  # a job started, ran or ended today
+                month["job_days"].append(day)
             month["cycle_seconds"].append(round(time.perf_counter() - t0, 3))
             st = status(config, events=0, clock=lambda: float(clock_path.read_text()))
             month["disk_bytes"].append(st["storage"]["usage"].get("total"))
@@ -357,8 +388,8 @@ def main() -> None:
                 months.append(_month(month, st, written, corrupt, running, prev_versions, config, args, size,
                                      month_data, work))
                 prev_versions = {v["version"] for v in st["versions"]}
-                print(json.dumps({k: v for k, v in months[-1].items() if k != "cycle_seconds"}), file=sys.stderr,
-                      flush=True)
+                print(json.dumps({k: v for k, v in months[-1].items() if k not in ("cycle_seconds", "rss_bytes")}),
+                      file=sys.stderr, flush=True)
                 if args.out:  # what ran so far, should the run be cut short
                     args.out.parent.mkdir(parents=True, exist_ok=True)
                     args.out.write_text(json.dumps(result | {"partial": True, "days_done": day + 1,
@@ -390,7 +421,8 @@ def _month(month: dict, st: dict, written: int, corrupt: int, running: Running, 
         "rss_mean_bytes": _mean([r for r in month["rss_bytes"] if r]),
         "rss_max_bytes": max(r or 0 for r in month["rss_bytes"]),
         "cycle_seconds_median": _median(month["cycle_seconds"]), "cycle_seconds_max": max(month["cycle_seconds"]),
-        "cycle_seconds": month["cycle_seconds"], "jobs_wall_seconds": jobs,
+        "cycle_seconds": month["cycle_seconds"], "rss_bytes": month["rss_bytes"], "job_days": month["job_days"],
+        "jobs_wall_seconds": jobs,
         "samples_stored": stored, "samples_removed_by_policy": removed,
         "removed_by_reason": st["storage"].get("removed"), "quarantined_files": st["quarantined_files"],
         "samples_lost": written - stored - removed,

@@ -59,6 +59,7 @@ from edgerev_daemon.learning.profiling import ensure_profile
 from edgerev_daemon.learning.promote import decide, held_out, version_files
 from edgerev_daemon.learning.schedule import Schedule, daemon_schedule, listed
 from edgerev_daemon.service.lock import DataDirLock
+from edgerev_daemon.service.memory import give_back
 from edgerev_daemon.service.notify import Notifier
 from edgerev_daemon.service.signals import Requests
 from edgerev_daemon.storage.blobs import BlobStore
@@ -361,7 +362,14 @@ class Daemon:
         return daemon_schedule(self.config, self.store, self.registry.current_classes(), now)
 
     def cycle(self, now: float | None = None) -> CycleReport:
-        """Ingest, then train, evaluate and promote if a job is due."""
+        """Ingest, then train, evaluate and promote if a job is due; then give back to the system the memory the
+        cycle freed (:mod:`edgerev_daemon.service.memory`: otherwise the RSS keeps the largest job's)."""
+        try:
+            return self._cycle(now)
+        finally:
+            give_back()
+
+    def _cycle(self, now: float | None) -> CycleReport:
         now = self.clock() if now is None else now
         report = CycleReport()
         self._maintain(now)
