@@ -4,14 +4,17 @@ A daemon preset (``configs/daemon/cpu.yaml`` by default) serves a data directory
 trained from ``--images`` generated images) is in service, with a second job's images (a new class among
 them) in its inbox. For each phase, a copy of that directory is served by ``tests/daemon/stop_child.py``,
 which parks the daemon at the start of the phase's slowest piece (the third file of an ingest batch, a
-training step, the trainer's final evaluation, the candidate's scoring on the held-out samples, the ONNX
-export's child process, the version's files written before its rename) and lets it go on the instant
-SIGTERM arrives, so each figure is a stop landing at the worst moment of its phase. The latency runs from
-the signal to the process's exit (wall), beside the CPU seconds the daemon itself spent after the signal
-(what the stop costs, whatever else loads the machine; a child it kills is not counted). ``plan`` is a
-first job's stage profile measured on an empty profile cache (the first job of a device; the other runs
-use the user's cache); ``idle`` is the plain daemon between cycles; ``training_under_sighup_storm`` a
-training stop while another process sends SIGHUP without pause.
+training step, the first epoch's evaluation, the trainer's final evaluation, the candidate's scoring on the
+held-out samples, the ONNX export's child process, the version's files written before its rename) and lets
+it go on the instant SIGTERM arrives, so each figure is a stop landing at the worst moment of its phase.
+The latency runs from the signal to the process's exit (wall), beside the CPU seconds the daemon itself
+spent after the signal (what the stop costs, whatever else loads the machine; a child it kills is not
+counted). ``plan`` is a first job's stage profile measured on an empty profile cache (the first job of a
+device; the other runs use the user's cache); ``idle`` is the plain daemon between cycles;
+``training_under_sighup_storm`` a training stop while another process sends SIGHUP without pause. With
+``--busy N``, N processes that only spin run beside the daemon from 3 s before each signal to its exit (the
+daemon already parked: its start runs at the machine's own load), a device whose cores something else keeps
+busy: on 2 cores, 12 of them stand for a load of about 13.
 
     python benchmarks/stop_latency.py --out benchmarks/results/stop_latency.json
 """
@@ -35,7 +38,7 @@ from _common import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "daemon" / "stop_child.py"
-PHASES = ("ingest", "plan", "training", "final", "evaluation", "export", "promotion")
+PHASES = ("ingest", "plan", "training", "epoch", "final", "evaluation", "export", "promotion")
 
 
 class Daemon:
@@ -137,6 +140,20 @@ def _slowest_step(data_dir: Path) -> float | None:
 
 
 STORM = "import os, signal, sys\nwhile True: os.kill(int(sys.argv[1]), signal.SIGHUP)"
+SPIN = "while True: pass"
+
+
+def stop(d: Daemon, busy: int) -> float:
+    """``d.stop()`` with ``busy`` spinning processes beside it, started 3 s before the signal."""
+    spinning = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
+    try:
+        if spinning:
+            time.sleep(3.0)  # a benchmark: the spinners take their share of the cores before the signal
+        return d.stop()
+    finally:
+        for proc in spinning:
+            proc.kill()
+            proc.wait()
 
 
 def main() -> None:
@@ -145,6 +162,7 @@ def main() -> None:
     p.add_argument("--images", type=int, default=1000, help="images of the first job (default 1000); the "
                    "second job gets half as many")
     p.add_argument("--repeat", type=int, default=1, help="stops per phase (default 1)")
+    p.add_argument("--busy", type=int, default=0, help="processes spinning beside each stop (default 0)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a preset key (YAML value), e.g. training.train.epochs=3")
     p.add_argument("--out", type=Path)
@@ -161,7 +179,7 @@ def main() -> None:
     timeout = re.search(r"^TimeoutStopSec=(\d+)s?$", unit, re.M)
     result: dict = {"preset": str(args.preset.resolve().relative_to(ROOT)), "overrides": overrides,
                     "images": args.images, "timeout_stop_seconds": int(timeout.group(1)) if timeout else None,
-                    "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                    "busy": args.busy, "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                     "seconds": {}, "cpu_seconds_after_signal": {}, "load_average_at_start": os.getloadavg()}
     seconds, cpu = result["seconds"], result["cpu_seconds_after_signal"]
     started = time.perf_counter()
@@ -189,7 +207,7 @@ def main() -> None:
             d = Daemon([sys.executable, "-m", "edgerev", "daemon", "run", "--config", str(config), "--poll", "0.5"],
                        _env(cache))
             d.wait_for("serving")
-            seconds.setdefault("idle", []).append(round(d.stop(), 3))
+            seconds.setdefault("idle", []).append(round(stop(d, args.busy), 3))
             cpu.setdefault("idle", []).append(d.cpu_seconds)
         for phase in PHASES:
             for k in range(args.repeat):
@@ -202,7 +220,7 @@ def main() -> None:
                     config, env = copy(name), _env(cache)
                 d = Daemon([sys.executable, str(CHILD), str(config), phase], env)
                 d.wait_for(f"parked in {phase}")
-                seconds.setdefault(phase, []).append(round(d.stop(), 3))
+                seconds.setdefault(phase, []).append(round(stop(d, args.busy), 3))
                 cpu.setdefault(phase, []).append(d.cpu_seconds)
                 print(f"{phase}: {seconds[phase][-1]} s", file=sys.stderr, flush=True)
                 shutil.rmtree(tmp / name)
@@ -211,7 +229,7 @@ def main() -> None:
         d.wait_for("parked in training")
         sender = subprocess.Popen([sys.executable, "-c", STORM, str(d.proc.pid)])
         try:
-            seconds["training_under_sighup_storm"] = [round(d.stop(), 3)]
+            seconds["training_under_sighup_storm"] = [round(stop(d, args.busy), 3)]
             cpu["training_under_sighup_storm"] = [d.cpu_seconds]
         finally:
             sender.kill()

@@ -104,6 +104,53 @@ def test_a_stopped_run_resumes_to_the_same_weights(tmp_path):
     assert len(steps) == len(set(steps)), "resuming must not log a step twice"
 
 
+def test_a_stop_in_an_epochs_evaluation_waits_one_batch_and_the_resume_evaluates_first(tmp_path, monkeypatch):
+    """A stop asked during an epoch's evaluation ends it before its next batch, with no step after it; the
+    checkpoint says the evaluation is due, and the resumed run makes it before any step: the same weights and
+    the same evaluation rows as a run never stopped."""
+    import edgerev.train.evaluate as evaluation
+    import edgerev.train.trainer as trainer
+
+    whole = run(tmp_path, "whole", train__eval_batch=16)  # 128 validation samples: 8 batches an evaluation
+    batches, steps = [], []  # each evaluation batch (the steps taken before it), each training step
+    real_normalize, real_step = evaluation.normalize, trainer.train_step
+    monkeypatch.setattr(evaluation, "normalize", lambda *a: batches.append(len(steps)) or real_normalize(*a))
+    monkeypatch.setattr(trainer, "train_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+
+    def stop() -> bool:  # says so once the first epoch's evaluation has scored two batches
+        return len(batches) >= 2
+
+    first = train(from_dict(RunConfig, recipe(train__eval_batch=16)), tmp_path / "cut", stop=stop, progress=False)
+    assert first.status == "stopped" and first.step == 256 // 32  # the first epoch's last step
+    assert (len(steps), len(batches)) == (8, 2), "a batch or a step ran after the stop was asked for"
+    model, optimizer = _model_and_optimizer(tmp_path / "cut")
+    assert load_checkpoint(tmp_path / "cut", model, optimizer).extra["evaluation_due"] is True
+    rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["kind"] == "eval"], "a cut evaluation left a row"
+
+    second = train(None, tmp_path / "cut", resume=True, progress=False)
+    assert second.status == "done" and second.step == whole.step
+    assert batches[2:10] == [8] * 8, "the due evaluation comes before any step of the resumed run"
+    a, b = _weights(whole.out), _weights(second.out)
+    assert all(torch.equal(a[k], b[k]) for k in a), "a resumed run must take the very same steps"
+
+    def evals(folder):
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return [(r["epoch"], r["step"], r["acc"], r["loss"]) for r in rows if r["kind"] == "eval"]
+
+    assert evals(tmp_path / "cut") == evals(whole.out) and [e[0] for e in evals(whole.out)] == [1, 2, 3]
+
+
+def test_a_stop_in_the_starting_models_evaluation_writes_nothing(tmp_path):
+    """Fine-tuning evaluates the starting model first: a stop there ends the run after the evaluation's first
+    batch, before anything is written."""
+    start = run(tmp_path, "start", train__epochs=1)
+    tuned = recipe(model__init=str(start.out), train__eval_batch=16)  # 128 validation samples: 8 batches
+    stopped = train(from_dict(RunConfig, tuned), tmp_path / "tuned", stop=lambda: True, progress=False)
+    assert stopped.status == "stopped" and stopped.summary == {"stopped_in": "the starting model's evaluation"}
+    assert not (tmp_path / "tuned").exists()
+
+
 def _write_recipe(tmp_path, **over):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe(**over)))

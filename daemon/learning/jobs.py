@@ -14,7 +14,9 @@ It runs the trainer
   version's data, plus the replay sample kept beside it and distillation from it on the old classes,
   the head growing for new labels.
 
-The trainer checkpoints as it goes; :func:`run_job` resumes from the checkpoint when one exists.
+The trainer checkpoints as it goes; :func:`run_job` resumes from the checkpoint when one exists. A stop
+is asked between steps, between batches of every evaluation, and while the samples are decoded (every
+:data:`DECODE_CHUNK` of them: a device may hold a hundred thousand).
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from edgerev.train.labeled import LabeledImages
 from edgerev.train.progress import Progress
 from edgerev.train.state import has_checkpoint
 from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.errors import Stopped
 from edgerev_daemon.learning.schedule import held_back, listed
 from edgerev_daemon.storage.blobs import BlobStore
 from edgerev_daemon.storage.records import Job, Sample, Split
 from edgerev_daemon.storage.store import Store
+
+DECODE_CHUNK = 256  # samples decoded between two looks at the stop flag (about 25 ms of CPU)
 
 
 @dataclass(frozen=True)
@@ -48,11 +53,13 @@ class JobOutcome:
     held_back: dict[str, int] = field(default_factory=dict)  # label -> its training samples (too few)
 
 
-def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[str]) -> LabeledImages:
+def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[str],
+                 stop: Callable[[], bool] | None = None, what: str = "reading the samples") -> LabeledImages:
     """Decode the normalized blobs of ``samples`` into memory; labels index ``classes``.
 
     Raises:
         ValueError: a sample has no label (unlabelled samples are never trained or judged on as labelled).
+        Stopped: ``stop()`` said so (:func:`decode_samples`; ``what`` names the phase).
     """
     classes = tuple(classes)
     unlabeled = [s.sha256[:12] for s in samples if s.label is None]
@@ -61,25 +68,39 @@ def load_samples(samples: Sequence[Sample], blobs: BlobStore, classes: Sequence[
                          "an unlabelled sample enters training or the held-out evaluation only with a label")
     if not samples:
         return LabeledImages(torch.zeros(0, 3, 1, 1, dtype=torch.uint8), torch.zeros(0, dtype=torch.long), classes)
-    images = decode_samples(samples, blobs)
+    images = decode_samples(samples, blobs, stop, what)
     labels = torch.tensor([classes.index(s.label) for s in samples], dtype=torch.long)
     return LabeledImages(images, labels, classes)
 
 
-def load_unlabeled(store: Store, blobs: BlobStore, job: Job, newest: int) -> torch.Tensor | None:
+def load_unlabeled(store: Store, blobs: BlobStore, job: Job, newest: int,
+                   stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
     """The normalized images of the ``newest`` latest unlabelled samples up to the job's data (None: none).
 
     A job resumed after a crash reads them again: one labelled or removed since is no longer among them.
+
+    Raises:
+        Stopped: ``stop()`` said so (:func:`decode_samples`).
     """
     samples = store.unlabeled_samples(upto_batch=job.data_batch_id)[-newest:] if newest > 0 else []
     if not samples:
         return None
-    return decode_samples(samples, blobs)
+    return decode_samples(samples, blobs, stop, "reading the job's unlabelled samples")
 
 
-def decode_samples(samples: Sequence[Sample], blobs: BlobStore) -> torch.Tensor:
-    """The normalized images of ``samples`` (their blobs), decoded and stacked: (N, 3, H, W) uint8."""
-    return torch.stack([decode_image(blobs.path(s.sha256)) for s in samples])
+def decode_samples(samples: Sequence[Sample], blobs: BlobStore, stop: Callable[[], bool] | None = None,
+                   what: str = "reading the samples") -> torch.Tensor:
+    """The normalized images of ``samples`` (their blobs), decoded and stacked: (N, 3, H, W) uint8.
+
+    Raises:
+        Stopped: ``stop()``, asked before every :data:`DECODE_CHUNK` samples, said so (``what``: the phase).
+    """
+    images = []
+    for i, s in enumerate(samples):
+        if stop is not None and i % DECODE_CHUNK == 0 and stop():
+            raise Stopped(what)
+        images.append(decode_image(blobs.path(s.sha256)))
+    return torch.stack(images)
 
 
 def recipe(config: DaemonConfig, init: Path | None) -> RunConfig:
@@ -101,12 +122,16 @@ def job_dir(config: DaemonConfig, job: Job) -> Path:
 
 
 def job_data(store: Store, blobs: BlobStore, job: Job, base_batch: int, known: Sequence[str] = (),
-             minimum: int = 1) -> tuple[LabeledImages, LabeledImages, dict[str, int]]:
+             minimum: int = 1, stop: Callable[[], bool] | None = None
+             ) -> tuple[LabeledImages, LabeledImages, dict[str, int]]:
     """(training samples, held-out samples, held-back labels) up to the job's data.
 
     The training samples are those new since ``base_batch`` plus, for a label the model in service does
     not know (``known``: its classes), every earlier one: a label held back by earlier jobs brings all
     its samples once it has ``minimum``. Held-back labels (:func:`held_back`) are left out of both.
+
+    Raises:
+        Stopped: ``stop()`` said so while the samples were decoded.
     """
     classes = store.labels()
     waiting = held_back(store, job.data_batch_id, minimum)
@@ -114,7 +139,8 @@ def job_data(store: Store, blobs: BlobStore, job: Job, base_batch: int, known: S
     train = [s for s in store.samples(Split.TRAIN, upto_batch=job.data_batch_id)
              if s.label not in waiting and (s.batch_id > base_batch or s.label not in known)]
     held = [s for s in store.samples(Split.HELDOUT, upto_batch=job.data_batch_id) if s.label not in waiting]
-    return load_samples(train, blobs, classes), load_samples(held, blobs, classes), waiting
+    what = "reading the job's samples"
+    return load_samples(train, blobs, classes, stop, what), load_samples(held, blobs, classes, stop, what), waiting
 
 
 def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, current: Path | None,
@@ -124,8 +150,8 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
 
     Args:
         base_batch: the last ingest batch the current version was trained on (0: none).
-        stop: polled after every training step and after the final evaluation; the job checkpoints and
-            returns ``"stopped"``.
+        stop: polled while the samples are decoded, after every training step and between the batches of an
+            evaluation; the job checkpoints (once it has trained a step) and returns ``"stopped"``.
         report: called with the trainer's progress reports (each epoch's end, and every
             ``training.train.progress_seconds`` within one); the latest is also in ``progress.json`` in the
             job's folder, which ``status`` reads.
@@ -134,7 +160,11 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
 
     out = job_dir(config, job)
     known = model_classes(current) if current is not None else ()
-    train_new, held, waiting = job_data(store, blobs, job, base_batch, known, config.training.min_samples_per_label)
+    try:
+        train_new, held, waiting = job_data(store, blobs, job, base_batch, known,
+                                            config.training.min_samples_per_label, stop)
+    except Stopped as e:
+        return JobOutcome("stopped", out, f"stopped in {e}")
     if len(train_new) == 0:
         why = "no new training sample (every new sample is held out" + (", or held back)" if waiting else ")")
         return JobOutcome("skipped", out, why, held_back=waiting)
@@ -160,7 +190,10 @@ def run_job(config: DaemonConfig, store: Store, blobs: BlobStore, job: Job, curr
         if cfg.train.patience is not None and len(train_new.held_out(cfg.data.val_fraction)[1]) == 0:
             # too few samples to hold any out (the trainer's own split): no plateau to see, the maximum runs
             cfg = replace(cfg, train=replace(cfg.train, patience=None))
-    unlabeled = load_unlabeled(store, blobs, job, config.training.max_unlabeled) if cfg.semi.enabled else None
+    try:
+        unlabeled = load_unlabeled(store, blobs, job, config.training.max_unlabeled, stop) if cfg.semi.enabled else None
+    except Stopped as e:
+        return JobOutcome("stopped", out, f"stopped in {e}", held_back=waiting)
     source = (f"the daemon's store, job {job.id}: training samples of ingest batches {base_batch + 1}-"
               f"{job.data_batch_id} (and earlier ones of labels new to the model in service), held-out samples "
               f"up to batch {job.data_batch_id}"

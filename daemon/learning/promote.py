@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerev.train.checkpoint import load_model
+from edgerev.train.evaluate import EvaluationStopped, predict_logits
 from edgerev.train.evaluate import confusion as confusion_of
-from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages
 from edgerev_daemon.config import PromotionConfig
 from edgerev_daemon.errors import Stopped
@@ -107,22 +107,36 @@ def recent_flags(samples: Sequence[Sample], window_days: float | None) -> list[b
     return [s.added_at >= newest[s.label] - window_days * DAY for s in samples]
 
 
-def _predicted(model_dir: Path, data: LabeledImages, trust_factories: Sequence[str] = ()
-               ) -> tuple[list[str], tuple[str, ...]]:
+def _predicted(model_dir: Path, data: LabeledImages, trust_factories: Sequence[str] = (),
+               stop: Callable[[], bool] | None = None) -> tuple[list[str], tuple[str, ...]]:
     """The model's top class of each sample, and the classes it knows (``trust_factories``: the factories its
-    directory may name, the daemon's ``training.model.factories``)."""
+    directory may name, the daemon's ``training.model.factories``).
+
+    Raises:
+        Stopped: ``stop()``, asked once the model is loaded and between two batches, said so.
+    """
     model, info, _ = load_model(model_dir, trust_factories=trust_factories)
     if len(data) == 0:
         return [], tuple(info.classes)
-    logits = predict_logits(model, data, info)
+    if stop is not None and stop():  # the model is loaded: before its first batch too
+        raise Stopped("the evaluation")
+    try:
+        logits = predict_logits(model, data, info, stop=stop)
+    except EvaluationStopped:
+        raise Stopped("the evaluation") from None
     return [info.classes[k] for k in logits.argmax(1).tolist()], tuple(info.classes)
 
 
-def score(model_dir: Path, held: HeldOut, trust_factories: Sequence[str] = ()) -> Scores:
+def score(model_dir: Path, held: HeldOut, trust_factories: Sequence[str] = (),
+          stop: Callable[[], bool] | None = None) -> Scores:
     """Whether the model gets each held-out sample right (its top class is the sample's label; a label it
-    does not know is always wrong), and its confusion matrix."""
+    does not know is always wrong), and its confusion matrix.
+
+    Raises:
+        Stopped: ``stop()``, asked before the first batch of samples and between two, said so.
+    """
     data = held.data
-    predicted, known = _predicted(model_dir, data, trust_factories)
+    predicted, known = _predicted(model_dir, data, trust_factories, stop)
     truth = list(held.labels)
     columns = list(dict.fromkeys([*known, *data.classes]))
     return Scores(tuple(p == t for p, t in zip(predicted, truth, strict=True)), known,
@@ -130,12 +144,16 @@ def score(model_dir: Path, held: HeldOut, trust_factories: Sequence[str] = ()) -
 
 
 def held_out(store: Store, blobs: BlobStore, job: Job, window_days: float | None,
-             held_back: Collection[str] = ()) -> HeldOut:
+             held_back: Collection[str] = (), stop: Callable[[], bool] | None = None) -> HeldOut:
     """The held-out samples up to the job's data, none of a ``held_back`` label (neither model was trained
-    on it), with their recent windows (:func:`recent_flags`)."""
+    on it), with their recent windows (:func:`recent_flags`).
+
+    Raises:
+        Stopped: ``stop()`` said so while the samples were decoded.
+    """
     samples = [s for s in store.samples(Split.HELDOUT, upto_batch=job.data_batch_id) if s.label not in held_back]
     return HeldOut(tuple(s.label for s in samples), tuple(recent_flags(samples, window_days)),
-                   load_samples(samples, blobs, store.labels()))
+                   load_samples(samples, blobs, store.labels(), stop, "the evaluation"))
 
 
 def decide(candidate: Path, current: Path | None, held: HeldOut, gate: PromotionConfig,
@@ -144,17 +162,15 @@ def decide(candidate: Path, current: Path | None, held: HeldOut, gate: Promotion
     factories their directories may name).
 
     Raises:
-        Stopped: ``stop()`` said so before one of the models was scored (each takes about a second
-            on a few thousand samples: the evaluation stops between them, on time).
+        Stopped: ``stop()`` said so before a model or a batch of samples was scored (a model takes about a second
+            on a few thousand samples, and a device may hold many more: the evaluation stops between batches).
     """
     if stop():
         raise Stopped("the evaluation")
-    cand = score(candidate, held, trust_factories)
+    cand = score(candidate, held, trust_factories, stop)
     if current is None:
         return judge(held, cand, None, gate)
-    if stop():
-        raise Stopped("the evaluation")
-    return judge(held, cand, score(current, held, trust_factories), gate)
+    return judge(held, cand, score(current, held, trust_factories, stop), gate)
 
 
 # figures ---------------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ Every step that changes state is safe to interrupt (kill -9, power cut) and to r
   directory is complete before ``current`` switches, and a job is only marked done after that, so a
   restart finishes a promotion it finds half done instead of deciding again.
 
-A stop (SIGTERM) is honoured within a bounded time in every phase: between two inbox files, after the
-training step under way, after the final evaluation and between the two models scored, and at once
-during the ONNX export and a model's first stage profile, which run in child processes the stop kills
-(:mod:`edgerev_daemon.learning.children`); a promotion whose version directory is being written finishes (a
-fraction of a second), so ``current`` is the old version or the new one. ``benchmarks/stop_latency.py``
-measures each phase.
+A stop (SIGTERM) is honoured within a bounded time in every phase: between two inbox files, every 256
+samples a job decodes, after the training step under way, between the batches of an evaluation (the
+trainer's and the gate's), and at once during the ONNX export and a model's first stage profile, which run
+in child processes the stop kills (:mod:`edgerev_daemon.learning.children`); a promotion whose version
+directory is being written finishes (a fraction of a second), so ``current`` is the old version or the new
+one. ``benchmarks/stop_latency.py`` measures each phase. ``edgerev daemon run`` then ends without the
+interpreter's teardown (:mod:`edgerev_daemon.service.cli`).
 
 Nothing that cannot be recreated is destroyed: a lost or damaged store next to blobs or a journal is
 refused before it is opened (:func:`edgerev_daemon.storage.rebuild.guard_start`), journal lines the store lacks
@@ -445,7 +446,7 @@ class Daemon:
             return {"job": job.id, "status": "skipped", "reason": outcome.reason}
         gate = self.config.promotion
         try:
-            held = held_out(self.store, self.blobs, job, gate.recent_window_days, outcome.held_back)
+            held = held_out(self.store, self.blobs, job, gate.recent_window_days, outcome.held_back, self._alive)
             decision = decide(outcome.run_dir, current, held, gate, self._alive, self.config.training.model.factories)
         except Stopped as e:  # the trained candidate waits in its folder: the next start evaluates it again
             return self._stopped(job, e)

@@ -1,8 +1,14 @@
-"""Accuracy of a model on labelled images: overall, per class, and split into old and new classes."""
+"""Accuracy of a model on labelled images: overall, per class, and split into old and new classes.
+
+An evaluation can be long (a service's held-out samples, thousands of images): given a ``stop`` callable it
+asks it between two batches and raises :class:`EvaluationStopped` once it says so, so a stop request waits one
+batch, never the whole set. (Not before the first: a caller asks after the work that came before, and an
+evaluation of one batch asks nothing.)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,15 +18,26 @@ from edgerev.train.checkpoint import ModelInfo, normalize
 from edgerev.train.labeled import LabeledImages
 
 
+class EvaluationStopped(Exception):  # noqa: N818 (not an error: the caller was asked to stop)
+    """``stop()`` said so between two batches of an evaluation; nothing of it is kept."""
+
+
 @torch.no_grad()
 def predict_logits(model: nn.Module, data: LabeledImages, info: ModelInfo, device: str | torch.device = "cpu",
-                   batch: int = 256) -> torch.Tensor:
-    """Logits of every sample (eval mode; the model's training mode is restored after)."""
+                   batch: int = 256, stop: Callable[[], bool] | None = None) -> torch.Tensor:
+    """Logits of every sample (eval mode; the model's training mode is restored after).
+
+    Raises:
+        EvaluationStopped: ``stop()``, asked between two batches, said so.
+    """
     was = model.training
     model.eval()
+    out = []
     try:
-        out = [model(normalize(data.images[i:i + batch].to(device), info)).float().cpu()
-               for i in range(0, len(data), batch)]
+        for i in range(0, len(data), batch):
+            if i and stop is not None and stop():
+                raise EvaluationStopped(f"stopped after {i} of {len(data)} samples")
+            out.append(model(normalize(data.images[i:i + batch].to(device), info)).float().cpu())
     finally:
         model.train(was)
     return torch.cat(out) if out else torch.zeros(0, len(info.classes))
@@ -32,16 +49,20 @@ def _accuracy(correct: torch.Tensor, mask: torch.Tensor) -> float | None:
 
 
 def evaluate(model: nn.Module, data: LabeledImages, info: ModelInfo, device: str | torch.device = "cpu",
-             batch: int = 256, old: Collection[str] = ()) -> dict:
+             batch: int = 256, old: Collection[str] = (), stop: Callable[[], bool] | None = None) -> dict:
     """Loss and accuracy on ``data`` (labels must index ``info.classes``).
 
     Args:
         old: names of the classes the starting model knew; ``old_acc`` and ``new_acc`` are the
             accuracies on samples of those classes and of the others (None when there are none).
+        stop: asked between two batches (:func:`predict_logits`).
+
+    Raises:
+        EvaluationStopped: ``stop()`` said so.
     """
     if data.classes != info.classes:
         data = data.relabel(info.classes)
-    logits = predict_logits(model, data, info, device, batch)
+    logits = predict_logits(model, data, info, device, batch, stop)
     if len(data) == 0:
         return {"samples": 0, "loss": None, "acc": None, "old_acc": None, "new_acc": None, "per_class": {},
                 "confusion": confusion([], [], info.classes)}

@@ -19,6 +19,10 @@ unlabelled images the steps took and how many got a pseudo-label.
 Everything random is a function of the seed and the step: the weights' initialization, each
 epoch's order, each step's augmentation. A run resumed from a checkpoint therefore takes the same
 steps as one that was never interrupted.
+
+A stop (``stop()``) is asked after every step and between the batches of an evaluation (the starting
+model's, each epoch's, the final one), so it waits for one step or one batch, never a whole evaluation
+set. An epoch's evaluation cut short leaves a checkpoint that says it is due, and a resume runs it first.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from edgerev.train.augment import Augment, StrongAugment
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
 from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
-from edgerev.train.evaluate import evaluate
+from edgerev.train.evaluate import EvaluationStopped, evaluate
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev.train.memory import loss_of, plan_memory, training_model
 from edgerev.train.norms import freeze_norms, measure_running_statistics
@@ -124,9 +128,13 @@ class _Setup:
 
 
 def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, LabeledImages | None] | None,
-             given: nn.Module | None = None) -> _Setup:
+             given: nn.Module | None = None, stop: Callable[[], bool] | None = None) -> _Setup:
     """Data, the starting model (grown for new classes) and the teacher, from the recipe (or ``given``, a
-    module object trained in place instead of ``model.arch``)."""
+    module object trained in place instead of ``model.arch``).
+
+    Raises:
+        EvaluationStopped: ``stop()`` said so during the starting model's evaluation.
+    """
     size = cfg.data.size
     if data is not None:
         new, val = data[0].resized(size), data[1].resized(size) if data[1] is not None else None
@@ -161,7 +169,8 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
             teacher = copy.deepcopy(start).to(device).eval()
             for p in teacher.parameters():
                 p.requires_grad_(False)
-        start_eval = evaluate(start.to(device), val.restrict(old), info0, device, cfg.train.eval_batch, old=old)
+        start_eval = evaluate(start.to(device), val.restrict(old), info0, device, cfg.train.eval_batch, old=old,
+                              stop=stop)
         grow_head(model, old, classes)
         info = replace(info0, classes=classes)
     else:
@@ -243,8 +252,8 @@ def train(cfg: RunConfig | None, out: str | Path, resume: bool = False, stop: Ca
 
     Args:
         resume: continue the run in ``out`` from its latest checkpoint (``cfg`` None or the same).
-        stop: polled after every step; when it returns True the run checkpoints and returns
-            ``status="stopped"`` (a signal handler sets it).
+        stop: polled after every step and between the batches of an evaluation; when it returns True the run
+            checkpoints and returns ``status="stopped"`` (a signal handler sets it).
         progress: what stderr shows: None (default) a bar on a terminal and otherwise one line per epoch
             and every ``train.progress_seconds`` within an epoch; True a bar; False nothing.
         data: ``(train, val)`` images held by the caller (a service's store) instead of the recipe's
@@ -302,7 +311,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
            clock: Callable[[], float], given: nn.Module | None = None,
            unlabeled: torch.Tensor | None = None) -> RunResult:
     device = _device(cfg.device)
-    s = _prepare(cfg, device, data, given)
+    try:
+        s = _prepare(cfg, device, data, given, stop)
+    except EvaluationStopped:  # nothing written yet: a resume, or a new start, prepares again
+        return RunResult("stopped", out, 0, 0, {"stopped_in": "the starting model's evaluation"})
     model, info = s.model, s.info
     batch = min(cfg.train.batch, len(s.train))
     pool = _pool(unlabeled, cfg.data.size) if cfg.semi.enabled else None
@@ -323,10 +335,12 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     total = cfg.train.epochs * per_epoch
     step = 0
     semi_epochs: list[dict] = []  # per epoch: the unlabelled images the steps took, and those pseudo-labelled
+    evaluation_due = False  # the evaluation of the epoch the checkpoint's step closed was cut short by a stop
     if resume:
         r = load_checkpoint(out, model, optimizer)
         step, micro = r.step, max(micro, int(r.extra.get("micro_batches", micro)))
         semi_epochs = list(r.extra.get("semi", []))
+        evaluation_due = bool(r.extra.get("evaluation_due", False))
     metrics = MetricsLog(out / METRICS, step if resume else None)
     augment = Augment(cfg.augment.pad, cfg.augment.flip, cfg.augment.cutout)
     weak = Augment(cfg.augment.pad, cfg.augment.flip, 0)  # FixMatch's weak view: the recipe's shift and flip
@@ -368,9 +382,25 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                         (end() - step) / rate if rate else None,
                         last and last.get("acc"), last and last.get("loss"), plateau.best_acc, plateau.best_epoch,
                         time.time(), counts.get("unlabeled"), counts.get("pseudo_labeled"))
+
+    def evaluate_epoch() -> bool:
+        """The held-out evaluation of the epoch ``step`` closes, logged and given to the plateau; False when a
+        stop cut it short (nothing of it is kept)."""
+        try:
+            _measure_norms(cfg, s, model, info)
+            ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old, stop=stop)
+        except EvaluationStopped:
+            return False
+        metrics.write({"kind": "eval", "step": step, "epoch": step // per_epoch,
+                       **{k: v for k, v in ev.items() if k not in ("per_class", "confusion")},
+                       **({k: semi_of(step // per_epoch)[k] for k in ("unlabeled", "pseudo_labeled")} if u else {})})
+        plateau.update(step // per_epoch, ev["acc"], ev["loss"])
+        return True
     try:
         model.train()
-        while step < end():  # a resumed run may have reached its plateau, or its tail's end, already
+        if evaluation_due and not evaluate_epoch():  # the checkpoint still says it is due
+            status = "stopped"
+        while status == "done" and step < end():  # a resumed run may have reached its plateau or its tail's end
             epoch, k = divmod(step, per_epoch)
             rounds = -(-(k + 1) * batch // len(s.train))  # passes over the labelled samples the epoch needs so far
             if epoch != order_epoch or len(order) < rounds * len(s.train):
@@ -421,21 +451,15 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                                "step_seconds": sum(w[1] for w in window) / len(window), "micro_batches": micro})
                 window = []
             end_of_epoch = step % per_epoch == 0
-            if end_of_epoch:
-                _measure_norms(cfg, s, model, info)
-                ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
-                metrics.write({"kind": "eval", "step": step, "epoch": step // per_epoch,
-                               **{k: v for k, v in ev.items() if k not in ("per_class", "confusion")},
-                               **({k: semi_of(step // per_epoch)[k] for k in ("unlabeled", "pseudo_labeled")}
-                                  if u else {})})
-                plateau.update(step // per_epoch, ev["acc"], ev["loss"])
-            stopping = stop is not None and stop()
+            evaluation_due = end_of_epoch and not evaluate_epoch()
+            stopping = evaluation_due or (stop is not None and stop())
             if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0 or step == end():
-                save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro, "semi": semi_epochs})
-            if pacer.due(end_of_epoch) and step < end():  # the last report follows the loop
+                save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro, "semi": semi_epochs}
+                                | ({"evaluation_due": True} if evaluation_due else {}))
+            if not evaluation_due and pacer.due(end_of_epoch) and step < end():  # the last report follows the loop
                 reporter(progress_of("running", epoch + 1, lr), end_of_epoch)
                 since_report = []
-            if stopping and step < end():
+            if stopping and (step < end() or evaluation_due):
                 status = "stopped"
                 break
     finally:
@@ -486,12 +510,15 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
 
     ``early``: ``{"epoch", "annealed_epochs", "reason"}`` when patience ran out (at the end of ``epoch``)
     before the epoch maximum, and the run annealed for ``annealed_epochs`` before it stopped. ``stop`` is
-    asked once the evaluation is done: True returns None before anything is written (the last step's
-    checkpoint holds the run, and a resume comes straight here). ``semi``: the unlabelled images used (the
-    summary's ``semi``, None when none were)."""
+    asked between the batches of the evaluation and once it is done: True returns None before anything is
+    written (the last step's checkpoint holds the run, and a resume comes straight here). ``semi``: the
+    unlabelled images used (the summary's ``semi``, None when none were)."""
     device = next(model.parameters()).device
-    _measure_norms(cfg, s, model, info)
-    final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old)
+    try:
+        _measure_norms(cfg, s, model, info)
+        final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old, stop=stop)
+    except EvaluationStopped:
+        return None
     if stop is not None and stop():
         return None
     extra = {}

@@ -11,16 +11,22 @@ signal from its own process, and checks that the daemon left the phase at once a
 - ``plan``: the child process measuring the model's stage profile runs (a job's first, for a model with a
   memory budget and no profile cached);
 - ``training``: inside the third training step;
+- ``epoch``: the trainer's evaluation at the end of the first epoch (a fine-tuning job's second evaluation:
+  the first is the starting model's);
 - ``final``: the trainer's final evaluation, before the model directory is written;
 - ``evaluation``: the candidate being scored on the held-out samples (the model in service next);
 - ``export``: the ONNX export's child process runs;
 - ``export-forever``: an export's child process that never ends by itself (it waits on its standard input,
   and writes ``parked in export-forever <pid>`` to the daemon's standard error): only a kill ends it;
 - ``promotion``: the version's files are written and fsynced, the directory not yet renamed into place.
+
+Should the interpreter's teardown run after the stop (the daemon ends without it), an ``atexit`` handler
+writes ``interpreter teardown`` to standard error.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -97,6 +103,8 @@ def main() -> None:
         in_child(children, "the stage profile's measurement" if phase == "plan" else "the ONNX export", park)
     elif phase == "training":
         at(trainer, "train_step", 3)
+    elif phase == "epoch":
+        at(trainer, "evaluate", 2)
     elif phase == "final":
         at(trainer, "_finish")
     elif phase == "evaluation":
@@ -107,6 +115,7 @@ def main() -> None:
         at(registry, "fsync_dir")  # its first call in a promotion: the partial directory's files are synced
     else:
         raise SystemExit(f"unknown phase {phase!r}")
+    atexit.register(print, "interpreter teardown", file=sys.stderr, flush=True)
     sys.exit(cli(["daemon", "run", "--config", config, "--poll", "0.2"]))
 
 

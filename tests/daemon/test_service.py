@@ -283,6 +283,7 @@ def test_run_reloads_on_sighup_and_stops_on_sigterm_with_a_checkpoint(tmp_path):
         d.wait_for("config reloaded")
         drop(config, 160, range(2))
         d.wait_for("new samples (threshold 150)")  # the reloaded schedule started the job
+        d.wait_for("job 1: epoch 1/")  # and it trains (its first report comes between two steps)
         d.send(signal.SIGTERM)
         assert d.finish() == 0, d.log()[-3000:]
         log = d.log()

@@ -232,7 +232,8 @@ def test_a_storm_of_sighup_from_another_process_never_wedges_the_loop(tmp_path):
         try:
             assert storm.stdout.readline() == "storming\n"
             drop(config, 160, range(2))
-            d.wait_for("job 1: ")  # ingested (in one cycle or more) and started training, under the storm
+            # ingested (in one cycle or more) and training, under the storm: its first report comes between steps
+            d.wait_for("job 1: epoch 1/")
             d.send(signal.SIGTERM)
             d.wait_for("it resumes at the next start")
             d.wait_for("edgerev.daemon: stopped")

@@ -5,11 +5,13 @@ had left to do (a promotion under way finishes: ``current`` is whole, on the old
 the next start takes up the job where it stopped. Waits are on the daemon's own lines, never on the clock.
 
 How long a stop takes in each phase is the benchmark's business (``benchmarks/stop_latency.py``); here a
-phase that did not stop would show as work done after the signal (a model written, a version promoted).
+phase that did not stop would show as work done after the signal (a model written, a version promoted, an
+evaluation row logged, a batch scored), and a stopped daemon ends without the interpreter's teardown.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import sys
@@ -29,10 +31,11 @@ from tests.daemon.test_service import SMALL, assert_current_complete, drop, make
 CHILD = Path(__file__).with_name("stop_child.py")
 
 
-def _second_job(served: Path, tmp_path: Path) -> tuple:
-    """A copy of ``served`` with a second job's images (a new class among them) in its inbox."""
+def _second_job(served: Path, tmp_path: Path, **over) -> tuple:
+    """A copy of ``served`` with a second job's images (a new class among them) in its inbox (``over``: the
+    config's sections that differ from test_service's SMALL)."""
     shutil.copytree(served, tmp_path / "data", symlinks=True)
-    config, path = make_config(tmp_path)
+    config, path = make_config(tmp_path, **over)
     drop(config, 120, range(3), start=5000)
     return config, path
 
@@ -45,6 +48,7 @@ def _stop_in(phase: str, config, path: Path) -> str:
         assert d.finish() == 0, d.log()[-3000:]
         log = d.log()
     assert "edgerev.daemon: stopped" in log, log[-3000:]
+    assert "interpreter teardown" not in log, "the stopped daemon went through the interpreter's teardown"
     return log
 
 
@@ -82,6 +86,23 @@ def test_a_stop_in_a_training_step_ends_after_that_step(served, tmp_path):
     assert "job 2 stopped at step 3 of" in log, log[-2000:]
     assert (Path(config.data_dir) / "jobs" / "job-00002" / "checkpoints" / "latest.json").is_file()
     _resume(config)
+
+
+@pytest.mark.slow
+def test_a_stop_in_an_epochs_evaluation_leaves_it_due_for_the_resume(served, tmp_path):
+    train = {**SMALL["training"]["train"], "eval_batch": 4}  # several batches: the stop is asked between two
+    config, path = _second_job(served, tmp_path, training={**SMALL["training"], "train": train})
+    log = _stop_in("epoch", config, path)
+    run = Path(config.data_dir) / "jobs" / "job-00002"
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    assert latest["extra"].get("evaluation_due") is True, latest
+    assert f"job 2 stopped at step {latest['step']} of" in log, log[-2000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["kind"] == "eval"], "the evaluation ran after the stop"
+    _resume(config)
+    with Daemon(config, clock=Clock()) as d:
+        steps = d.store.get_version("v0002").metrics["training"]["steps"]
+    assert steps > latest["step"]  # the resumed job trained on from its checkpoint
 
 
 @pytest.mark.slow
@@ -141,6 +162,59 @@ def test_a_stop_in_the_stage_profile_measurement_kills_it(tmp_path, monkeypatch)
     log = _stop_in("plan", config, path)
     assert "job 1 stopped in the stage profile's measurement; it resumes at the next start" in log, log[-2000:]
     assert not list(cache.rglob("*.json")), "a profile was cached from a measurement that was stopped"
+
+
+# a stop inside the long loops, in this process: counted in batches and samples, not seconds ------------------
+
+def test_a_stop_while_scoring_the_held_out_samples_waits_one_batch(tmp_path, monkeypatch):
+    """The gate scores each model on every held-out sample (thousands on a device that ran for months): a
+    stop is asked before each batch, and no batch runs after it said so."""
+    import torch
+
+    import edgerev.train.evaluate as evaluation
+    from edgerev.models.directory import save_model
+    from edgerev.models.info import ModelInfo
+    from edgerev.models.resolve import resolve_model
+    from edgerev.train.labeled import LabeledImages
+    from edgerev_daemon.learning.promote import HeldOut, score
+
+    args = {"width": 8, "blocks": [1, 1, 1, 1, 1]}
+    save_model(tmp_path / "m", resolve_model("revnext", args=args, num_classes=2),
+               ModelInfo("revnext", ("a", "b"), 16, model_args=args))
+    n = 600  # three batches of predict_logits's 256
+    data = LabeledImages(torch.zeros(n, 3, 16, 16, dtype=torch.uint8), torch.zeros(n, dtype=torch.long), ("a", "b"))
+    held = HeldOut(("a",) * n, (True,) * n, data)
+    batches = []
+    real = evaluation.normalize
+    monkeypatch.setattr(evaluation, "normalize", lambda *a: batches.append(1) or real(*a))
+    assert len(score(tmp_path / "m", held).right) == n and len(batches) == 3
+    batches.clear()
+    with pytest.raises(Stopped, match="the evaluation"):
+        score(tmp_path / "m", held, stop=lambda: len(batches) >= 1)
+    assert len(batches) == 1, "a batch was scored after the stop was asked for"
+
+
+def test_a_stop_while_a_jobs_samples_are_decoded_waits_one_chunk(monkeypatch):
+    """A job decodes its samples (a hundred thousand on a full store) before it trains: a stop is asked every
+    DECODE_CHUNK samples."""
+    import torch
+
+    from edgerev_daemon.learning import jobs
+
+    decoded = []
+    monkeypatch.setattr(jobs, "DECODE_CHUNK", 4)
+    monkeypatch.setattr(jobs, "decode_image", lambda path: decoded.append(path) or torch.zeros(3, 2, 2))
+
+    class Blobs:
+        def path(self, sha):
+            return sha
+
+    samples = [type("Sample", (), {"sha256": f"{i:064x}"})() for i in range(10)]
+    assert jobs.decode_samples(samples, Blobs()).shape == (10, 3, 2, 2)
+    decoded.clear()
+    with pytest.raises(Stopped, match="reading the job's samples"):
+        jobs.decode_samples(samples, Blobs(), stop=lambda: len(decoded) >= 1, what="reading the job's samples")
+    assert len(decoded) == 4, "a sample was decoded past the chunk in which the stop was asked for"
 
 
 # the export's child process, without a model: cheap ----------------------------------------------------
