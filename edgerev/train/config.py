@@ -187,9 +187,9 @@ class TrainConfig:
     statistics and leaves them as they are: a pretrained model's, or those a fleet measured for its rounds,
     :mod:`edgerev.train.norms`). ``bn_measure``: before each evaluation (every epoch's and the final one),
     the running statistics of the batch norms that train are measured anew on this many training images
-    (a fixed draw, unaugmented; :func:`edgerev.train.norms.measure_running_statistics`): the running
-    average trails weights that change fast, so a run's first epochs were judged, and kept or stopped on,
-    at statistics of weights it no longer has; 0 keeps the running average."""
+    (a fixed draw, in batches as training takes them; :func:`edgerev.train.norms.measure_running_statistics`):
+    the running average trails weights that change fast, so a run's first epochs were judged, and kept or
+    stopped on, at statistics of weights it no longer has; 0 keeps the running average."""
 
     epochs: int = 10
     patience: int | None = None

@@ -89,10 +89,12 @@ def measure_running_statistics(model: nn.Module, batches: Iterable[Tensor]) -> i
 
     A running average with momentum 0.1 trails weights that change fast: early in a run from scratch a model
     evaluated with it can sit at chance while the same weights, normalized by statistics of the current
-    weights, are right most of the time (``docs/concepts/measurements.md``, ``benchmarks/bn_measure.py``). Each batch's mean and variance
-    get the weight ``1/k`` (the k-th batch), so after the pass each statistic is the mean of the batches'
-    own (Wu and Johnson's "precise BatchNorm"). Batch norms in eval mode (frozen, ``train.bn_stats:
-    frozen``) are left as they are, and the model comes back in the mode it was in.
+    weights, are right most of the time (``docs/concepts/measurements.md``, ``benchmarks/bn_measure.py``).
+    Each batch's mean and variance get the weight ``1/k`` (the k-th batch), so after the pass each statistic
+    is the mean of the batches' own (Wu and Johnson's "precise BatchNorm"); give batches like training's
+    (its batch size, its augmentation), whose statistics the weights learned to be normalized by. Batch
+    norms in eval mode (frozen, ``train.bn_stats: frozen``) are left as they are, and the model comes back
+    in the mode it was in.
     """
     from edgerev.engine import plain
 
