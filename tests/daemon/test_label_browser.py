@@ -62,9 +62,18 @@ def top_question(driver) -> str:
     return driver.find_element(By.CSS_SELECTOR, "form.q input[name=sample]").get_attribute("value")
 
 
+def wait_past(driver, top: str) -> None:
+    """Until the page's top question is another than ``top``: the answer went through and the page reloaded (an
+    element found just before the reload goes stale: looked for again)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, WAIT, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(
+        lambda d: top_question(d) != top)
+
+
 def test_an_owner_answers_by_click_and_by_key_and_a_forged_post_labels_nothing(label_page):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     config, server, truth = label_page
     with Store(config.layout.database) as store:
@@ -83,13 +92,13 @@ def test_an_owner_answers_by_click_and_by_key_and_a_forged_post_labels_nothing(l
         # a click on the top question's button for its label
         form = driver.find_element(By.CSS_SELECTOR, "form.q")
         form.find_element(By.CSS_SELECTOR, f'button[name=label][value="{answer1}"]').click()
-        WebDriverWait(driver, WAIT).until(lambda d: top_question(d) != first)
+        wait_past(driver, first)
         assert top_question(driver) == second
         notes = driver.find_element(By.ID, "notes").text
         assert f"labelled '{answer1}'" in notes
         # a key: the label's number answers the (new) top question
         driver.find_element(By.TAG_NAME, "body").send_keys(str(labels.index(answer2) + 1))
-        WebDriverWait(driver, WAIT).until(lambda d: top_question(d) != second)
+        wait_past(driver, second)
     finally:
         driver.quit()
     with Store(config.layout.database) as store:
@@ -110,7 +119,6 @@ def test_an_owner_answers_by_click_and_by_key_and_a_forged_post_labels_nothing(l
 
 def test_with_digit_labels_the_key_5_answers_5(label_page):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     config, server, _ = label_page
     digits = [str(d) for d in range(10)]
@@ -128,7 +136,7 @@ def test_with_digit_labels_the_key_5_answers_5(label_page):
                   for b in form.find_elements(By.CSS_SELECTOR, "button[name=label][data-key]")}
         assert badges == {d: d for d in digits}  # each digit label's badge reads its own digit
         driver.find_element(By.TAG_NAME, "body").send_keys("5")
-        WebDriverWait(driver, WAIT).until(lambda d: top_question(d) != top)
+        wait_past(driver, top)
     finally:
         driver.quit()
     with Store(config.layout.database) as store:
