@@ -387,7 +387,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         """The held-out evaluation of the epoch ``step`` closes, logged and given to the plateau; False when a
         stop cut it short (nothing of it is kept)."""
         try:
-            _measure_norms(cfg, s, model, info, stop)
+            _measure_norms(cfg, s, model, info)
             ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old, stop=stop)
         except EvaluationStopped:
             return False
@@ -490,15 +490,15 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     return RunResult(status, out, step, total, summary)
 
 
-def _measure_norms(cfg: RunConfig, s: _Setup, model: nn.Module, info: ModelInfo,
-                   stop: Callable[[], bool] | None = None) -> None:
+def _measure_norms(cfg: RunConfig, s: _Setup, model: nn.Module, info: ModelInfo) -> None:
     """Before an evaluation: the running statistics of the batch norms that train, measured anew on
     ``train.bn_measure`` training images (a fixed draw, in whole batches of the training batch size, augmented
     as training augments; none with ``train.bn_stats: frozen``). Measured on unaugmented images in batches of
     ``eval_batch`` instead, a daemon's second job (two epochs, a new class) left that class at 0 %.
 
-    Raises:
-        EvaluationStopped: ``stop()``, asked between batches, said so (the evaluation it comes before is due).
+    It does not ask ``stop()``: a stop callable is polled once a step and between an evaluation's batches
+    (callers count on it), and this is ``bn_measure / batch`` forward passes without gradient (8 of 64 images
+    by default): about three training steps' work.
     """
     n = min(cfg.train.bn_measure, len(s.train))
     if n == 0 or cfg.train.bn_stats == "frozen":
@@ -507,14 +507,8 @@ def _measure_norms(cfg: RunConfig, s: _Setup, model: nn.Module, info: ModelInfo,
     pick = torch.randperm(len(s.train), generator=torch.Generator().manual_seed(cfg.train.seed * 7_919 + 1))[:n]
     b = min(cfg.train.batch, n)
     augment, g = Augment(cfg.augment.pad, cfg.augment.flip, cfg.augment.cutout), torch.Generator().manual_seed(7)
-
-    def batches():
-        for k in range(0, n - b + 1, b):
-            if k and stop is not None and stop():
-                raise EvaluationStopped
-            yield normalize(augment(s.train.images[pick[k:k + b]], g).to(device), info)
-
-    measure_running_statistics(model, batches())
+    measure_running_statistics(model, (normalize(augment(s.train.images[pick[k:k + b]], g).to(device), info)
+                                       for k in range(0, n - b + 1, b)))
 
 
 def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelInfo, rows: list[dict],
@@ -529,7 +523,7 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
     unlabelled images used (the summary's ``semi``, None when none were)."""
     device = next(model.parameters()).device
     try:
-        _measure_norms(cfg, s, model, info, stop)
+        _measure_norms(cfg, s, model, info)
         final = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old, stop=stop)
     except EvaluationStopped:
         return None
