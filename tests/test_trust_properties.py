@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edgerev.errors import TrustError, UnsupportedModel
@@ -85,6 +85,8 @@ PROPERTY = settings(max_examples=150, suppress_health_check=[HealthCheck.too_slo
 
 @PROPERTY
 @given(descriptions(), st.booleans())
+@example({"arch": "onnx", "classes": ["a", "b"], "input_size": 8, "mean": [0.5] * 3, "std": [0.25] * 3},
+         False)  # an imported model's directory without its source.onnx: once a raw ModelSourceError
 def test_any_model_json_gives_a_model_or_a_model_file_error(described, hash_recorded):
     with tempfile.TemporaryDirectory() as tmp:
         text = json.dumps(described)  # a hash that does not match is refused too: the weights are a file as well

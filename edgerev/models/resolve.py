@@ -289,6 +289,9 @@ def build_model(info: ModelInfo, folder: str | Path | None = None,
         if folder is None:
             raise CheckpointError("an imported ONNX model is rebuilt from its model directory's source.onnx")
         confined(folder, ONNX_SOURCE, f"{folder}: {ONNX_SOURCE}")
+        if not (Path(folder) / ONNX_SOURCE).is_file():
+            raise CheckpointError(f"{where}: arch: {info.arch!r} is an imported ONNX model, rebuilt from the "
+                                  f"directory's {ONNX_SOURCE}, which is not there")
         return resolve_model(str(Path(folder) / ONNX_SOURCE), num_classes=len(info.classes))
     try:
         return resolve_model(info.arch, args=info.model_args, num_classes=len(info.classes))
