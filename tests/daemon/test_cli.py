@@ -58,16 +58,23 @@ def test_journald_priorities(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == ["<4>edgerev.daemon: disk almost full", "<6>edgerev.daemon: cycle"]
 
 
+def _once_setup(tmp_path, schedule: str, images: range) -> str:
+    """A config for ``daemon once`` (settled at once, ``schedule`` as given) and ``images`` in two classes."""
+    from tests.daemon.conftest import image_bytes, write
+
+    config = tmp_path / "d.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\ningest: {{settle_seconds: 0}}\nschedule: {schedule}\n")
+    for i in images:
+        write(tmp_path / "data" / "inbox" / f"c{i % 2}" / f"{i}.png", image_bytes(i))
+    return str(config)
+
+
 def test_once_says_why_no_job_runs_and_exits_1_when_its_job_failed(tmp_path, capsys, monkeypatch):
     from edgerev.errors import EdgerevError
     from edgerev_daemon.service import daemon as service
     from tests.daemon.conftest import image_bytes, write
 
-    config = tmp_path / "d.yaml"
-    config.write_text(f"data_dir: {tmp_path / 'data'}\ningest: {{settle_seconds: 0}}\n"
-                      "schedule: {min_new_samples: 30, retry_seconds: 600}\n")
-    for i in range(10):
-        write(tmp_path / "data" / "inbox" / f"c{i % 2}" / f"{i}.png", image_bytes(i))
+    config = _once_setup(tmp_path, "{min_new_samples: 30, retry_seconds: 600}", range(10))
     assert main(["daemon", "once", "--config", str(config)]) == 0
     assert "no job due (10 new samples: 20 more (schedule.min_new_samples 30)" in capsys.readouterr().out
 
@@ -118,7 +125,6 @@ def test_once_stopped_by_sigterm_exits_143_and_status_says_the_job_was_interrupt
 
     from edgerev_daemon.learning.jobs import JobOutcome
     from edgerev_daemon.service import daemon as service
-    from tests.daemon.conftest import image_bytes, write
 
     def stopped_at_a_step(config, store, blobs, job, start, base_batch, halt, report=None):
         os.kill(os.getpid(), signal.SIGTERM)  # the CLI's handler sets the flag the trainer reads between steps
@@ -127,11 +133,7 @@ def test_once_stopped_by_sigterm_exits_143_and_status_says_the_job_was_interrupt
         return JobOutcome("stopped", tmp_path / "run", "stopped at step 3 of 12")
 
     monkeypatch.setattr(service, "run_job", stopped_at_a_step)
-    config = tmp_path / "d.yaml"
-    config.write_text(f"data_dir: {tmp_path / 'data'}\ningest: {{settle_seconds: 0}}\n"
-                      "schedule: {min_new_samples: 10}\n")
-    for i in range(12):
-        write(tmp_path / "data" / "inbox" / f"c{i % 2}" / f"{i}.png", image_bytes(i))
+    config = _once_setup(tmp_path, "{min_new_samples: 10}", range(12))
     assert main(["daemon", "once", "--config", str(config)]) == 143
     out, err = capsys.readouterr()
     assert '"status": "stopped"' in out
