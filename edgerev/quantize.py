@@ -24,15 +24,27 @@ from edgerev.layers.base import batch_slices
 
 @dataclass
 class Quantized:
-    """A quantized copy: ``codes`` (uint8, packed two per byte for 4 bits) and per-channel ranges."""
+    """A quantized copy: ``codes`` (uint8, packed two per byte for 4 bits) and one small per-channel table.
+
+    ``table`` rows: the positive range, the negative range (magnitude), the bin width of each sign, and
+    ``zero``, the code boundary between the signs less a half: codes ``> zero`` are positive values.
+    """
 
     codes: Tensor
-    pos: Tensor  # [C] upper end of the positive range
-    neg: Tensor  # [C] upper end of the negative magnitudes
-    neg_codes: Tensor  # [C] codes given to values <= 0 (the others go to positive values)
+    table: Tensor  # [5, C]: pos, neg, step of positives, step of the others, zero
     bits: int
     shape: torch.Size
     dtype: torch.dtype
+
+    @property
+    def pos(self) -> Tensor:
+        """[C] upper end of the positive range."""
+        return self.table[0]
+
+    @property
+    def neg(self) -> Tensor:
+        """[C] upper end of the negative magnitudes."""
+        return self.table[1]
 
     @property
     def nbytes(self) -> int:
@@ -65,55 +77,72 @@ def split_codes(hi: Tensor, lo: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     return positive, total - positive
 
 
+# Codes run in the order of the values: ``0 .. N-1`` for values <= 0 (the largest magnitude first), ``N ..
+# 2**bits - 1`` for positive values. With ``t = x / step`` (the step of x's sign), a value's code is
+# ``ceil(t) + N - 1``: a positive ``t`` lands at ``N`` or above, zero and negative ``t`` at ``N - 1`` or below,
+# and a bin is ``(k, k+1]`` in ``t``, whose middle is ``code - (N - 0.5)``. The few kernels this takes per
+# batch slice (a compare, a select, a divide, a ceiling, an add, a floor on the positive codes, a clamp and
+# the narrowing) and per channel are what ``store8``/``store4`` launch on a GPU beside autograd's own.
+
+
 def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None) -> Quantized:
     """Sign-preserving ``bits``-bit copy of ``x`` (``bits`` is 8 or 4); ``x`` is left untouched."""
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     if x.dim() < 2:
         raise ValueError(f"quantize needs a [batch, channels, ...] tensor, got shape {tuple(x.shape)}")
-    hi, lo = channel_range(x) if rng is None else rng
+    total, dim = 2**bits, x.dim()
+    table = x.new_empty(5, x.shape[1])
+    ranges = table[:2]
+    if rng is None:
+        dims = [d for d in range(dim) if d != 1]
+        torch.amax(x, dims, out=table[0])
+        torch.amin(x, dims, out=table[1]).neg_()
+    else:
+        table[0].copy_(rng[0])
+        table[1].copy_(rng[1])
     # a range of 0 would put a whole sign at zero on the way back: keep every range positive
-    floor = torch.finfo(x.dtype).eps
-    hi, lo = hi.to(x.dtype).clamp_min(floor), lo.to(x.dtype).clamp_min(floor)
-    npos, nneg = split_codes(hi, lo, bits)
-    dim = x.dim()
-    inv_hi, inv_lo = _view(npos / hi, dim), _view(nneg / lo, dim)
-    top_pos, top_neg = _view(npos - 1, dim), _view(nneg - 1, dim)
-    first_pos = _view(nneg, dim)
+    ranges.clamp_min_(torch.finfo(x.dtype).eps)
+    counts = torch.empty_like(ranges)  # codes of the positive values, of the others
+    torch.mul(table[0], total, out=counts[0]).div_(table[0] + table[1]).round_().clamp_(1, total - 1)
+    torch.neg(counts[0], out=counts[1]).add_(total)
+    torch.div(ranges, counts, out=table[2:4])
+    torch.sub(counts[1], 0.5, out=table[4])
+    step_pos, step_neg = _view(table[2], dim), _view(table[3], dim)
+    below = _view(counts[1] - 1, dim)  # the code of the smallest magnitude <= 0
+    first_pos = _view(counts[1], dim)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     for sl in batch_slices(x):
         xs = x[sl]
         positive = xs > 0
-        up = (xs * inv_hi).floor_().clamp_(min=0).minimum(top_pos).add_(first_pos)
-        down = (xs * -inv_lo).floor_().clamp_(min=0).minimum(top_neg)
-        codes[sl] = torch.where(positive, up, down).to(torch.uint8)
+        t = torch.where(positive, step_pos, step_neg)
+        torch.div(xs, t, out=t).ceil_().add_(below)
+        # a positive value too small for its step (a subnormal over a step above 1) comes out of the divide at
+        # zero: its sign, not the divide, puts it among the positive codes
+        torch.maximum(t, positive * first_pos, out=t).clamp_(0, total - 1)
+        codes[sl].copy_(t)
     if bits == 4:
         flat = codes.view(-1)
         if flat.numel() % 2:
             flat = torch.cat([flat, flat.new_zeros(1)])
         codes = flat[0::2] | (flat[1::2] << 4)
-    return Quantized(codes, hi, lo, nneg.to(torch.uint8), bits, x.shape, x.dtype)
+    return Quantized(codes, table, bits, x.shape, x.dtype)
 
 
 def dequantize(q: Quantized) -> Tensor:
     """Float tensor of the original shape: each code at the middle of its bin, with its sign."""
     codes = q.codes
     if q.bits == 4:
-        n = 1
-        for s in q.shape:
-            n *= s
-        codes = torch.stack([codes & 0x0F, codes >> 4], dim=1).view(-1)[:n]
+        pairs = codes.new_empty(codes.numel(), 2)
+        torch.bitwise_and(codes, 0x0F, out=pairs[:, 0])
+        torch.bitwise_right_shift(codes, 4, out=pairs[:, 1])
+        codes = pairs.view(-1)[:q.shape.numel()]
     codes = codes.view(q.shape)
     out = torch.empty(q.shape, dtype=q.dtype, device=codes.device)
     dim = len(q.shape)
-    nneg = q.neg_codes.to(q.dtype)
-    npos = 2**q.bits - nneg
-    step_hi, step_lo = _view(q.pos / npos, dim), _view(q.neg / nneg, dim)
-    first_pos = _view(q.neg_codes, dim)
+    step_pos, step_neg, zero = (_view(q.table[i], dim) for i in (2, 3, 4))
     for sl in batch_slices(out):
         c = codes[sl]
-        positive = c >= first_pos
-        up = (c - first_pos).to(q.dtype).add_(0.5).mul_(step_hi)
-        down = c.to(q.dtype).add_(0.5).mul_(-step_lo)
-        out[sl] = torch.where(positive, up, down)
+        step = torch.where(c > zero, step_pos, step_neg)
+        torch.sub(c, zero, out=out[sl]).mul_(step)
     return out

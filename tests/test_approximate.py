@@ -173,7 +173,7 @@ def test_the_copies_are_all_that_is_kept_and_the_prediction_is_exact(arch, monke
         codes = sum(q.codes.untyped_storage().nbytes() for q in copies)
         assert codes == sum(math.prod(q.shape) * q.bits // 8 for q in copies) + sum(
             math.prod(q.shape) % 2 for q in copies if q.bits == 4)
-        ranges = sum(t.untyped_storage().nbytes() for q in copies for t in (q.pos, q.neg, q.neg_codes))
+        ranges = sum(q.table.untyped_storage().nbytes() for q in copies)
         kept[mode + "_rest"] = kept[mode] - codes - ranges
     # what is not a copy (statistics, the last activation) does not depend on the precision
     assert kept["store8_rest"] == kept["store4_rest"] > 0

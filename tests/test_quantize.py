@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgerev import approximate
 from edgerev.engine import InvertibleSequence, plain
@@ -64,6 +66,28 @@ def test_sign_is_preserved_exactly(bits, shape, seed):
     assert torch.equal(dq > 0, x > 0)
     assert bool((dq[x == 0] <= 0).all()), "an exact zero must come back non-positive (leaky ReLU treats 0 as negative)"
     assert bool((dq[x < 0] < 0).all())
+
+
+@settings(max_examples=200, deadline=None)
+@given(bits=st.sampled_from(BITS), data=st.data())
+def test_sign_is_preserved_for_any_floats(bits, data):
+    """Any float32 values, subnormals and values far apart in one channel included, keep their sign."""
+    big = torch.tensor(1e30).item()  # as float32 holds it; ranges far beyond overflow the bin widths' arithmetic
+    values = data.draw(st.lists(st.floats(-big, big, width=32), min_size=2, max_size=24))
+    x = torch.tensor(values, dtype=torch.float32).view(1, 1, -1, 1)
+    dq = dequantize(quantize(x, bits))
+    assert torch.isfinite(dq).all()
+    assert torch.equal(dq > 0, x > 0), f"{dq.flatten().tolist()} for {values}"
+    assert bool((dq[x <= 0] <= 0).all())
+
+
+def test_a_subnormal_next_to_a_large_range_stays_positive():
+    """Its value over a bin width above 1 underflows to zero: the sign still puts it among the positive codes."""
+    tiny = torch.finfo(torch.float32).tiny / 2**20  # subnormal
+    x = torch.tensor([1e4, tiny, 0.0, -1.0]).view(1, 1, 2, 2)
+    for bits in BITS:
+        dq = dequantize(quantize(x, bits))
+        assert torch.equal(dq > 0, x > 0), f"{bits} bits: {dq.flatten().tolist()}"
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -163,7 +187,7 @@ def test_four_bit_codes_are_packed_two_per_byte(numel_shape):
     hi, lo = hi.clamp_min(eps), lo.clamp_min(eps)
     npos, nneg = (c.view(view) for c in codes_of(hi, lo, 4))
     up = (x * npos / hi.view(view)).floor().clamp(min=0).minimum(npos - 1) + nneg  # positives after the others
-    down = (-x * nneg / lo.view(view)).floor().clamp(min=0).minimum(nneg - 1)
+    down = nneg - 1 - (-x * nneg / lo.view(view)).floor().clamp(min=0).minimum(nneg - 1)  # in the values' order
     codes = torch.where(x > 0, up, down).to(torch.uint8).flatten()
     if n % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
