@@ -40,6 +40,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -48,7 +49,12 @@ from edgerev.atomic import fsync_dir, fsync_tree
 from edgerev.errors import EdgerevError
 from edgerev.train.checkpoint import ModelInfo, load_tensors, read_info, save_model
 from edgerev.train.config import ModelConfig
+from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.learning.host import JobHost
 from edgerev_daemon.storage.records import EventKind, Job, JobState, Split
+
+if TYPE_CHECKING:
+    from edgerev_daemon.learning.jobs import JobOutcome
 
 log = logging.getLogger("edgerev.daemon.fleet")
 
@@ -305,7 +311,7 @@ def _replace_dir(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_source(daemon, fm: FleetModel, what: str) -> None:
+def check_source(daemon: JobHost, fm: FleetModel, what: str) -> None:
     """Refuse a fleet model whose ``arch`` is a factory this device's owner has not allowed: the fleet's message
     arrives as data, and a factory's module runs code on import (:mod:`edgerev.models.trust`). A registry name
     or a model source on the device (whose own files are checked when read) passes.
@@ -327,7 +333,7 @@ def check_source(daemon, fm: FleetModel, what: str) -> None:
                                    f"config, or through an installed package's {ENTRY_POINT_GROUP!r} entry point")
 
 
-def refuse(daemon, what: str, error: str) -> FleetError:
+def refuse(daemon: JobHost, what: str, error: str) -> FleetError:
     """One log line and one event for a fleet request refused; the exception to raise."""
     log.error("fleet %s refused: %s", what, error)
     try:
@@ -337,7 +343,7 @@ def refuse(daemon, what: str, error: str) -> FleetError:
     return FleetError(error)
 
 
-def device_config(daemon, fm: FleetModel, adopt: bool = False):
+def device_config(daemon: JobHost, fm: FleetModel, adopt: bool = False) -> DaemonConfig:
     """The daemon's config with the fleet's model, round length and learning rate, batch norms frozen at the
     fleet's statistics once measured (every other key: the device's own). ``adopt``: for the fine-tuning
     before the gate (:func:`consider`): its epochs, learning rate and distillation from the fleet model."""
@@ -351,7 +357,7 @@ def device_config(daemon, fm: FleetModel, adopt: bool = False):
     return replace(daemon.config, training=training)
 
 
-def measure_norms(daemon, folder: Path) -> dict[str, torch.Tensor]:
+def measure_norms(daemon: JobHost, folder: Path) -> dict[str, torch.Tensor]:
     """The batch-norm statistics of the model in ``folder`` measured over this device's training samples,
     layer after layer (:func:`edgerev.train.norms.calibrate`, ``train.eval_batch`` images a forward): this
     device's part of the fleet's statistics. Returns the running means and variances by tensor name.
@@ -371,7 +377,7 @@ def measure_norms(daemon, folder: Path) -> dict[str, torch.Tensor]:
                                                                                            "running_var")}
 
 
-def label_counts(daemon) -> dict[str, int]:
+def label_counts(daemon: JobHost) -> dict[str, int]:
     """Training samples per label in the device's store (what the fleet registry learns, and nothing more)."""
     counts: dict[str, int] = {}
     for s in daemon.store.samples(Split.TRAIN):
@@ -381,7 +387,7 @@ def label_counts(daemon) -> dict[str, int]:
 
 # a round ----------------------------------------------------------------------------------------------
 
-def _round_job(daemon, fm: FleetModel) -> Job:
+def _round_job(daemon: JobHost, fm: FleetModel) -> Job:
     """The job of this round: the one interrupted (resumed), or a new one; an older round is superseded."""
     store = daemon.store
     reason = f"{JOB_PREFIX}{fm.round}"
@@ -397,13 +403,14 @@ def _round_job(daemon, fm: FleetModel) -> Job:
     return store.create_job(reason)
 
 
-def _job_out(daemon, job: Job) -> Path:
+def _job_out(daemon: JobHost, job: Job) -> Path:
     from edgerev_daemon.learning.jobs import job_dir
 
     return job_dir(daemon.config, job)
 
 
-def _train(daemon, job: Job, base: Path, stop, config, what: str, failed: str):
+def _train(daemon: JobHost, job: Job, base: Path, stop: Callable[[], bool] | None, config: DaemonConfig, what: str,
+           failed: str) -> JobOutcome:
     """Train ``job`` from the model directory ``base`` as a job of ``daemon``; its outcome.
 
     Raises:
@@ -422,8 +429,9 @@ def _train(daemon, job: Job, base: Path, stop, config, what: str, failed: str):
     return outcome
 
 
-def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False) -> RoundResult:
-    """Run one federated round as a job of ``daemon`` (a :class:`edgerev_daemon.service.daemon.Daemon`).
+def train_round(daemon: JobHost, fm: FleetModel, stop: Callable[[], bool] = lambda: False) -> RoundResult:
+    """Run one federated round as a job of ``daemon`` (the service's ``Daemon``, as
+    :class:`~edgerev_daemon.learning.host.JobHost`).
 
     Raises:
         FleetError: the weights do not fit, the cap cannot train the fleet's model, a local job is under
@@ -519,7 +527,7 @@ def fleet_judge(held, cand, cur, gate) -> tuple[bool, str]:
                   + weighed(p, gate.alpha, "", f"no evidence of a loss over {100 * gate.forgetting_margin:.1f} points"))
 
 
-def _fine_tune(daemon, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor], out: Path) -> None:
+def _fine_tune(daemon: JobHost, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor], out: Path) -> None:
     """Train ``job``'s candidate into ``out``: the device's copy of the fleet model fine-tuned on the device's
     own samples, distilling from it (:func:`device_config` with ``adopt``), as a job of the daemon (under
     its cap, checkpointed: a consideration interrupted resumes here).
@@ -535,7 +543,7 @@ def _fine_tune(daemon, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor],
     shutil.rmtree(base, ignore_errors=True)
 
 
-def consider(daemon, fm: FleetModel) -> Consideration:
+def consider(daemon: JobHost, fm: FleetModel) -> Consideration:
     """Put the aggregated model ``fm`` through this device's gate; promote it (the daemon's own promotion:
     export, version directory, ``current`` switched) when it passes. The decision and its reason are
     recorded on a version row either way."""
