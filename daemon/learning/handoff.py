@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from edgerev_daemon.learning.fleet import Consideration, FleetError, FleetModel, RoundResult
+from edgerev.fleet.model import Consideration, FleetError, FleetModel, RoundResult
 from edgerev_daemon.learning.host import JobHost
 from edgerev_daemon.storage import mailbox
 
