@@ -56,7 +56,8 @@ def main() -> None:
     a = p.parse_args()
     import logging
 
-    from edgerev.fleet.simulate import load_simulation, simulate
+    from edgerev.fleet.simulate import load_simulation
+    from edgerev_daemon.service.simulate import simulate
 
     logging.basicConfig(level=logging.WARNING)
     sim = load_simulation(a.config)

@@ -32,13 +32,13 @@ class EchoLink:
         return dict(self.counts)
 
     def train_round(self, fm):
-        from edgerev_daemon.learning.fleet import RoundResult
+        from edgerev.fleet.model import RoundResult
 
         counts = [self.counts.get(c, 0) for c in fm.classes]
         return RoundResult(dict(fm.shared), counts, sum(counts), None, None, 0)
 
     def consider(self, fm):
-        from edgerev_daemon.learning.fleet import Consideration
+        from edgerev.fleet.model import Consideration
 
         return Consideration(False, "not judged (traffic only)", None, 0.0, 0)
 

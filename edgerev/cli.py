@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # Before torch (and its OpenMP runtime) is imported: threads waiting for work sleep instead of spinning,
 # so training does not take cores from the device's other work (the systemd unit sets the same).
@@ -30,6 +30,7 @@ PAPER_PEAK_BYTES = {
 PAPER_PIXELS = 32 * 240 * 240
 SOURCES = ("a registry name, a model directory (a path with a /), an .onnx file, or a factory "
            "package.module:callable")
+COMMANDS = "edgerev.cli"  # the entry-point group of functions that add commands: add(subparsers)
 MODE_HELP = ("engine mode for every stage that supports it (invert, floor, recompute, store, store8, store4), "
              "or one per stage, comma-separated (default: each stage's default, invert where supported)")
 
@@ -263,6 +264,20 @@ def cmd_finetune_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def registered_commands() -> list[Callable[..., None]]:
+    """The functions that add other packages' commands (the service's ``doctor``, ``daemon`` and ``fleet``), in
+    the order of their entry points' names: registered in the ``edgerev.cli`` entry-point group, so that the library
+    never imports the service; from a source tree never installed, as its pyproject.toml registers them
+    (:mod:`edgerev.source_tree`)."""
+    from importlib.metadata import entry_points
+
+    from edgerev.source_tree import declared_entry_points, map_package_dirs
+
+    map_package_dirs()  # a source tree's daemon/ under its installed name, unless installed
+    found = list(entry_points(group=COMMANDS)) or declared_entry_points(COMMANDS)
+    return [ep.load() for ep in sorted(found, key=lambda ep: ep.name)]
+
+
 def _trust_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-factory", action="append", default=[], metavar="PACKAGE.MODULE:CALLABLE",
                    help="a factory a model directory may name (repeatable): a model directory is data and runs no "
@@ -349,17 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     t.set_defaults(fn=cmd_train)
 
-    from edgerev.doctor.cli import add_parser as add_doctor_parser
-
-    add_doctor_parser(sub)
-
-    from edgerev_daemon.service.cli import add_parser as add_daemon_parser
-
-    add_daemon_parser(sub)
-
-    from edgerev.fleet.cli import add_parser as add_fleet_parser
-
-    add_fleet_parser(sub)
+    for add_commands in registered_commands():  # the service's: doctor, daemon, fleet
+        add_commands(sub)
 
     e = sub.add_parser("export", help="export a model directory to ONNX, verified with ONNX Runtime",
                        description="Export the model directory RUN (model.json + model.safetensors) to ONNX with a "

@@ -5,11 +5,11 @@ import re
 import pytest
 import torch
 
-from edgerev.source_tree import import_daemon
+from edgerev.source_tree import map_package_dirs
 
 # the daemon's tests and the CLI's import edgerev_daemon: from a checkout that was never installed (a lent
 # GPU machine without network runs ``PYTHONPATH=. python -m pytest -m gpu``) it is the daemon/ folder
-import_daemon()
+map_package_dirs()
 
 # What the suite can do without: a machine that lacks one (the GPU machine has no Flower, no onnxscript, and
 # maybe no hypothesis) skips the test files that import it, saying which, instead of failing their collection.

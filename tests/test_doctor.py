@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from edgerev.cli import main
 from edgerev.doctor import facts as gather
-from edgerev.doctor.cli import target_of
 from edgerev.doctor.judge import (
     Check,
     Status,
@@ -35,6 +34,7 @@ from edgerev.doctor.judge import (
 )
 from edgerev.doctor.plan import PlanFacts, verified_plan
 from edgerev.exits import OK, PARTIAL, USAGE, WARNINGS
+from edgerev_daemon.service.doctor_cli import target_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20

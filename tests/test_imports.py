@@ -1,6 +1,7 @@
-"""The house rules of the imports: pure planner modules import no torch, the engine nothing from memory/,
-no import cycle among edgerev's modules (counting the imports inside functions: a lazy import is still
-an arrow, and the old engine -> memory -> engine cycle was one)."""
+"""The house rules of the imports: the library never imports the service, pure planner modules import no torch,
+the engine nothing from memory/, no import cycle among edgerev's modules (counting the imports inside functions: a
+lazy import is still an arrow, and the old engine -> memory -> engine cycle was one). The daemon's rooms keep
+their order: tests/daemon/test_rooms.py."""
 
 from __future__ import annotations
 
@@ -112,3 +113,38 @@ def test_private_torch_apis_live_in_one_module():
         if "._cdata" in text or "fake_tensor import" in text:
             offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
+
+
+SERVICE = ("edgerev_daemon", "daemon")  # the service's installed name, and its folder's (python-daemon's name)
+
+
+def every_import(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports, where it does: at module level, inside functions, under ``TYPE_CHECKING``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+    return out
+
+
+def test_the_library_never_imports_the_service():
+    """Arrows run one way: edgerev_daemon (daemon/) imports edgerev, never the reverse, lazily or not. What needs
+    both lives in the service, and the library reaches it only through entry points (edgerev.cli) that it does
+    not import. No module of either imports ``daemon``: that name is python-daemon's."""
+    wrong = []
+    for tree, banned in (("edgerev", SERVICE), ("daemon", ("daemon",))):
+        for path in sorted((ROOT / tree).rglob("*.py")):
+            wrong += [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in every_import(path)
+                      if name.split(".")[0] in banned]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_sees_every_kind_of_import(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text("import edgerev_daemon\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from edgerev_daemon.config import DaemonConfig\n"
+                   "def f():\n    from edgerev_daemon.learning import fleet\n    import daemon.config\n")
+    assert [(n, m) for n, m in every_import(bad) if m.split(".")[0] in SERVICE] == [
+        (1, "edgerev_daemon"), (4, "edgerev_daemon.config"), (6, "edgerev_daemon.learning"), (7, "daemon.config")]

@@ -242,8 +242,9 @@ def test_a_fleets_factory_runs_on_a_device_only_if_its_owner_allows_it(tmp_path)
     """The fleet's server sends its model's arch: data to a device, whose own config says what code it runs."""
     from types import SimpleNamespace
 
+    from edgerev.fleet.model import FleetError, FleetModel
     from edgerev_daemon.config import config_from_dict
-    from edgerev_daemon.learning.fleet import FleetError, FleetModel, check_source
+    from edgerev_daemon.learning.fleet import check_source
 
     def device(model: dict):
         events: list = []

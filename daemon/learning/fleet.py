@@ -1,7 +1,8 @@
 """The device's side of a federated round: a job of the daemon's kind, started from weights received.
 
 A fleet (``edgerev.fleet``, on Flower) asks a device's daemon for two things, and nothing else crosses
-from the daemon to the fleet but weights and per-class sample counts:
+from the daemon to the fleet but weights and per-class sample counts (what travels, and how every side builds
+the fleet's model from it, is the library's: :mod:`edgerev.fleet.model`):
 
 - **a round** (:func:`train_round`): the fleet model arrives as the shared tensors (which ones is the
   fleet's ``sharing`` setting) and the fleet's class list (the head's rows, in the fleet registry's
@@ -38,204 +39,39 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from edgerev.atomic import fsync_dir, fsync_tree
 from edgerev.errors import EdgerevError
-from edgerev.train.checkpoint import ModelInfo, load_tensors, read_info, save_model
+from edgerev.fleet.model import (
+    Consideration,
+    FleetError,
+    FleetModel,
+    RoundResult,
+    check_shared,
+    device_model,
+    fleet_head,
+    fleet_info,
+    to_wire,
+)
+from edgerev.train.checkpoint import load_tensors, read_info, save_model
 from edgerev.train.config import ModelConfig
+from edgerev_daemon.config import DaemonConfig
+from edgerev_daemon.learning.host import JobHost
 from edgerev_daemon.storage.records import EventKind, Job, JobState, Split
+
+if TYPE_CHECKING:
+    from edgerev_daemon.learning.jobs import JobOutcome
 
 log = logging.getLogger("edgerev.daemon.fleet")
 
 JOB_PREFIX = "fleet round "
 CANDIDATE_PREFIX = "fleet model "
-SHARING = ("head", "head+last", "all")
-
-
-class FleetError(EdgerevError):
-    """A fleet request this device cannot carry out (the message says why, in one line)."""
-
-
-@dataclass(frozen=True)
-class FleetModel:
-    """What the fleet sends: the model's description, the fleet's classes (head rows) and the shared tensors.
-
-    ``round``: a name unique to the run and round (``"<run>/<round>"``); ``seed``: the fleet's
-    initialization seed, so every device builds the same tensors for what is not sent. ``share_bn_stats``:
-    the batch-norm statistics are the fleet's (``norms_measured``: the devices have measured them, from the
-    second round on: a round job then trains with its batch norms frozen at them). ``lr``: the round job's
-    peak learning rate (0: the device's); ``adopt_*``: the fine-tuning of the fleet model before the gate
-    (:func:`consider`; ``edgerev.fleet.settings.FleetSettings`` says what each does). ``weights``: the base
-    model's weights file for a registry ``arch`` or a factory (None: ``arch`` alone; :func:`fleet_model`).
-    """
-
-    round: str
-    arch: str
-    args: dict
-    input_size: int
-    classes: tuple[str, ...]
-    shared: dict[str, torch.Tensor]
-    sharing: str = "all"
-    share_bn_stats: bool = False
-    seed: int = 0
-    epochs: int = 1
-    lr: float = 0.0
-    norms_measured: bool = False
-    adopt_epochs: int = 0
-    adopt_distill: float = 1.0
-    adopt_lr: float = 0.0
-    weights: str | None = None
-
-
-@dataclass
-class RoundResult:
-    shared: dict[str, torch.Tensor]
-    counts: list[int]            # training samples per fleet class, in ``classes`` order
-    examples: int
-    peak_bytes: int | None      # measured under the cap (:func:`peak_of`)
-    cap_bytes: int | None
-    job: int
-    seconds: float = 0.0
-
-
-@dataclass
-class Consideration:
-    promoted: bool
-    reason: str
-    version: str | None
-    accuracy: float | None
-    heldout: int
-    metrics: dict = field(default_factory=dict)
-
-
-# which tensors travel ---------------------------------------------------------------------------------
-
-def shared_names(state: Mapping[str, torch.Tensor], parameters: set[str], sharing: str,
-                 share_bn_stats: bool = False) -> list[str]:
-    """The names of ``state`` that the fleet shares, in ``state``'s order.
-
-    ``head``: the classifier only; ``head+last``: and the last stage that has weights; ``all``: every
-    trainable tensor. Batch-norm statistics (buffers) stay on the device unless ``share_bn_stats``.
-    """
-    if sharing not in SHARING:
-        raise FleetError(f"sharing must be one of {', '.join(SHARING)}, got {sharing!r}")
-    stages = sorted({int(n.split(".")[2]) for n in parameters if n.startswith("body.stages.")})
-    last = f"body.stages.{stages[-1]}." if stages else None
-
-    def scoped(name: str) -> bool:
-        if name.startswith("head."):
-            return True
-        if sharing == "all":
-            return True
-        return sharing == "head+last" and last is not None and name.startswith(last)
-
-    return [n for n, t in state.items() if scoped(n) and t.is_floating_point()
-            and (n in parameters or share_bn_stats)]
-
-
-def fleet_model(fm: FleetModel) -> nn.Module:
-    """The fleet's model before any round, the same tensors on the server and on every device: ``fm.arch``
-    resolved as any model source (:func:`edgerev.models.resolve.resolve_model`) with ``fm.weights``, its
-    classifier sized to the fleet's classes; what the source does not bring (a registry model without
-    weights, a classifier re-made for another number of classes) is drawn from the fleet's seed. A base
-    model's weights are thus the common start of the server's first parameters and of every device's first
-    round.
-
-    Raises:
-        FleetError: the source cannot be built, or has no linear classifier (the fleet grows and averages
-            its rows per class).
-    """
-    from edgerev.models.resolve import resolve_model
-
-    torch.manual_seed(fm.seed)
-    try:
-        model = resolve_model(fm.arch, weights=fm.weights, args=fm.args, num_classes=len(fm.classes))
-    except (ValueError, TypeError, KeyError) as e:  # EdgerevError is a ValueError
-        raise FleetError(f"cannot build the fleet's model {fm.arch} {fm.args}: {e}") from None
-    head_prefix(model)  # one that the fleet cannot name is refused here, before anything travels
-    return model
-
-
-WIRE_HEAD = "head."  # what the aggregation (edgerev.fleet.aggregate) takes for the classifier's tensors
-
-
-def head_prefix(model: nn.Module) -> str:
-    """The prefix of ``model``'s classifier's tensor names (``head.`` for edgerev's models, ``fc.`` for a
-    torchvision ResNet, an ONNX import's last Gemm's module).
-
-    Raises:
-        FleetError: no linear classifier, or tensors named ``head.*`` that are not the classifier's.
-    """
-    from edgerev.models.spec import head_name
-
-    name = head_name(model)
-    if name is None:
-        raise FleetError(f"the fleet's model {type(model).__name__} has no linear classifier to grow per class")
-    prefix = name + "."
-    if prefix != WIRE_HEAD and any(n.startswith(WIRE_HEAD) for n in model.state_dict()):
-        raise FleetError(f"the fleet's model has its classifier at {name!r} and other tensors named head.*: "
-                         "the fleet sends the classifier's as head.*")
-    return prefix
-
-
-def to_wire(tensors: Mapping[str, torch.Tensor], head: str) -> dict[str, torch.Tensor]:
-    """``tensors`` under the names the fleet sends: the classifier's (``head``, :func:`head_prefix`) as
-    ``head.*`` whatever the model calls it, the rest as they are."""
-    return {WIRE_HEAD + n[len(head):] if n.startswith(head) else n: t for n, t in tensors.items()}
-
-
-def from_wire(tensors: Mapping[str, torch.Tensor], head: str) -> dict[str, torch.Tensor]:
-    """The model's own names of tensors named as :func:`to_wire` sends them."""
-    return {head + n[len(WIRE_HEAD):] if n.startswith(WIRE_HEAD) else n: t for n, t in tensors.items()}
-
-
-def fleet_head(fm: FleetModel) -> str:
-    """The prefix of the fleet's model's classifier (:func:`head_prefix`)."""
-    return head_prefix(fleet_model(fm))
-
-
-def model_names(fm: FleetModel) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The fleet's model before any round (:func:`fleet_model`) as tensors, and its shared names, as the fleet
-    names them (:func:`to_wire`)."""
-    model = fleet_model(fm)
-    head = head_prefix(model)
-    state = to_wire(model.state_dict(), head)
-    parameters = set(to_wire(dict(model.named_parameters()), head))
-    names = shared_names(state, parameters, fm.sharing, fm.share_bn_stats)
-    return state, names
-
-
-def check_shared(fm: FleetModel) -> dict[str, torch.Tensor]:
-    """The fleet's fresh state, after checking that ``fm.shared`` is exactly what it should hold.
-
-    Raises:
-        FleetError: a tensor missing, unknown, of the wrong shape, or not finite.
-    """
-    if len(fm.classes) < 1 or len(set(fm.classes)) != len(fm.classes):
-        raise FleetError(f"the fleet's classes must be distinct and not empty, got {list(fm.classes)[:5]}")
-    state, names = model_names(fm)
-    missing = [n for n in names if n not in fm.shared]
-    unknown = [n for n in fm.shared if n not in names]
-    if missing or unknown:
-        parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
-                ([f"unknown {', '.join(unknown[:3])}"] if unknown else [])
-        raise FleetError(f"the fleet's weights do not fit {fm.arch} with {len(fm.classes)} classes and sharing "
-                         f"{fm.sharing!r}: {'; '.join(parts)}")
-    shapes = [n for n in names if tuple(fm.shared[n].shape) != tuple(state[n].shape)]
-    if shapes:
-        n = shapes[0]
-        raise FleetError(f"the fleet's weights do not fit: {n} has shape {tuple(fm.shared[n].shape)}, "
-                         f"the model's is {tuple(state[n].shape)}" + (f" (and {len(shapes) - 1} more)"
-                                                                       if len(shapes) > 1 else ""))
-    bad = [n for n in names if not torch.isfinite(fm.shared[n]).all()]
-    if bad:
-        raise FleetError(f"the fleet's weights are not finite ({', '.join(bad[:3])}): refused")
-    return state
 
 
 # the device's local state -----------------------------------------------------------------------------
@@ -255,42 +91,12 @@ def local_state(root: Path) -> tuple[dict[str, torch.Tensor], tuple[str, ...]] |
     return load_tensors(folder / "model.safetensors", raw.get("weights_sha256")), info.classes
 
 
-def compose(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, tuple] | None) -> dict:
-    """The device's copy of the fleet model: shared tensors from the fleet, the rest from the local state
-    (when it fits the fleet's model: same names and shapes), else from the fleet's fresh initialization."""
-    state = dict(fresh)
-    if local is not None:
-        kept, _ = local
-        for name, t in kept.items():
-            if name in state and not name.startswith("head.") and tuple(t.shape) == tuple(state[name].shape):
-                state[name] = t
-    for name, t in fm.shared.items():
-        state[name] = t.to(state[name].dtype)
-    return state
-
-
-def device_model(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, tuple] | None) -> nn.Module:
-    """The device's copy of the fleet model as a module: :func:`compose` of the fleet's tensors (``fresh``,
-    as the fleet names them) and the device's last round (``local``, as the model names them)."""
-    model = fleet_model(fm)
-    head = head_prefix(model)
-    local = (to_wire(local[0], head), local[1]) if local is not None else None
-    model.load_state_dict(from_wire(compose(fm, fresh, local), head))
-    return model
-
-
 def write_model(folder: Path, fm: FleetModel, model: nn.Module) -> None:
     """A model directory the trainer and the promotion read (weights, description; no replay sample: a
     round trains on all of the device's samples)."""
     if folder.exists():
         shutil.rmtree(folder)
     save_model(folder, model, fleet_info(fm, model), {"fleet_round": fm.round})
-
-
-def fleet_info(fm: FleetModel, model: nn.Module) -> ModelInfo:
-    """The description of a model of the fleet: what rebuilds it (the source's own ``arch``: a model
-    directory's architecture, ``onnx`` with the file's copy), the fleet's classes and input size."""
-    return ModelInfo(model.arch, tuple(fm.classes), fm.input_size, model_args=dict(model.model_args))
 
 
 def _replace_dir(new: Path, final: Path) -> None:
@@ -305,7 +111,7 @@ def _replace_dir(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_source(daemon, fm: FleetModel, what: str) -> None:
+def check_source(daemon: JobHost, fm: FleetModel, what: str) -> None:
     """Refuse a fleet model whose ``arch`` is a factory this device's owner has not allowed: the fleet's message
     arrives as data, and a factory's module runs code on import (:mod:`edgerev.models.trust`). A registry name
     or a model source on the device (whose own files are checked when read) passes.
@@ -327,7 +133,7 @@ def check_source(daemon, fm: FleetModel, what: str) -> None:
                                    f"config, or through an installed package's {ENTRY_POINT_GROUP!r} entry point")
 
 
-def refuse(daemon, what: str, error: str) -> FleetError:
+def refuse(daemon: JobHost, what: str, error: str) -> FleetError:
     """One log line and one event for a fleet request refused; the exception to raise."""
     log.error("fleet %s refused: %s", what, error)
     try:
@@ -337,7 +143,7 @@ def refuse(daemon, what: str, error: str) -> FleetError:
     return FleetError(error)
 
 
-def device_config(daemon, fm: FleetModel, adopt: bool = False):
+def device_config(daemon: JobHost, fm: FleetModel, adopt: bool = False) -> DaemonConfig:
     """The daemon's config with the fleet's model, round length and learning rate, batch norms frozen at the
     fleet's statistics once measured (every other key: the device's own). ``adopt``: for the fine-tuning
     before the gate (:func:`consider`): its epochs, learning rate and distillation from the fleet model."""
@@ -351,7 +157,7 @@ def device_config(daemon, fm: FleetModel, adopt: bool = False):
     return replace(daemon.config, training=training)
 
 
-def measure_norms(daemon, folder: Path) -> dict[str, torch.Tensor]:
+def measure_norms(daemon: JobHost, folder: Path) -> dict[str, torch.Tensor]:
     """The batch-norm statistics of the model in ``folder`` measured over this device's training samples,
     layer after layer (:func:`edgerev.train.norms.calibrate`, ``train.eval_batch`` images a forward): this
     device's part of the fleet's statistics. Returns the running means and variances by tensor name.
@@ -371,7 +177,7 @@ def measure_norms(daemon, folder: Path) -> dict[str, torch.Tensor]:
                                                                                            "running_var")}
 
 
-def label_counts(daemon) -> dict[str, int]:
+def label_counts(daemon: JobHost) -> dict[str, int]:
     """Training samples per label in the device's store (what the fleet registry learns, and nothing more)."""
     counts: dict[str, int] = {}
     for s in daemon.store.samples(Split.TRAIN):
@@ -381,7 +187,7 @@ def label_counts(daemon) -> dict[str, int]:
 
 # a round ----------------------------------------------------------------------------------------------
 
-def _round_job(daemon, fm: FleetModel) -> Job:
+def _round_job(daemon: JobHost, fm: FleetModel) -> Job:
     """The job of this round: the one interrupted (resumed), or a new one; an older round is superseded."""
     store = daemon.store
     reason = f"{JOB_PREFIX}{fm.round}"
@@ -397,13 +203,14 @@ def _round_job(daemon, fm: FleetModel) -> Job:
     return store.create_job(reason)
 
 
-def _job_out(daemon, job: Job) -> Path:
+def _job_out(daemon: JobHost, job: Job) -> Path:
     from edgerev_daemon.learning.jobs import job_dir
 
     return job_dir(daemon.config, job)
 
 
-def _train(daemon, job: Job, base: Path, stop, config, what: str, failed: str):
+def _train(daemon: JobHost, job: Job, base: Path, stop: Callable[[], bool] | None, config: DaemonConfig, what: str,
+           failed: str) -> JobOutcome:
     """Train ``job`` from the model directory ``base`` as a job of ``daemon``; its outcome.
 
     Raises:
@@ -422,8 +229,9 @@ def _train(daemon, job: Job, base: Path, stop, config, what: str, failed: str):
     return outcome
 
 
-def train_round(daemon, fm: FleetModel, stop: Callable[[], bool] = lambda: False) -> RoundResult:
-    """Run one federated round as a job of ``daemon`` (a :class:`edgerev_daemon.service.daemon.Daemon`).
+def train_round(daemon: JobHost, fm: FleetModel, stop: Callable[[], bool] = lambda: False) -> RoundResult:
+    """Run one federated round as a job of ``daemon`` (the service's ``Daemon``, as
+    :class:`~edgerev_daemon.learning.host.JobHost`).
 
     Raises:
         FleetError: the weights do not fit, the cap cannot train the fleet's model, a local job is under
@@ -519,7 +327,7 @@ def fleet_judge(held, cand, cur, gate) -> tuple[bool, str]:
                   + weighed(p, gate.alpha, "", f"no evidence of a loss over {100 * gate.forgetting_margin:.1f} points"))
 
 
-def _fine_tune(daemon, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor], out: Path) -> None:
+def _fine_tune(daemon: JobHost, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor], out: Path) -> None:
     """Train ``job``'s candidate into ``out``: the device's copy of the fleet model fine-tuned on the device's
     own samples, distilling from it (:func:`device_config` with ``adopt``), as a job of the daemon (under
     its cap, checkpointed: a consideration interrupted resumes here).
@@ -535,7 +343,7 @@ def _fine_tune(daemon, job: Job, fm: FleetModel, fresh: dict[str, torch.Tensor],
     shutil.rmtree(base, ignore_errors=True)
 
 
-def consider(daemon, fm: FleetModel) -> Consideration:
+def consider(daemon: JobHost, fm: FleetModel) -> Consideration:
     """Put the aggregated model ``fm`` through this device's gate; promote it (the daemon's own promotion:
     export, version directory, ``current`` switched) when it passes. The decision and its reason are
     recorded on a version row either way."""
@@ -592,4 +400,3 @@ def consider(daemon, fm: FleetModel) -> Consideration:
     if result.get("status") == "failed":
         return Consideration(False, result.get("error", why), version, accuracy, samples["all"], metrics)
     return Consideration(bool(result.get("promoted")), why, version, accuracy, samples["all"], metrics)
-

@@ -14,10 +14,12 @@ decision is carried out.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from edgerev_daemon.learning.fleet import Consideration, FleetError, FleetModel, RoundResult
+from edgerev.fleet.model import Consideration, FleetError, FleetModel, RoundResult
+from edgerev_daemon.learning.host import JobHost
 from edgerev_daemon.storage import mailbox
 
 log = logging.getLogger("edgerev.daemon.fleet")
@@ -79,7 +81,7 @@ def _model(meta: dict, tensors: dict | None) -> FleetModel:
     return FleetModel(shared=tensors or {}, **d)
 
 
-def serve_requests(daemon, stop=lambda: False) -> int:
+def serve_requests(daemon: JobHost, stop: Callable[[], bool] = lambda: False) -> int:
     """Carry out every request waiting in the daemon's data directory, oldest first; returns how many."""
     from edgerev_daemon.learning import fleet
 

@@ -7,8 +7,9 @@ Each line is ok, warning or failing, with what to do; the exit status is the wor
 (:func:`edgerev.doctor.judge.exit_status`).
 
 Facts are gathered by :mod:`edgerev.doctor.facts` and :mod:`edgerev.doctor.plan`, judged by the pure
-:mod:`edgerev.doctor.judge`. The daemon's config is read by the command (:mod:`edgerev.doctor.cli`), so this
-package needs nothing of ``edgerev_daemon``.
+:mod:`edgerev.doctor.judge`. The command, which reads the daemon's config, is the daemon's
+(:mod:`edgerev_daemon.service.doctor_cli`, added to ``edgerev``'s through the ``edgerev.cli`` entry points), so
+this package needs nothing of the daemon.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The fleet's ClientApp: a device's side of each round goes through its daemon.
 
 The ClientApp trains nothing itself. For a ``train`` message it hands the received weights to the
-device's daemon as a federated round (:func:`edgerev_daemon.learning.fleet.train_round`: a job with the device's
+device's daemon (a :class:`DeviceLink`) as a federated round (the daemon's ``train_round``: a job with the device's
 own samples, distillation, under its memory cap, checkpointed) and answers with the trained shared
 tensors, the device's sample count and its count per fleet class. For an ``evaluate`` message it hands
-the aggregated model to the daemon's gate (:func:`edgerev_daemon.learning.fleet.consider`) and answers with the
+the aggregated model to the daemon's gate (its ``consider``) and answers with the
 held-out accuracy and whether it was promoted. For a ``query`` it answers the names and counts of the
 classes it has. Nothing else leaves the device: no image, no feature, no per-sample label.
 
@@ -33,9 +33,9 @@ from flwr.clientapp.mod import fixedclipping_mod
 
 from edgerev.fleet import secagg
 from edgerev.fleet.aggregate import as_moments, as_variances
+from edgerev.fleet.model import Consideration, FleetError, FleetModel, RoundResult
 from edgerev.fleet.settings import FleetSettings
 from edgerev.fleet.strategy import ARRAYS, CONFIG, METRICS
-from edgerev_daemon.learning.fleet import Consideration, FleetError, FleetModel, RoundResult
 
 log = logging.getLogger("edgerev.fleet.client")
 
@@ -44,7 +44,9 @@ KNOWN_CONFIG = {*FleetSettings().to_run_config(), "classes", "server-round", CLI
 
 
 class DeviceLink(Protocol):
-    """The way to a device's daemon."""
+    """The way to a device's daemon: the ClientApp needs these of it, and the daemon's side implements them
+    (:class:`edgerev_daemon.service.fleet.DaemonLink`, one held in this process, and
+    :class:`edgerev_daemon.service.fleet.DataDirLink`, a SuperNode's)."""
 
     def classes(self) -> dict[str, int]: ...
 
@@ -53,34 +55,6 @@ class DeviceLink(Protocol):
     def consider(self, fm: FleetModel) -> Consideration: ...
 
     def refused(self, what: str, error: str) -> None: ...
-
-
-class DaemonLink:
-    """A daemon held in this process (:class:`edgerev_daemon.service.daemon.Daemon`): the simulation, or a
-    SuperNode that owns the device's data directory. ``stop`` is polled at every training step."""
-
-    def __init__(self, daemon, stop: Callable[[], bool] = lambda: False) -> None:
-        self.daemon, self.stop = daemon, stop
-
-    def classes(self) -> dict[str, int]:
-        from edgerev_daemon.learning.fleet import label_counts
-
-        return label_counts(self.daemon)
-
-    def train_round(self, fm: FleetModel) -> RoundResult:
-        from edgerev_daemon.learning.fleet import train_round
-
-        return train_round(self.daemon, fm, self.stop)
-
-    def consider(self, fm: FleetModel) -> Consideration:
-        from edgerev_daemon.learning.fleet import consider
-
-        return consider(self.daemon, fm)
-
-    def refused(self, what: str, error: str) -> None:
-        from edgerev_daemon.learning.fleet import refuse
-
-        refuse(self.daemon, what, error)
 
 
 def fleet_model(content: RecordDict, run_id: int, link: DeviceLink, what: str) -> FleetModel:

@@ -27,8 +27,8 @@ RoundHook = Callable[[int, ArrayRecord, tuple[str, ...]], None]  # round, fleet 
 def initial_arrays(settings: FleetSettings, classes: tuple[str, ...]) -> ArrayRecord:
     """The shared tensors of the fleet's model before any round: the base model's when the fleet names one, else
     fresh from the fleet's seed (every device builds the rest the same way:
-    ``edgerev_daemon.learning.fleet.fleet_model``)."""
-    from edgerev_daemon.learning.fleet import FleetModel, model_names
+    :func:`edgerev.fleet.model.fleet_model`)."""
+    from edgerev.fleet.model import FleetModel, model_names
 
     fm = FleetModel("init", settings.arch, dict(settings.model_args), settings.image_size, classes, {},
                     settings.sharing, settings.share_bn_stats, settings.seed, weights=settings.weights or None)

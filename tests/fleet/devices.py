@@ -8,9 +8,9 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 
 from edgerev.fleet.client import make_client_app
 from edgerev.fleet.grid import InProcessGrid
+from edgerev.fleet.model import Consideration, RoundResult
 from edgerev.fleet.server import make_server_app
 from edgerev.fleet.settings import FleetSettings
-from edgerev_daemon.learning.fleet import Consideration, RoundResult
 
 #: node id -> the classes of that device
 CLASSES = {2: ["class0", "class1"], 3: ["class1", "class2"]}

@@ -8,7 +8,8 @@ import yaml
 
 pytest.importorskip("flwr")
 
-from edgerev_daemon.learning.fleet import FleetModel, consider  # noqa: E402
+from edgerev.fleet.model import FleetModel  # noqa: E402
+from edgerev_daemon.learning.fleet import consider  # noqa: E402
 
 ARGS = {"width": 8, "blocks": [1, 1, 1, 1, 1]}
 FLEET = ("class0", "class1", "class2")

@@ -1,5 +1,5 @@
 """A fleet that starts from a base model: the server's first parameters and every device's first round are the
-base's weights (edgerev_daemon.learning.fleet.fleet_model), its classifier sized to the fleet's classes."""
+base's weights (edgerev.fleet.model.fleet_model), its classifier sized to the fleet's classes."""
 
 import pytest
 import torch
@@ -10,18 +10,11 @@ from torch import nn
 pytest.importorskip("flwr")
 
 from edgerev.config import ConfigError  # noqa: E402
+from edgerev.fleet.model import FleetError, FleetModel, check_shared, device_model, fleet_model, model_names  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
 from edgerev.train.checkpoint import load_model  # noqa: E402
-from edgerev_daemon.learning.fleet import (  # noqa: E402
-    FleetError,
-    FleetModel,
-    check_shared,
-    device_model,
-    fleet_model,
-    model_names,
-    write_model,
-)
+from edgerev_daemon.learning.fleet import write_model  # noqa: E402
 from tests.fleet.devices import CLASSES, FakeDevice, run_fleet  # noqa: E402
 
 FACTORY = "tests.fleet.test_base:headed"

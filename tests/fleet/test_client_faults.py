@@ -11,10 +11,11 @@ pytest.importorskip("flwr")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
 
-from edgerev.fleet.client import DaemonLink, make_client_app  # noqa: E402
+from edgerev.fleet.client import make_client_app  # noqa: E402
 from edgerev.fleet.grid import InProcessGrid  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
+from edgerev_daemon.service.fleet import DaemonLink  # noqa: E402
 from edgerev_daemon.storage.records import EventKind  # noqa: E402
 
 SETTINGS = FleetSettings(rounds=1, sharing="head", arch="revnext", model_args={"width": 8, "blocks": [1, 1, 1, 1, 1]},

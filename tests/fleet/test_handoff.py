@@ -12,11 +12,12 @@ import yaml
 
 pytest.importorskip("flwr")
 
-from edgerev.fleet.device import DataDirLink  # noqa: E402
+from edgerev.fleet.model import FleetError, FleetModel  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
-from edgerev_daemon.learning.fleet import FleetError, FleetModel, label_counts  # noqa: E402
+from edgerev_daemon.learning.fleet import label_counts  # noqa: E402
 from edgerev_daemon.learning.handoff import requests_dir, serve_requests, submit, wait_result  # noqa: E402
+from edgerev_daemon.service.fleet import DataDirLink  # noqa: E402
 
 ARGS = {"width": 8, "blocks": [1, 1, 1, 1, 1]}
 SETTINGS = FleetSettings(rounds=1, sharing="head+last", arch="revnext", model_args=ARGS, image_size=16)

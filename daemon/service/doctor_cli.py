@@ -1,4 +1,5 @@
-"""``edgerev doctor`` (thin: read the daemon's config or the CPU preset, call :func:`run_doctor`, print)."""
+"""``edgerev doctor`` (thin: read the daemon's config or the CPU preset, call
+:func:`edgerev.doctor.run_doctor`, print)."""
 
 from __future__ import annotations
 

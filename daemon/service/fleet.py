@@ -1,20 +1,48 @@
-"""The ClientApp a SuperNode runs on a device: ``[tool.flwr.app.components] clientapp = "edgerev.fleet.device:app"``.
+"""The fleet's device side: a device's daemon behind the fleet's ClientApp (:mod:`edgerev.fleet.client`).
 
-The SuperNode names the device's daemon config in its node config
+The ClientApp asks a :class:`~edgerev.fleet.client.DeviceLink` for each request; here are the two the daemon
+gives it. :class:`DaemonLink` runs the request as a job of a daemon held in this process (the simulation,
+:mod:`edgerev_daemon.service.simulate`). :class:`DataDirLink` is a SuperNode's: ``app`` is the ClientApp it runs
+(``[tool.flwr.app.components] clientapp = "edgerev_daemon.service.fleet:app"``). The SuperNode names the
+device's daemon config in its node config
 (``flower-supernode --node-config 'daemon-config="/etc/edgerev/daemon.yaml"'``). Each message opens that
 data directory as the daemon does (its lock, its recovery), runs the request as a job of it
-(:mod:`edgerev.fleet.client`), and closes it; when the daemon is running, the request is handed to it
+(:class:`DaemonLink`), and closes it; when the daemon is running, the request is handed to it
 through the data directory (:mod:`edgerev_daemon.learning.handoff`) and its loop runs it between its own jobs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flwr.app import Context
 
-from edgerev.fleet.client import DaemonLink, make_client_app
-from edgerev_daemon.learning.fleet import FleetError
+from edgerev.fleet.client import make_client_app
+from edgerev.fleet.model import Consideration, FleetError, FleetModel, RoundResult
+from edgerev_daemon.learning.fleet import consider, label_counts, refuse, train_round
+from edgerev_daemon.learning.host import JobHost
 
 NODE_CONFIG_KEY = "daemon-config"
+
+
+class DaemonLink:
+    """A daemon held in this process (:class:`edgerev_daemon.service.daemon.Daemon`): the simulation, or a
+    SuperNode that owns the device's data directory. ``stop`` is polled at every training step."""
+
+    def __init__(self, daemon: JobHost, stop: Callable[[], bool] = lambda: False) -> None:
+        self.daemon, self.stop = daemon, stop
+
+    def classes(self) -> dict[str, int]:
+        return label_counts(self.daemon)
+
+    def train_round(self, fm: FleetModel) -> RoundResult:
+        return train_round(self.daemon, fm, self.stop)
+
+    def consider(self, fm: FleetModel) -> Consideration:
+        return consider(self.daemon, fm)
+
+    def refused(self, what: str, error: str) -> None:
+        refuse(self.daemon, what, error)
 
 
 class DataDirLink:

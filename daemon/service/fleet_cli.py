@@ -1,4 +1,5 @@
-"""``edgerev fleet simulate`` (thin: parse, load the preset, call :func:`edgerev.fleet.simulate.simulate`, print)."""
+"""``edgerev fleet simulate`` (thin: parse, load the preset, call :func:`edgerev_daemon.service.simulate.simulate`,
+print)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         import flwr  # noqa: F401
     except ImportError:
         raise ValueError("Flower is not installed: pip install 'edgerev[fleet]' (Python >= 3.11)") from None
-    from edgerev.fleet.simulate import check_out, load_simulation, simulate
+    from edgerev.fleet.simulate import check_out, load_simulation
+    from edgerev_daemon.service.simulate import simulate
 
     sim = load_simulation(args.config)
     out = Path(args.out)
