@@ -5,7 +5,8 @@ Three ways to run the same step (revnext width 16, batch 64, 32x32 by default; t
 falls on all three alike:
 
 * ``uncapped``: no cap;
-* ``tracked``: the tracker on every step (``train_step(budget=...)``, the cap before ``CpuCap``);
+* ``tracked``: the tracker on every step (a fresh ``CpuCap.over_alive`` each step: nothing is trusted, as
+  the cap was before ``CpuCap``);
 * ``capped``: the run's cap as the trainer uses it (``CpuCap``: the tracker verifies the first step
   of a (shapes, plan), the later steps are trusted).
 
@@ -60,7 +61,7 @@ def main() -> None:
         if kind == "uncapped":
             train_step(model, optimizer, x, y)
         elif kind == "tracked":
-            train_step(model, optimizer, x, y, budget=budget)
+            train_step(model, optimizer, x, y, cap=CpuCap.over_alive(budget, model, optimizer, x, y))
         else:
             train_step(model, optimizer, x, y, cap=cap)
         return time.perf_counter() - t0, time.process_time() - c0

@@ -279,7 +279,7 @@ def cap(args, save: Save) -> dict:
     """
     import torch
 
-    from edgerev.memory.cap import train_step
+    from edgerev.memory.cap import CpuCap, train_step
     from edgerev.train.memory import plan_memory
 
     cfg = recipe(args)
@@ -324,7 +324,7 @@ def cap(args, save: Save) -> dict:
     save(result)
 
     # a step of one micro-batch larger than the plan's, doubling until it runs out of memory; on CPU the
-    # tracker guards it with the live bytes before it as baseline (train_step's ``budget``)
+    # tracker guards it with the live bytes before it as baseline (``CpuCap.over_alive``)
     forced, attempts = 2 * summary["micro_batch"], []
     result["forced"] = attempts
     while len(attempts) < args.forced_tries:
@@ -334,8 +334,8 @@ def cap(args, save: Save) -> dict:
             fx = torch.randn(forced, model.in_channels, cfg.data.size, cfg.data.size, device=device)
             fy = torch.randint(0, model.num_classes, (forced,), device=device)
             before = [p.detach().clone() for p in model.parameters()]
-            r = train_step(model, optimizer, fx, fy, micro_batches=1, clip_grad_norm=o.clip_grad_norm,
-                           budget=None if _cuda(args.device) else budget)
+            guard = None if _cuda(args.device) else CpuCap.over_alive(budget, model, optimizer, fx, fy)
+            r = train_step(model, optimizer, fx, fy, micro_batches=1, clip_grad_norm=o.clip_grad_norm, cap=guard)
             stepped = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
             attempt.update(retries=r.retries, micro_batches=r.micro_batches, loss=r.loss, stepped=stepped,
                            finite=math.isfinite(r.loss))

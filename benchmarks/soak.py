@@ -325,7 +325,7 @@ def main() -> None:
 
     config = load_config(config_path)
     size = config.image_size
-    budget = config.storage.max_bytes_int
+    budget = config.storage.max_bytes
     rng = random.Random(args.seed)
 
     def set_clock(t: float) -> None:
@@ -417,7 +417,7 @@ def _month(month: dict, st: dict, written: int, corrupt: int, running: Running, 
     out = {
         "month": month["month"], "days": [month["days"][0], month["days"][-1]],
         "disk_max_bytes": max(b for b in month["disk_bytes"] if b is not None) if any(month["disk_bytes"]) else None,
-        "disk_walk_max_bytes": max(month["disk_walk_bytes"]), "budget_bytes": config.storage.max_bytes_int,
+        "disk_walk_max_bytes": max(month["disk_walk_bytes"]), "budget_bytes": config.storage.max_bytes,
         "rss_mean_bytes": _mean([r for r in month["rss_bytes"] if r]),
         "rss_max_bytes": max(r or 0 for r in month["rss_bytes"]),
         "cycle_seconds_median": _median(month["cycle_seconds"]), "cycle_seconds_max": max(month["cycle_seconds"]),

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from edgerev.config import ConfigError, check, from_dict, load_yaml
+from edgerev.config import ConfigError, byte_size, check, from_dict, load_yaml
+from edgerev.sizes import ByteSize, parse_bytes
 from edgerev.train.config import ContinualConfig, MemoryConfig, ModelConfig, OptimConfig, SemiConfig, TrainConfig
 from edgerev_daemon.layout import Layout
 
@@ -30,36 +31,22 @@ SUPPORTED_EXTENSIONS = (".png", ".jpg", ".jpeg")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def _bytes(value: int | str | None, key: str) -> int | None:
-    """A size in bytes from an int or a string such as ``"400MiB"``."""
-    if value is None:
-        return None
-    from edgerev.sizes import parse_bytes
-
-    try:
-        n = value if isinstance(value, int) else parse_bytes(value)
-    except ValueError as e:
-        raise ConfigError(f"{key}: {e}") from None
-    check(n >= 1, key, f"must be at least 1 byte, got {value!r}")
-    return n
-
-
 @dataclass(frozen=True)
 class LimitsConfig:
     """What an inbox file may be before it is decoded.
 
-    ``max_file_size``: bytes, or a size such as ``"50MiB"``. ``max_pixels``: width times height, read
-    from the file's header before any pixel is decoded (a decompression bomb is refused there;
-    Pillow's own hard limit of about 179 M pixels applies on top). ``extensions``: accepted endings,
+    ``max_file_size``: bytes, or a size such as ``"50MiB"`` (read once into an int). ``max_pixels``: width
+    times height, read from the file's header before any pixel is decoded (a decompression bomb is refused
+    there; Pillow's own hard limit of about 179 M pixels applies on top). ``extensions``: accepted endings,
     a subset of ``.png``, ``.jpg``, ``.jpeg``.
     """
 
-    max_file_size: int | str = "50MiB"
+    max_file_size: ByteSize = parse_bytes("50MiB")
     max_pixels: int = 50_000_000
     extensions: tuple[str, ...] = SUPPORTED_EXTENSIONS
 
     def __post_init__(self) -> None:
-        _bytes(self.max_file_size, "max_file_size")
+        object.__setattr__(self, "max_file_size", byte_size(self.max_file_size, "max_file_size"))
         check(self.max_pixels >= 1, "max_pixels", f"must be at least 1, got {self.max_pixels}")
         exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in self.extensions)
         check(len(exts) > 0, "extensions", "must name at least one extension")
@@ -67,10 +54,6 @@ class LimitsConfig:
             check(e in SUPPORTED_EXTENSIONS, "extensions", f"{e!r} is not supported; choose from "
                   f"{', '.join(SUPPORTED_EXTENSIONS)}")
         object.__setattr__(self, "extensions", exts)
-
-    @property
-    def max_file_bytes(self) -> int:
-        return _bytes(self.max_file_size, "max_file_size")
 
 
 @dataclass(frozen=True)
@@ -230,44 +213,31 @@ class StorageConfig:
     samples (chosen by their hash, so spread evenly over a class's history) that outlive the others: a
     class's older samples go oldest first, those in the reservoir last."""
 
-    min_free_space: int | str = "100MiB"
-    max_bytes: int | str | None = None
+    min_free_space: ByteSize | Literal[0, "0"] = parse_bytes("100MiB")  # kept as a ByteSize, or 0: no floor
+    max_bytes: ByteSize | None = None
     max_samples: int | None = None
-    max_quarantine_bytes: int | str = "64MiB"
+    max_quarantine_bytes: ByteSize = parse_bytes("64MiB")
     target: float = 0.9
     keep_newest_per_class: int = 20
     reservoir: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.min_free_space not in (0, "0"):
-            _bytes(self.min_free_space, "min_free_space")
-        _bytes(self.max_bytes, "max_bytes")
+        # sizes given in code are read here, once (from_dict has read a file's); 0 stays 0: no floor
+        floor = 0 if self.min_free_space in (0, "0") else byte_size(self.min_free_space, "min_free_space")
+        object.__setattr__(self, "min_free_space", floor)
+        if self.max_bytes is not None:
+            object.__setattr__(self, "max_bytes", byte_size(self.max_bytes, "max_bytes"))
         check(self.max_samples is None or self.max_samples >= 1, "max_samples",
               f"must be at least 1 (or null: no bound), got {self.max_samples}")
-        _bytes(self.max_quarantine_bytes, "max_quarantine_bytes")
+        object.__setattr__(self, "max_quarantine_bytes", byte_size(self.max_quarantine_bytes, "max_quarantine_bytes"))
         check(0.5 <= self.target < 1.0, "target",
               f"is the share of each bound the retention policy keeps use under, in [0.5, 1), got {self.target}")
         check(self.keep_newest_per_class >= 1, "keep_newest_per_class",
               f"must be at least 1 (every class stays represented), got {self.keep_newest_per_class}")
         check(0.0 <= self.reservoir <= 1.0, "reservoir", f"is a share in [0, 1], got {self.reservoir}")
-        budget = self.max_bytes_int
-        if budget is not None:
-            check(self.quarantine_bytes < budget, "max_quarantine_bytes",
-                  f"({self.quarantine_bytes} bytes) must be below storage.max_bytes ({budget} bytes)")
-
-    @property
-    def min_free_bytes(self) -> int:
-        return 0 if self.min_free_space in (0, "0") else _bytes(self.min_free_space, "min_free_space")
-
-    @property
-    def max_bytes_int(self) -> int | None:
-        """``max_bytes`` in bytes (None: no budget)."""
-        return _bytes(self.max_bytes, "max_bytes")
-
-    @property
-    def quarantine_bytes(self) -> int:
-        """``max_quarantine_bytes`` in bytes."""
-        return _bytes(self.max_quarantine_bytes, "max_quarantine_bytes")
+        if self.max_bytes is not None:
+            check(self.max_quarantine_bytes < self.max_bytes, "max_quarantine_bytes",
+                  f"({self.max_quarantine_bytes} bytes) must be below storage.max_bytes ({self.max_bytes} bytes)")
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from edgerev.config import ConfigError, from_dict, load_yaml
-from edgerev.errors import EdgerevError
-from edgerev.sizes import parse_bytes
+from edgerev.config import ConfigError, byte_size, from_dict, load_yaml
 
 if TYPE_CHECKING:
     from edgerev.train.config import RunConfig
@@ -53,13 +51,6 @@ class PlanResult:
     summary: dict
     account: object | None = None
     apply: Callable[[nn.Module], None] | None = field(default=None, repr=False)
-
-
-def _budget(budget: int | str) -> int:
-    try:
-        return parse_bytes(budget)
-    except EdgerevError as e:
-        raise ConfigError(f"budget: {e}") from None
 
 
 def _with_trainable(cfg, trainable: str):
@@ -124,7 +115,7 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     from edgerev.train.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from edgerev.train.memory import loss_of, step_shape
 
-    budget = _budget(budget)
+    budget = byte_size(budget, "budget")
     trusted = owner_factories(trust_factories)  # a misspelt one is refused whatever the source
     net = resolve_model(model, weights=weights, args=args, trust_factories=trusted).to(device)
     check_size(net, size)
@@ -237,7 +228,7 @@ def fit_run(model: str | Path | nn.Module | None = None, data: str | Path | Labe
     if size is not None:
         cfg = replace(cfg, data=replace(cfg.data, size=size))
     if budget is not None:
-        cfg = replace(cfg, memory=replace(cfg.memory, budget=_budget(budget), mode="auto"))
+        cfg = replace(cfg, memory=replace(cfg.memory, budget=budget, mode="auto"))
     if epochs is not None:
         cfg = replace(cfg, train=replace(cfg.train, epochs=epochs))
     if batch is not None:

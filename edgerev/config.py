@@ -77,10 +77,7 @@ def _convert(tp, value, key: str):
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key)
     if tp is ByteSize:
-        try:
-            return parse_bytes(value)
-        except EdgerevError as e:
-            raise ConfigError(f"{key}: {e}") from None
+        return byte_size(value, key)
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected mapping, got {_got(value)}")
@@ -188,6 +185,25 @@ def dump_yaml(path: str | Path, cfg) -> None:
     from edgerev.atomic import atomic_write
 
     atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
+
+
+def byte_size(value: int | str, key: str) -> ByteSize:
+    """``value`` (an int, or a string such as ``"400MiB"``) read into a :class:`~edgerev.sizes.ByteSize`; one that
+    already is one is returned as it is, so a size is parsed once, where its config is built.
+
+    :func:`from_dict` calls it for every field typed ``ByteSize``; a section's ``__post_init__`` calls it for a
+    value given in code (``replace(cfg, budget="400MiB")``), and so does a library call taking a size.
+
+    Raises:
+        ConfigError: ``value`` is not a size in bytes (see :func:`~edgerev.sizes.parse_bytes`); the message
+            names ``key``.
+    """
+    if isinstance(value, ByteSize):
+        return value
+    try:
+        return parse_bytes(value)
+    except EdgerevError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def check(condition: bool, key: str, message: str) -> None:

@@ -1,8 +1,9 @@
 """Sizes in bytes as people write them (``400MiB``, ``1.5GB``, ``1000000``), read once into an int. Pure: no torch.
 
 :class:`ByteSize` is the type a config field declares for such a size: :func:`edgerev.config.from_dict`
-parses the YAML value (an int or a string) into it where the file is read, so every later use sees
-bytes as an int and nothing parses it again.
+parses the YAML value (an int or a string) into it where the file is read, and a section's
+``__post_init__`` a value given in code (both through :func:`edgerev.config.byte_size`, which names the
+key), so every later use sees bytes as an int and nothing parses it again.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def capped_steps(model, teacher, cfg, batch: int, micro: int, cap, steps: int = 
         if teacher is not None:
             with torch.no_grad():
                 target += (teacher(x),)
-        result = train_step(model, optimizer, x, target, micro, loss_fn=loss_fn, cap=cap)
+        result = train_step(model, optimizer, x, target, micro_batches=micro, loss_fn=loss_fn, cap=cap)
         assert result.retries == 0, "the plan accepted at start needed a smaller micro-batch"
         assert result.micro_batches == micro
     assert cap.verified_steps == 1 and cap.trusted_steps == steps - 1

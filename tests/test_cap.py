@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.cap import StepFailed, cpu_cap, train_step
+from edgerev.memory.cap import CpuCap, StepFailed, cpu_cap, train_step
 from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 from edgerev.models import create_model
 
@@ -93,18 +93,19 @@ def test_a_budget_that_fits_the_batch_changes_nothing(needs):
     model, x, y = make(train=False)
     free = copy.deepcopy(model)
     opt = CountingSGD(model.parameters(), lr=0.1)
-    r = train_step(model, opt, x, y, budget=needs[1])  # exactly enough
+    r = train_step(model, opt, x, y, cap=CpuCap.over_alive(needs[1], model, opt, x, y))  # exactly enough
     assert (r.micro_batches, r.retries) == (1, 0)
     assert opt.steps == 1
     ref_opt = torch.optim.SGD(free.parameters(), lr=0.1)
-    ref = train_step(free, ref_opt, x, y, budget=None)
+    ref = train_step(free, ref_opt, x, y, cap=None)
     assert r.loss == ref.loss
     assert_same_state(state(model), state(free), rtol=0, atol=0)
 
 
 def test_one_byte_less_retries(needs):
     model, x, y = make(train=False)
-    r = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, budget=needs[1] - 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    r = train_step(model, opt, x, y, cap=CpuCap.over_alive(needs[1] - 1, model, opt, x, y))
     assert r.retries >= 1 and r.micro_batches > 1
 
 
@@ -117,7 +118,7 @@ def test_split_step_equals_the_full_batch_step(needs, momentum):
     free = copy.deepcopy(model)
     before = state(model)
     opt = CountingSGD(model.parameters(), lr=0.5, momentum=momentum)
-    r = train_step(model, opt, x, y, budget=budget)
+    r = train_step(model, opt, x, y, cap=CpuCap.over_alive(budget, model, opt, x, y))
     assert r.retries >= 1 and r.micro_batches > 1
     assert needs[r.micro_batches] <= budget  # stopped at the first split that fits
     assert all(needs[k] > budget for k in (1, 2, 4, 8) if k < r.micro_batches)
@@ -139,7 +140,7 @@ def test_adam_steps_once(needs):
     model, x, y = make(train=False)
     free = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    r = train_step(model, opt, x, y, budget=budget)
+    r = train_step(model, opt, x, y, cap=CpuCap.over_alive(budget, model, opt, x, y))
     assert r.retries >= 1
     assert {int(s["step"]) for s in opt.state.values()} == {1}
     ref_opt = torch.optim.Adam(free.parameters(), lr=1e-2)
@@ -153,7 +154,8 @@ def test_batch_norm_statistics_of_a_retried_step(needs_train):
     model, x, y = make(train=True)
     budget = (min(needs[k] for k in (2, 4, 8)) + needs[1]) // 2
     twin = copy.deepcopy(model)
-    r = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, budget=budget)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    r = train_step(model, opt, x, y, cap=CpuCap.over_alive(budget, model, opt, x, y))
     assert r.retries >= 1
     ref = train_step(twin, torch.optim.SGD(twin.parameters(), lr=0.1), x, y, micro_batches=r.micro_batches)
     assert (ref.micro_batches, ref.retries) == (r.micro_batches, 0)
@@ -173,14 +175,14 @@ def test_a_budget_too_small_for_one_sample(needs_train):
     opt = CountingSGD(model.parameters(), lr=0.1, momentum=0.9)
     budget = needs[8] - 1  # micro-batches of one sample need needs[8]
     with pytest.raises(StepFailed) as info:
-        train_step(model, opt, x, y, budget=budget)
+        train_step(model, opt, x, y, cap=CpuCap.over_alive(budget, model, opt, x, y))
     assert isinstance(info.value, EdgerevError)
     assert "one sample" in str(info.value)
     assert opt.steps == 0 and not opt.state
     assert all(p.grad is None for p in model.parameters())
     assert_same_state(state(model), before, rtol=0, atol=0)  # weights and running statistics
     # the same call with enough memory works afterwards
-    r = train_step(model, opt, x, y, budget=needs[8])
+    r = train_step(model, opt, x, y, cap=CpuCap.over_alive(needs[8], model, opt, x, y))
     assert r.micro_batches == BATCH and opt.steps == 1
 
 
@@ -188,7 +190,8 @@ def test_the_budget_counts_what_was_alive_before(needs):
     """The tracker starts from the weights, buffers and batch: a budget below them fails at once."""
     model, x, y = make(train=False)
     with pytest.raises(StepFailed):
-        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, budget=before_step(model, x, y))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_step(model, opt, x, y, cap=CpuCap.over_alive(before_step(model, x, y), model, opt, x, y))
 
 
 def test_budget_exceeded_in_the_engine_backward_propagates():
@@ -247,3 +250,13 @@ def test_gradient_clipping_scales_the_step():
     train_step(model, optimizer, x, y, clip_grad_norm=0.01)
     step = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
     assert float(step) == pytest.approx(0.01, rel=1e-3)
+
+
+def test_a_cap_over_what_is_alive_counts_the_optimizer_state(needs):
+    """``CpuCap.over_alive``: its baseline is the weights, buffers and batch, and the optimizer state once made."""
+    model, x, y = make(train=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert CpuCap.over_alive(needs[1], model, opt, x, y).baseline == before_step(model, x, y)
+    train_step(model, opt, x, y)
+    with_state = CpuCap.over_alive(needs[1], model, opt, x, y).baseline
+    assert with_state == before_step(model, x, y, opt) > before_step(model, x, y)

@@ -218,7 +218,7 @@ def test_without_config_the_cpu_presets_model_cap_and_floor_are_checked():
     assert embedded.recipe.optim == preset.training.optim
     assert embedded.recipe.continual == preset.training.continual
     assert embedded.recipe.data.size == preset.image_size and embedded.recipe.device == preset.training.device
-    assert embedded.min_free_bytes == preset.storage.min_free_bytes
+    assert embedded.min_free_bytes == preset.storage.min_free_space
     assert embedded.data_dir == str(Path.cwd().absolute()) and "no --config" in embedded.source
 
 

@@ -367,7 +367,7 @@ def capped_steps(model: nn.Module, run: nn.Module, micro: int, cap: CpuCap, n: i
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
     for s in range(steps):
         x, y = batch(n, seed=10 + s)
-        result = train_step(run, optimizer, x, y, micro, cap=cap)
+        result = train_step(run, optimizer, x, y, micro_batches=micro, cap=cap)
         assert result.retries == 0, "a budget accepted at start needed a smaller micro-batch"
     assert cap.verified_steps >= 1 and cap.peak <= cap.budget
 

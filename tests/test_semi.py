@@ -168,7 +168,7 @@ def test_the_trainer_s_step_with_fixmatch_stays_under_its_account(batch, ratio, 
         if teacher is not None:
             with torch.no_grad():
                 target = (*target, teacher(x))
-        result = train_step(model, optimizer, x, target, parts, loss_fn=loss_fn, cap=cap)
+        result = train_step(model, optimizer, x, target, micro_batches=parts, loss_fn=loss_fn, cap=cap)
         assert result.retries == 0 and result.micro_batches == parts
     assert cap.verified_steps == 1 and cap.baseline < cap.peak <= cap.budget
 

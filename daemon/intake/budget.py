@@ -43,7 +43,7 @@ class IngestBudget:
     def __init__(self, config: DaemonConfig, usage: DiskUsage | None = None) -> None:
         st = config.storage
         self.layout = config.layout
-        self.max_bytes, self.target = st.max_bytes_int, st.target
+        self.max_bytes, self.target = st.max_bytes, st.target
         self.bound = None if self.max_bytes is None else math.floor(self.target * self.max_bytes)
         self.per_file: int | None = None  # the most a file added at a commit of this ingest (None: none yet)
         self.pending = 0  # files examined since the last commit

@@ -224,7 +224,7 @@ class _Ingest:
         self.config, self.store, self.clock, self.root_fd, self.budget = config, store, clock, root_fd, budget
         self.layout = config.layout
         self.blobs = BlobStore(self.layout.blobs)
-        self.max_bytes = config.limits.max_file_bytes
+        self.max_bytes = config.limits.max_file_size
         self.report = IngestReport()
 
     def _quarantine(self, batch: _Batch, c: Candidate, reason: str) -> bool:
@@ -445,10 +445,10 @@ def ingest_inbox(config: DaemonConfig, store: Store, clock: Callable[[], float] 
     settle = config.ingest.settle_seconds
     root_fd = confined.open_root(config.inbox_path)
     try:
-        scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch, read_before)
+        scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_size, seen, watch, read_before)
         if scan.unsettled and fresh and wait is not None and settle > 0:
             wait(settle)
-            scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_bytes, seen, watch, read_before)
+            scan = scan_inbox(root_fd, clock(), settle, config.limits.max_file_size, seen, watch, read_before)
         job = _Ingest(config, store, clock, root_fd, IngestBudget(config, usage))
         job.report.unsettled = scan.unsettled
         job.run(scan, watch.problems(scan.problems), stop, read)

@@ -306,7 +306,7 @@ class Daemon:
         return budget.over
 
     def _disk_low(self) -> str | None:
-        floor = self.config.storage.min_free_bytes
+        floor = self.config.storage.min_free_space
         free = free_bytes(self.config.layout.root) if floor else None
         if free is None or free >= floor:
             return None

@@ -50,7 +50,7 @@ def target_of(config: str | None):
     t = daemon.training
     # the costliest job: every job after the first distills from the model in service
     cfg = replace(recipe(daemon, None), continual=t.continual)
-    return Target(cfg, daemon.data_dir, daemon.storage.min_free_bytes, source)
+    return Target(cfg, daemon.data_dir, daemon.storage.min_free_space, source)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

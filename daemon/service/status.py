@@ -63,7 +63,7 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
                               "daemon rebuild --config CONFIG" + (" --move-aside" if why != "is missing" else ""))
         raise DaemonError(f"{config.data_dir} holds no store yet: start the daemon (edgerev daemon run or once)")
     registry = Registry(config.layout.root)
-    free, floor = free_bytes(config.layout.root), config.storage.min_free_bytes
+    free, floor = free_bytes(config.layout.root), config.storage.min_free_space
     low = free is not None and floor > 0 and free < floor
     try:
         store, snapshot = Store(db), False

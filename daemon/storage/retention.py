@@ -180,7 +180,7 @@ BAND = 0.05  # below ``target``, the share of a bound a removal goes further, so
 def _over(config: DaemonConfig, usage: Usage, samples: int, share: float = 1.0) -> str | None:
     """Why the data directory holds more than ``share`` of a bound, or None."""
     st = config.storage
-    budget = st.max_bytes_int
+    budget = st.max_bytes
     if budget is not None and usage.total > share * budget:
         return f"{usage.total} bytes kept, over {_share(share)}storage.max_bytes ({budget})"
     if st.max_samples is not None and samples > share * st.max_samples:
@@ -197,7 +197,7 @@ def _to_remove(config: DaemonConfig, usage: Usage, samples: int) -> tuple[int, R
     st = config.storage
     low = round(st.target - BAND, 6)
     by_bytes = by_count = 0
-    budget = st.max_bytes_int
+    budget = st.max_bytes
     if budget is not None and usage.total > st.target * budget and samples:
         excess = usage.total - math.floor(low * budget)
         by_bytes = min(samples, math.ceil(excess / max(1, usage.blobs / samples)))
@@ -209,9 +209,9 @@ def _to_remove(config: DaemonConfig, usage: Usage, samples: int) -> tuple[int, R
 def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsage) -> BudgetReport:
     """Check the bounds and remove what the policy says (see the module's docstring); once per cycle."""
     st = config.storage
-    report = BudgetReport(max_bytes=st.max_bytes_int, max_samples=st.max_samples)
+    report = BudgetReport(max_bytes=st.max_bytes, max_samples=st.max_samples)
     report.usage = usage.measure()
-    if report.usage.quarantine > st.quarantine_bytes:
+    if report.usage.quarantine > st.max_quarantine_bytes:
         report.quarantine_removed = prune_quarantine(config, store, report.usage.quarantine)
         report.usage = usage.measure()
     report.samples = store.count_samples()
@@ -234,7 +234,7 @@ def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsa
         before = report.usage.total
         freed = sum(_blob_bytes(blobs, sha) for sha in victims)
         store.remove_samples(victims, why.value, {"bytes_before": before, "blob_bytes": freed,
-                                                  "max_bytes": st.max_bytes_int, "max_samples": st.max_samples})
+                                                  "max_bytes": st.max_bytes, "max_samples": st.max_samples})
         for sha in victims:  # after the commit: a crash here leaves orphans, removed at the next start
             blobs.remove(sha)
         report.removed += len(victims)
@@ -247,7 +247,7 @@ def enforce(config: DaemonConfig, store: Store, blobs: BlobStore, usage: DiskUsa
     if report.removed:
         report.compacted = compact_journal(store)
         report.usage = usage.measure()
-    budget = st.max_bytes_int
+    budget = st.max_bytes
     if budget is not None and report.usage.total > st.target * budget and short:
         report.versions_removed = prune_versions(config, store)
         if report.versions_removed:
@@ -330,7 +330,7 @@ def prune_versions(config: DaemonConfig, store: Store) -> list[str]:
     pruned = registry.prune(keep=len(protect), protect=protect)
     if pruned:
         store.add_event(EventKind.REMOVED, {"why": "max_bytes", "versions": pruned,
-                                            "kept": sorted(protect), "max_bytes": config.storage.max_bytes_int})
+                                            "kept": sorted(protect), "max_bytes": config.storage.max_bytes})
         log.warning("storage: over storage.max_bytes with only protected samples left: removed versions %s "
                     "(kept %s for service and rollback)", ", ".join(pruned), ", ".join(sorted(protect)))
     return pruned
@@ -341,7 +341,7 @@ def prune_quarantine(config: DaemonConfig, store: Store, used: int) -> int:
     bound; returns how many files went. The file goes before its reason: a crash between leaves a reason
     alone (as a file rejected across file systems has: it stayed in the inbox), which goes in its turn."""
     folder = config.layout.quarantine
-    bound = config.storage.quarantine_bytes
+    bound = config.storage.max_quarantine_bytes
     entries: dict[str, list[os.DirEntry]] = {}
     for e in os.scandir(folder):
         if e.is_file(follow_symlinks=False) or e.is_symlink():
@@ -373,16 +373,16 @@ def prune_quarantine(config: DaemonConfig, store: Store, used: int) -> int:
 
 def fits_disk(config: DaemonConfig, usage: Usage) -> str | None:
     """Why the budget cannot fit the disk (what is kept now plus what is free, less ``min_free_space``), or None."""
-    budget = config.storage.max_bytes_int
+    budget = config.storage.max_bytes
     free = free_bytes(config.layout.root)
     if budget is None or free is None:
         return None
-    room = usage.total + free - config.storage.min_free_bytes
+    room = usage.total + free - config.storage.min_free_space
     if budget <= room:
         return None
     total = shutil.disk_usage(config.layout.root).total
     return (f"storage.max_bytes ({budget} bytes) cannot fit the disk: the daemon keeps {usage.total} bytes and "
-            f"{free} are free of {total} (less storage.min_free_space, {config.storage.min_free_bytes}); "
+            f"{free} are free of {total} (less storage.min_free_space, {config.storage.min_free_space}); "
             f"min_free_space will stop ingest at about {room} bytes kept")
 
 
@@ -390,7 +390,7 @@ def budget_status(config: DaemonConfig, store: Store, measure: Callable[[], Usag
     """The budget's lines for ``status``, the HTTP page and ``/metrics``."""
     usage = (measure or shared(config.layout).measure)()
     samples = store.count_samples()
-    return {"usage": usage.to_json(), "max_bytes": config.storage.max_bytes_int, "samples": samples,
-            "max_samples": config.storage.max_samples, "max_quarantine_bytes": config.storage.quarantine_bytes,
+    return {"usage": usage.to_json(), "max_bytes": config.storage.max_bytes, "samples": samples,
+            "max_samples": config.storage.max_samples, "max_quarantine_bytes": config.storage.max_quarantine_bytes,
             "over": _over(config, usage, samples), "removed": store.removal_counts(),
             "removed_by_split": store.removal_counts(by_split=True)}

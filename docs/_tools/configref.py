@@ -21,6 +21,8 @@ import types
 import typing
 from pathlib import Path
 
+from edgerev.sizes import ByteSize
+
 PAGE = Path(__file__).resolve().parent.parent / "reference" / "configuration.md"
 
 # (heading, module, class, where the file is used); the order of the page
@@ -60,7 +62,8 @@ def _type(tp) -> str:
     """A field's type in words a YAML writer uses."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Literal:
-        return "one of " + ", ".join(f"`{a}`" for a in args)
+        shown = list(dict.fromkeys(f"`{a}`" for a in args))  # 0 and "0" read alike
+        return shown[0] if len(shown) == 1 else "one of " + ", ".join(shown)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
         text = " or ".join(_type(a) for a in rest)
@@ -69,17 +72,27 @@ def _type(tp) -> str:
         return f"list of {_type(args[0])}" if args else "list"
     if tp is dict or origin is dict:
         return "mapping"
-    if getattr(tp, "__name__", "") == "ByteSize":
+    if tp is ByteSize:
         return "size in bytes"
     if dataclasses.is_dataclass(tp):
         return "section"
     return getattr(tp, "__name__", str(tp))
 
 
+def _size(n: int) -> str:
+    """A size in bytes as a config file writes it: in the largest binary unit that divides it (``50MiB``)."""
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
 def _value(v) -> str:
     """A default as it would be written in YAML."""
     if v is None:
         return "`null`"
+    if isinstance(v, ByteSize):
+        return f"`{_size(v)}`"
     if isinstance(v, bool):
         return f"`{str(v).lower()}`"
     if isinstance(v, float):

@@ -180,10 +180,12 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
             s0 = time.perf_counter()
             if cap is None and dev.type == "cpu":
                 with MemoryTracker(baseline=base) as tracker:  # no cap: measured, not enforced
-                    res = train_step(model, optimizer, x, target, n, None, loss_fn, cfg.optim.clip_grad_norm)
+                    res = train_step(model, optimizer, x, target, micro_batches=n, loss_fn=loss_fn,
+                                     clip_grad_norm=cfg.optim.clip_grad_norm)
                 peak = max(peak, tracker.peak)
             else:
-                res = train_step(model, optimizer, x, target, n, None, loss_fn, cfg.optim.clip_grad_norm, cap=cap)
+                res = train_step(model, optimizer, x, target, micro_batches=n, loss_fn=loss_fn,
+                                 clip_grad_norm=cfg.optim.clip_grad_norm, cap=cap)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - s0)

@@ -123,6 +123,15 @@ class CpuCap:
         self.verified_steps = self.trusted_steps = 0
         self.peak = 0
 
+    @classmethod
+    def over_alive(cls, budget: int, model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor,
+                   target: Tensor | tuple[Tensor, ...]) -> CpuCap:
+        """A cap of ``budget`` bytes over the tensors alive now: the weights, buffers, the batch, its targets and
+        the optimizer's state (for a step no accounting gave a baseline; a fresh one verifies every step)."""
+        targets = target if isinstance(target, tuple) else (target,)
+        state = [s for st in optimizer.state.values() for s in st.values() if isinstance(s, Tensor)]
+        return cls(budget, storage_bytes([*model.parameters(), *model.buffers(), x, *targets, *state]))
+
     @staticmethod
     def key(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int) -> tuple:
         body = getattr(model, "body", None)
@@ -184,38 +193,29 @@ def _restore(model: nn.Module, state: dict[str, Tensor]) -> None:
             v.copy_(state[k])
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor | tuple[Tensor, ...],
-               micro_batches: int = 1, budget: int | None = None,
-               loss_fn: Callable[..., Tensor] = F.cross_entropy, clip_grad_norm: float | None = None,
-               cap: CpuCap | None = None) -> StepResult:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor | tuple[Tensor, ...], *,
+               micro_batches: int = 1, loss_fn: Callable[..., Tensor] = F.cross_entropy,
+               clip_grad_norm: float | None = None, cap: CpuCap | None = None) -> StepResult:
     """One optimizer step on ``(x, target)``, split into micro-batches as memory requires.
 
     Args:
         target: the labels, or a tuple of per-sample tensors (labels, a teacher's logits ...) that
             are split with the batch and passed to ``loss_fn(logits, *target)``.
         micro_batches: split to start from (a previous step's answer; halving only ever grows it).
-        budget: CPU cap in bytes, enforced by the tracker on every step over the bytes alive before
-            it (``None``: no CPU cap; on CUDA, set the cap once with :func:`apply_cuda_cap`).
         clip_grad_norm: scale the summed gradient down to this norm before the step (None: never).
-        cap: a run's CPU cap instead of ``budget``: its accounted baseline, verified once per new
-            (shapes, plan) and trusted afterwards (see :class:`CpuCap`).
+        cap: the CPU cap: its budget over its baseline, verified once per new (shapes, plan) and trusted
+            afterwards (see :class:`CpuCap`; :meth:`CpuCap.over_alive` for a baseline of what is alive now).
+            None: no CPU cap; on CUDA, set the cap once with :func:`apply_cuda_cap`.
     """
     n = x.shape[0]
     buffers = _state(model)
     retries = 0
     targets = target if isinstance(target, tuple) else (target,)
-    if cap is None and budget is not None:
-        state = [s for st in optimizer.state.values() for s in st.values() if isinstance(s, Tensor)]
-        baseline = storage_bytes([*model.parameters(), *model.buffers(), x, *targets, *state])
     while True:
         optimizer.zero_grad(set_to_none=True)
         key = CpuCap.key(model, x, targets, micro_batches) if cap is not None else None
-        if cap is not None and cap.needs_check(key):
-            guard = cpu_cap(cap.budget, cap.baseline)
-        elif cap is not None:
-            guard = contextlib.nullcontext()
-        else:
-            guard = cpu_cap(budget, baseline if budget is not None else 0)
+        checked = cap is not None and cap.needs_check(key)
+        guard = cpu_cap(cap.budget, cap.baseline) if checked else contextlib.nullcontext()
         try:
             parts = split_batch(n, micro_batches)
             with guard as tracker:
@@ -231,7 +231,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             retries += 1
             continue
         if cap is not None:
-            if cap.needs_check(key):
+            if checked:
                 cap.verified(key)
                 cap.verified_steps += 1
                 cap.peak = max(cap.peak, tracker.peak)

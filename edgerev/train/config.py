@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from edgerev.config import Pruned, check
+from edgerev.config import Pruned, byte_size, check
 from edgerev.sizes import ByteSize
 
 SCHEDULES = ("onecycle", "linear", "constant")
@@ -259,14 +259,8 @@ class MemoryConfig:
     profile: Literal["measure", "estimate"] = "measure"
 
     def __post_init__(self) -> None:
-        if self.budget is not None and not isinstance(self.budget, ByteSize):  # built in code, not from a file
-            from edgerev.errors import EdgerevError
-            from edgerev.sizes import parse_bytes
-
-            try:
-                object.__setattr__(self, "budget", parse_bytes(self.budget))
-            except EdgerevError as e:
-                check(False, "budget", str(e))
+        if self.budget is not None:  # given in code, not read from a file: parsed here, once
+            object.__setattr__(self, "budget", byte_size(self.budget, "budget"))
         check(self.budget is None or self.mode == "auto", "mode", "a budget needs mode auto (the planner picks)")
 
 

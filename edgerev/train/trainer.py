@@ -433,8 +433,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             t0 = time.perf_counter()
             try:
                 with plain(run, cfg.memory.mode == "plain"):
-                    res = train_step(run, optimizer, x, target, micro, None, loss_fn, cfg.optim.clip_grad_norm,
-                                     cap=cap)
+                    res = train_step(run, optimizer, x, target, micro_batches=micro, loss_fn=loss_fn,
+                                     clip_grad_norm=cfg.optim.clip_grad_norm, cap=cap)
             except NonFiniteError as e:
                 raise _diverged(step, lr, str(e)) from None
             if not math.isfinite(res.loss):

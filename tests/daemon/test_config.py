@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgerev.config import ConfigError, to_dict
+from edgerev.sizes import ByteSize
 from edgerev_daemon import config_from_dict, load_config, validate_paths
 
 
@@ -59,13 +63,59 @@ def test_defaults_and_derived_values(tmp_path):
     cfg = config_from_dict({"data_dir": "d", "limits": {"max_file_size": "2MiB", "extensions": ["PNG"]},
                             "training": {"memory": {"budget": "400MiB"}}}, base=tmp_path)
     assert cfg.data_dir == str(tmp_path / "d") and cfg.inbox_path == tmp_path / "d" / "inbox"
-    assert cfg.limits.max_file_bytes == 2 * 2**20 and cfg.limits.extensions == (".png",)
+    assert cfg.limits.max_file_size == 2 * 2**20 and cfg.limits.extensions == (".png",)
     assert cfg.training.memory.budget == 400 * 2**20 and type(cfg.training.memory.budget) is not str
     assert not cfg.http.enabled and cfg.http.host == "127.0.0.1"
     assert config_from_dict({"data_dir": "d"}).training.memory.budget is None
     # a section given in part keeps the daemon's defaults for the rest
     partial = config_from_dict({"data_dir": "d", "training": {"train": {"epochs": 7}}}).training
     assert (partial.train.epochs, partial.train.batch, partial.optim.lr) == (7, 64, 0.05)
+
+
+# every size in bytes of the daemon's config: (section, key)
+SIZE_KEYS = (("limits", "max_file_size"), ("storage", "min_free_space"), ("storage", "max_bytes"),
+             ("storage", "max_quarantine_bytes"))
+UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "kB": 10**3, "MB": 10**6}
+
+
+def sized(section: str, key: str, value) -> dict:
+    """A daemon config whose ``section.key`` is ``value`` (a budget keeps quarantine's bound below it)."""
+    given = {key: value} | ({"max_quarantine_bytes": 1} if key == "max_bytes" else {})
+    return {"data_dir": "d", section: given}
+
+
+@settings(max_examples=40, deadline=None)
+@given(where=st.sampled_from(SIZE_KEYS), n=st.integers(2, 4096), unit=st.sampled_from(sorted(UNITS)))
+def test_a_size_as_a_string_and_as_its_int_give_the_same_config(where, n, unit):
+    """Read once where the config is built: every reader gets the bytes as a ByteSize, whichever way they were
+    written, from a file or in code, and the resolved config reads back to the same value."""
+    section, key = where
+    as_text = config_from_dict(sized(section, key, f"{n}{unit}"))
+    as_int = config_from_dict(sized(section, key, n * UNITS[unit]))
+    assert as_text == as_int
+    value = getattr(getattr(as_text, section), key)
+    assert type(value) is ByteSize and value == n * UNITS[unit]
+    in_code = replace(getattr(as_int, section), **{key: f"{n}{unit}"})
+    assert in_code == getattr(as_int, section) and type(getattr(in_code, key)) is ByteSize
+    assert config_from_dict(yaml.safe_load(yaml.safe_dump(to_dict(as_text)))) == as_text
+
+
+@pytest.mark.parametrize("where", SIZE_KEYS)
+@pytest.mark.parametrize("bad", ["lots", "-1MiB", "0MiB", "9EiB", "1e18", [1], True])
+def test_a_bad_size_names_its_key_path(where, bad):
+    section, key = where
+    with pytest.raises(ConfigError, match=rf"^{section}\.{key}: "):
+        config_from_dict(sized(section, key, bad))
+    with pytest.raises(ConfigError, match=rf"^{key}: "):  # given in code, the section's own key
+        replace(getattr(config_from_dict({"data_dir": "d"}), section), **{key: bad})
+
+
+@pytest.mark.parametrize("zero", [0, "0"])
+def test_min_free_space_zero_is_no_floor(zero):
+    cfg = config_from_dict({"data_dir": "d", "storage": {"min_free_space": zero}})
+    assert cfg.storage.min_free_space == 0 and type(cfg.storage.min_free_space) is int
+    assert config_from_dict(to_dict(cfg)) == cfg
+    assert config_from_dict({"data_dir": "d"}).storage.min_free_space == 100 * 2**20
 
 
 def test_file_paths_are_relative_to_the_config_file(tmp_path):

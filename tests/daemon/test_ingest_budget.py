@@ -40,7 +40,7 @@ class Watch:
     store recorded from the inbox (stored or quarantined, by inbox path)."""
 
     def __init__(self, monkeypatch, config) -> None:
-        self.layout, self.budget = config.layout, config.storage.max_bytes_int
+        self.layout, self.budget = config.layout, config.storage.max_bytes
         self.most, self.measures, self.recorded = 0, 0, set()
         record, remove = Store.record_batch, Store.remove_samples
 
