@@ -109,15 +109,16 @@ def cmd_memory(args: argparse.Namespace) -> int:
         return 0
     how = "predicted with fake tensors" if args.fake else f"measured on {device}"
     print(f"training-step memory, batch {args.batch} at {args.size}x{args.size}, float32 ({how})")
-    head = f"{'arch':<10} {'params':>10} {'peak':>10} {'B/px':>7} {'model':>7} {'paper':>9} {'paper B/px':>10}"
+    head = f"{'arch':<10} {'params':>10} {'peak':>10} {'B/px':>7} {'model':>7} {'paper':>9} {'paper/px':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
         paper = _mb(r["paper_peak_bytes"]) if "paper_peak_bytes" in r else "-"
         ppx = f"{r['paper_bytes_per_pixel']:.0f}" if "paper_bytes_per_pixel" in r else "-"
         print(f"{r['arch']:<10} {r['params']:>10,} {_mb(r['peak_bytes']):>10} {r['bytes_per_pixel']:>7.0f} "
-              f"{_per_px(r['model_bytes_per_pixel']):>7} {paper:>9} {ppx:>10}")
-    print("B/px: slope of the peak between batch B and 2B per input pixel; model: analytic; paper: batch 32, 240x240")
+              f"{_per_px(r['model_bytes_per_pixel']):>7} {paper:>9} {ppx:>9}")
+    print("B/px: slope of the peak between batch B and 2B per input pixel; model: analytic; paper: its peak at batch 32,\n"
+          "240x240, and that peak over its pixels (the paper gives no slope)")
     return 0
 
 
