@@ -442,7 +442,7 @@ def _tune_imported(model: nn.Module, bn: str, lr: float, tune, old_test, new_tes
     out["finetune_seconds"] = round(time.perf_counter() - start, 1)
     out["new"], out["old"] = accuracy(base, new_test), accuracy(base, old_test)
     if out["start"] == "imported from ONNX":
-        from edgerev.models.onnx_import.export import export_imported
+        from edgerev.export.imported import export_imported
 
         out["export_back_max_abs_diff"] = export_imported(base, path.with_suffix(".tuned.onnx")).max_abs_diff
     return out
