@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -344,14 +345,17 @@ def floor_plan(model: nn.Module, step: StepShape,
     return _floor(solver, lambda p: accounted(model, step, p, loss_fn), step.batch)
 
 
-def _loss_key(loss_fn) -> tuple | None:
-    from edgerev.train.continual import ContinualLoss
+class DescribedLoss(Protocol):
+    """A loss that says what a step's memory depends on: ``memory_key``, the same tuple for every loss whose step
+    holds the same tensors (the trainer's :class:`~edgerev.train.continual.ContinualLoss` has one)."""
 
+    memory_key: tuple
+
+
+def _loss_key(loss_fn: Callable[..., Tensor] | DescribedLoss | None) -> tuple | None:
     if loss_fn is None:
         return ("cross-entropy",)
-    if type(loss_fn) is ContinualLoss:
-        return ("continual", loss_fn.distill, loss_fn.temperature, loss_fn.label_smoothing)
-    return None  # a loss this cannot describe: accounted every time
+    return getattr(loss_fn, "memory_key", None)  # None: a loss this cannot describe, accounted every time
 
 
 _ACCOUNTS: dict[tuple, StepAccount] = {}  # (model, step, plan, loss) -> its account, for this process

@@ -111,6 +111,12 @@ class ContinualLoss:
     def __init__(self, distill: float = 0.0, temperature: float = 2.0, label_smoothing: float = 0.0) -> None:
         self.distill, self.temperature, self.label_smoothing = distill, temperature, label_smoothing
 
+    @property
+    def memory_key(self) -> tuple:
+        """What a step's memory depends on in this loss: the planner remembers a step's account by it
+        (:class:`edgerev.memory.autoplan.DescribedLoss`)."""
+        return ("continual", self.distill, self.temperature, self.label_smoothing)
+
     def __call__(self, logits: Tensor, labels: Tensor, teacher: Tensor | None = None) -> Tensor:
         loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         if teacher is not None and self.distill > 0:
