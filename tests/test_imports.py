@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = ["edgerev.sizes", "edgerev.models.info", "edgerev.models.carried", "edgerev.memory.costs",
-        "edgerev.memory.knapsack", "edgerev.memory.segments"]
+PURE = ["edgerev.sizes", "edgerev.models.info", "edgerev.models.carried", "edgerev.memory.solve.costs",
+        "edgerev.memory.solve.knapsack", "edgerev.memory.solve.segments"]
 
 
 def module_name(path: Path) -> str:
