@@ -8,13 +8,13 @@ For MobileNetV2, ResNet-18 and EfficientNet-B0 (:mod:`edgerev.models.designs`, t
   the largest difference of its logits against ONNX Runtime on the original file, on one batch.
 - ``memory``: peak bytes of one training step (forward, cross-entropy, backward; weights, batch and labels
   included, no optimizer state) on fake tensors with the step's one accounting
-  (:func:`edgerev.memory.account.account_step`): plain autograd; edgerev's least-memory plan with every
+  (:func:`edgerev.memory.measure.account.account_step`): plain autograd; edgerev's least-memory plan with every
   parameter trained; the same with ``bias`` (biases and the head) trained. The planner's parts come from
-  :mod:`edgerev.memory.graph` and :mod:`edgerev.memory.trainable`; where they are missing the JSON says so.
+  :mod:`edgerev.memory.graph` and :mod:`edgerev.train.trainable`; where they are missing the JSON says so.
 - ``torch``: torch's own answer, ``torch._functorch.config.activation_memory_budget`` under ``torch.compile``,
   over a sweep of budgets. How it is measured on the CPU: the backend is AOT autograd with the min-cut
   partitioner and inductor's decompositions (what inductor partitions) whose forward and backward graphs run op
-  by op under edgerev's :class:`~edgerev.memory.tracker.MemoryTracker` (the tracker counts every tensor the
+  by op under edgerev's :class:`~edgerev.memory.measure.tracker.MemoryTracker` (the tracker counts every tensor the
   graphs allocate; inductor's own kernels allocate through a path no dispatch mode sees). So the figure is the
   partitioner's choice of what to keep, run without inductor's fusions: an upper bound of inductor's peak.
   With ``--device cuda`` the step runs inductor itself and the allocator's peak is read. Step time is given as
@@ -61,8 +61,8 @@ from _common import write_json
 from torch import nn
 
 from edgerev._torchapi import storage_bytes
-from edgerev.memory.account import StepShape, account_step
-from edgerev.memory.tracker import CudaPeak, MemoryTracker
+from edgerev.memory.measure.account import StepShape, account_step
+from edgerev.memory.measure.tracker import CudaPeak, MemoryTracker
 from edgerev.models.designs import DESIGNS
 from edgerev.train.continual import ContinualLoss, grow_head
 
@@ -166,9 +166,11 @@ def plain_peak(model: nn.Module, a) -> int:
 
 def _graph_parts():
     try:
-        from edgerev.memory import autoplan, graph, trainable
+        from edgerev.memory import graph
+        from edgerev.memory.plan import autoplan
+        from edgerev.train import trainable
     except ImportError as e:
-        raise Missing(f"edgerev.memory.graph / edgerev.memory.trainable: {e}") from None
+        raise Missing(f"edgerev.memory.graph / edgerev.train.trainable: {e}") from None
     return autoplan, graph, trainable
 
 
@@ -321,7 +323,7 @@ def half_budget_time(name: str, a) -> dict:
     import math
 
     import edgerev
-    from edgerev.memory.cap import accumulate, split_batch
+    from edgerev.memory.measure.microbatch import accumulate, split_batch
 
     autoplan, graph, _ = _graph_parts()
     model = build(name, 1000, a.width).train()
@@ -442,7 +444,7 @@ def _tune_imported(model: nn.Module, bn: str, lr: float, tune, old_test, new_tes
     out["finetune_seconds"] = round(time.perf_counter() - start, 1)
     out["new"], out["old"] = accuracy(base, new_test), accuracy(base, old_test)
     if out["start"] == "imported from ONNX":
-        from edgerev.models.onnx_import.export import export_imported
+        from edgerev.export.imported import export_imported
 
         out["export_back_max_abs_diff"] = export_imported(base, path.with_suffix(".tuned.onnx")).max_abs_diff
     return out

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from _common import write_json
 
-from edgerev.memory.cap import CpuCap, train_step
-from edgerev.memory.measure import fake_step_peak
+from edgerev.memory.measure.peak import fake_step_peak
 from edgerev.models import create_model
+from edgerev.train.cap import CpuCap, train_step
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Each part runs in a process of its own and returns a JSON-ready dict; ``save`` writes what a part has
 measured so far, so a part killed at its time limit still leaves its finished rows. Everything here calls
 the library's own measurements (``edgerev.memory``), the trainer's own planning and cap
-(``edgerev.train.memory.plan_memory``, ``edgerev.memory.cap.train_step``), ``step_time.time_steps`` and
+(``edgerev.train.memory.plan_memory``, ``edgerev.train.cap.train_step``), ``step_time.time_steps`` and
 ``train._run``: the campaign measures what they do on CUDA, it does not do it again.
 
 On ``--device cpu`` (the dry run) the allocator's readings are the tracker's, and the cap is the tracker's
@@ -84,7 +84,7 @@ def memory(args, save: Save) -> dict:
     import torch
 
     from edgerev import plain
-    from edgerev.memory.measure import set_modes, step_peak
+    from edgerev.memory.measure.peak import set_modes, step_peak
     from edgerev.models import create_model
 
     rows: list[dict] = []
@@ -163,7 +163,7 @@ def _predict_one(arch: str, mode: str, batch: int, size: int, overrides: dict) -
     import torch
 
     torch.set_num_threads(1)
-    from edgerev.memory.measure import fake_step_peak, set_modes
+    from edgerev.memory.measure.peak import fake_step_peak, set_modes
     from edgerev.models import create_model
 
     t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def profile(args, save: Save) -> dict:
     (``EDGEREV_CACHE``), so that the cap and training parts plan from it as a daemon's second job would."""
     import torch
 
-    from edgerev.memory import profile as profiles
+    from edgerev.memory.measure import profile as profiles
 
     cfg = recipe(args)
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def cap(args, save: Save) -> dict:
     """
     import torch
 
-    from edgerev.memory.cap import CpuCap, train_step
+    from edgerev.train.cap import CpuCap, train_step
     from edgerev.train.memory import plan_memory
 
     cfg = recipe(args)

@@ -25,9 +25,10 @@ MiB = 2**20
 
 
 def main() -> None:
-    from edgerev.memory.autoplan import plan_training
-    from edgerev.memory.cap import accumulate, apply_cuda_cap, split_batch
+    from edgerev.memory.measure.microbatch import accumulate, split_batch
+    from edgerev.memory.plan.autoplan import plan_training
     from edgerev.models import create_model
+    from edgerev.train.cap import apply_cuda_cap
     from edgerev.train.config import load_config
     from edgerev.train.memory import loss_of, step_shape
 

@@ -24,7 +24,7 @@ from step_time import time_steps
 
 from edgerev import create_model, plain
 from edgerev.layers import chunk_budget
-from edgerev.memory.measure import measure, step_peak
+from edgerev.memory.measure.peak import measure, step_peak
 
 
 def plain_bytes_per_pixel(batch: int, size: int) -> float:

@@ -3,10 +3,10 @@
 For every registry model, every engine mode its stages support and plain autograd, and every input size:
 
 * ``ops``: the ATen ops one training step (forward, cross-entropy, backward) dispatches, each one a kernel
-  launch on a GPU; views and allocations are left out (``edgerev.memory.profile.NO_KERNEL``), host reads of a tensor
-  (``_local_scalar_dense``) are ``host_syncs``, counted apart;
+  launch on a GPU; views and allocations are left out (``edgerev.memory.measure.profile.NO_KERNEL``), host reads
+  of a tensor (``_local_scalar_dense``) are ``host_syncs``, counted apart;
 * ``flops``: the step's FLOPs by ``torch.utils.flop_counter``'s formulas (convolutions, matrix products);
-* ``peak_bytes``: the step's predicted peak (``edgerev.memory.account.account_step`` on fake tensors, the one
+* ``peak_bytes``: the step's predicted peak (``edgerev.memory.measure.account.account_step`` on fake tensors, the one
   accounting the planner and the trainer use);
 * each figure against plain autograd's for the same model, batch and size.
 
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from _common import write_json
 
-from edgerev.memory.profile import NO_KERNEL, FlopCounter
+from edgerev.memory.measure.profile import NO_KERNEL, FlopCounter
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_KERNELS = NO_KERNEL  # ops that launch no kernel: edgerev's one list (views are told by ``func.is_view``)
@@ -63,8 +63,8 @@ COST = {"floor": 6, "store4": 5, "store8": 5, "invert": 4, "recompute": 2, "stor
 
 
 class KernelCounter(FlopCounter):
-    """:class:`edgerev.memory.profile.FlopCounter` (the one rule of what launches a kernel, FLOPs and host reads)
-    with its kernel launches split by phase.
+    """:class:`edgerev.memory.measure.profile.FlopCounter` (the one rule of what launches a kernel, FLOPs and host
+    reads) with its kernel launches split by phase.
 
     Attributes:
         phase: the phase the next ops are counted in (set by the caller).
@@ -143,7 +143,7 @@ def count_step(model: torch.nn.Module, batch: int, size: int, device: str = "met
 
 def predicted_peak(model: torch.nn.Module, batch: int, size: int, apply: Callable[[torch.nn.Module], None]) -> int:
     """Peak bytes of one bare training step at ``batch`` with ``apply``'s setup, on fake tensors."""
-    from edgerev.memory.account import StepShape, account_step
+    from edgerev.memory.measure.account import StepShape, account_step
 
     return account_step(model, StepShape(size), batch, apply).total
 
@@ -196,7 +196,7 @@ def plan_row(name: str, size: int, budget: int, max_batch: int, overrides: dict 
     as soon as the planner returns."""
     import dataclasses
 
-    from edgerev.memory.autoplan import plan_training
+    from edgerev.memory.plan.autoplan import plan_training
 
     model = build(name, overrides)
     before = os.environ.get("EDGEREV_CACHE")
@@ -530,8 +530,8 @@ def main(argv: list[str] | None = None) -> dict:
     state = _engine_state()  # before anything runs: the source tree may change while this runs
     # every module a task needs, imported once before the first fork: one run measures one state of the code,
     # even while the source tree changes under it
-    for module in ("torch.utils.flop_counter", "edgerev.memory.account", "edgerev.memory.autoplan",
-                   "edgerev.memory.profile", "edgerev.train.continual"):
+    for module in ("torch.utils.flop_counter", "edgerev.memory.measure.account", "edgerev.memory.plan.autoplan",
+                   "edgerev.memory.measure.profile", "edgerev.train.continual"):
         importlib.import_module(module)
     tasks = tasks_for(a)
     for t in tasks:
@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> dict:
         "what": "ops: ATen ops of one training step (forward, cross-entropy, backward), views and allocations "
                 f"({', '.join(sorted(NOT_KERNELS))}) left out; host_syncs: _local_scalar_dense/item on a real CPU "
                 "step (host_syncs_at: batch, size), since meta tensors skip the engine's value checks; flops: "
-                "torch.utils.flop_counter's formulas; peak_bytes: edgerev.memory.account.account_step on fake "
+                "torch.utils.flop_counter's formulas; peak_bytes: edgerev.memory.measure.account.account_step on fake "
                 "tensors; *_vs_plain: against plain autograd's row of the same model, batch and size",
         "rows": rows, "planned": planned, "seconds": round(time.perf_counter() - t0, 1),
     }

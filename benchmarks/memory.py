@@ -16,7 +16,7 @@ import torch
 from _common import write_json
 
 from edgerev.cli import PAPER_PEAK_BYTES, PAPER_PIXELS
-from edgerev.memory.measure import measure
+from edgerev.memory.measure.peak import measure
 from edgerev.models import create_model
 
 

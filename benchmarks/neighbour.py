@@ -26,8 +26,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from _common import write_json  # noqa: E402
 
-from edgerev.memory.cap import train_step  # noqa: E402
 from edgerev.models import create_model  # noqa: E402
+from edgerev.train.cap import train_step  # noqa: E402
 from edgerev.train.memory import loss_of  # noqa: E402
 from edgerev.train.trainer import training_threads  # noqa: E402
 from edgerev_daemon.config import load_config  # noqa: E402

@@ -25,9 +25,9 @@ from _common import write_json
 
 from edgerev import create_model, plain
 from edgerev.engine import supported_modes
-from edgerev.memory.autoplan import plan_training
-from edgerev.memory.profile import FlopCounter
-from edgerev.memory.tracker import CudaPeak
+from edgerev.memory.measure.profile import FlopCounter
+from edgerev.memory.measure.tracker import CudaPeak
+from edgerev.memory.plan.autoplan import plan_training
 from edgerev.sizes import parse_bytes
 
 

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from _common import write_json
 
 from edgerev import create_model, plain
-from edgerev.memory.autoplan import is_plain, plan_model, plan_plain, verify
-from edgerev.memory.knapsack import smallest_budget
-from edgerev.memory.profile import load_or_measure, stage_stats
+from edgerev.memory.measure.profile import load_or_measure, stage_stats
+from edgerev.memory.plan.autoplan import is_plain, plan_model, plan_plain, verify
+from edgerev.memory.solve.knapsack import smallest_budget
 
 
 def sweep(arch: str, size: int, budgets_mb: list[float]) -> list[dict]:
@@ -74,7 +74,7 @@ def plan_vs_invert(size: int, budgets_mb: list[float], batch: int | None = None)
 
     With ``batch`` fixed and a budget where everything fits, the plan should match all-store.
     """
-    from edgerev.memory.knapsack import plan as solve_plan
+    from edgerev.memory.solve.knapsack import plan as solve_plan
 
     model = create_model("revnext")
     profile = load_or_measure(model, size)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from edgerev.diagnostics import depth_overrides, diagnose
 from edgerev.engine import executing, plain, supported_modes
-from edgerev.memory.measure import set_modes
+from edgerev.memory.measure.peak import set_modes
 from edgerev.models import create_model
 
 

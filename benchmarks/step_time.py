@@ -21,7 +21,7 @@ from _common import write_json
 
 from edgerev import create_model, plain
 from edgerev.layers import chunk_budget
-from edgerev.memory.measure import measure
+from edgerev.memory.measure.peak import measure
 
 
 def _sync(device: str) -> None:

@@ -43,7 +43,7 @@ class PlanResult:
     """What :func:`plan` found: ``batch`` (the micro-batch), ``predicted_peak_bytes`` (the whole step as
     the trainer counts it), ``summary`` (``edgerev plan --json``'s object: planner, stages and modes,
     samples per second, measured figures with ``verify``), ``account`` (the step's terms:
-    :class:`edgerev.memory.account.StepAccount`, None where the planner gives none) and ``apply`` (sets
+    :class:`edgerev.memory.measure.account.StepAccount`, None where the planner gives none) and ``apply`` (sets
     the plan on the model)."""
 
     batch: int
@@ -64,9 +64,9 @@ def _with_trainable(cfg, trainable: str):
 
 
 def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int, loss_fn) -> nn.Module:
-    """``net`` training only ``trainable`` (:mod:`edgerev.memory.trainable`): what the planner then plans."""
+    """``net`` training only ``trainable`` (:mod:`edgerev.train.trainable`): what the planner then plans."""
     try:
-        from edgerev.memory import trainable as sets
+        from edgerev.train import trainable as sets
     except ImportError:
         raise ConfigError(f"trainable: {trainable!r} is not supported by this edgerev; it plans all parameters") \
             from None
@@ -103,12 +103,12 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
         trust_factories: the factories a model directory ``model`` may name (:mod:`edgerev.models.trust`).
 
     Raises:
-        edgerev.memory.costs.BudgetTooSmall: the budget is below the smallest step (named).
+        edgerev.memory.solve.costs.BudgetTooSmall: the budget is below the smallest step (named).
         edgerev.errors.EdgerevError: a source, size or value that cannot be used (one line).
     """
-    from edgerev.memory.account import account_step
-    from edgerev.memory.autoplan import plan_training
-    from edgerev.memory.autoplan import verify as verify_plan
+    from edgerev.memory.measure.account import account_step
+    from edgerev.memory.plan.autoplan import plan_training
+    from edgerev.memory.plan.autoplan import verify as verify_plan
     from edgerev.models.resolve import resolve_model
     from edgerev.models.spec import check_size
     from edgerev.models.trust import owner_factories

@@ -1,4 +1,4 @@
-"""Run a plain model's stages as checkpoint segments (the plan comes from :mod:`edgerev.memory.segments`).
+"""Run a plain model's stages as checkpoint segments (the plan comes from :mod:`edgerev.memory.solve.segments`).
 
 A *stored* segment runs under ordinary autograd; a *checkpoint* segment keeps only its input and is
 re-run with autograd in the backward (``torch.utils.checkpoint``, non-reentrant, without updating
@@ -6,7 +6,7 @@ batch-norm running statistics a second time, drawing a dropout's mask again as t
 *store8*/*store4* segment runs once under ordinary autograd, which keeps an 8- or 4-bit copy of each
 activation it saves (per-layer approximate activations, :mod:`edgerev.approximate`): nothing is re-run,
 so running statistics move once. A segment is anything with ``start``, ``end`` and ``mode``
-(:class:`edgerev.memory.costs.Segment`); this module imports nothing from the planner.
+(:class:`edgerev.memory.solve.costs.Segment`); this module imports nothing from the planner.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def _mb(n: float) -> str:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     from edgerev.layers import chunk_budget
-    from edgerev.memory.measure import measure
+    from edgerev.memory.measure.peak import measure
 
     device = _device(args.device)
     if args.table == bool(args.arch):

@@ -68,7 +68,7 @@ def diagnose(arch: str, depth: int | None = None, batch: int = 8, size: int = 32
     ``modes`` sets engine modes as ``edgerev memory --mode`` does (default: each stage's own).
     Returns per-stage and per-layer reconstruction SNR and per-stage gradient angles (JSON-ready).
     """
-    from edgerev.memory.measure import set_modes
+    from edgerev.memory.measure.peak import set_modes
 
     if depth is not None:
         overrides = {**depth_overrides(arch, depth), **overrides}

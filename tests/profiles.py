@@ -5,7 +5,7 @@ below, 20 s for the default one at 32x32), so the tests measure the small models
 models' profiles from JSON files recorded on a CPU with::
 
     python -c "import json, torch; torch.manual_seed(0); from edgerev.models import create_model; \\
-    from edgerev.memory.profile import measure_profile; p = measure_profile(create_model('revnext'), 32); \\
+    from edgerev.memory.measure.profile import measure_profile; p = measure_profile(create_model('revnext'), 32); \\
     json.dump(p.to_json(), open('tests/data/profile-revnext-32-cpu.json', 'w'), separators=(',', ':'))"
 
 (and the same for resnet18; recorded with PROFILE_VERSION 1, whose JSON layout is what ``Profile.from_json``
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from torch import nn
 
-from edgerev.memory.costs import Profile
-from edgerev.memory.profile import measure_profile
+from edgerev.memory.measure.profile import measure_profile
+from edgerev.memory.solve.costs import Profile
 from edgerev.models import create_model
 
 DATA = Path(__file__).parent / "data"

@@ -10,7 +10,7 @@ import torch
 import edgerev
 from edgerev.cli import main
 from edgerev.config import ConfigError
-from edgerev.memory.costs import BudgetTooSmall
+from edgerev.memory.solve.costs import BudgetTooSmall
 from edgerev.models.resolve import ModelSourceError, resolve_model
 from edgerev.train.checkpoint import load_model, save_tensors
 from edgerev.train.config import SourceConfig
@@ -140,7 +140,7 @@ def test_cli_memory_takes_a_factory(capsys):
 
 @pytest.mark.slow  # captures the graph and profiles its pieces: ~8 s on a loaded machine
 def test_plan_of_a_factory_with_a_trainable_set():
-    pytest.importorskip("edgerev.memory.trainable")  # the planner's trainable sets (issue 21, part 4)
+    pytest.importorskip("edgerev.train.trainable")  # the planner's trainable sets (issue 21, part 4)
     every = edgerev.plan(TINY, size=16, budget="8MiB", batch=8, estimate=True)
     head = edgerev.plan(TINY, size=16, budget="8MiB", batch=8, estimate=True, trainable="head")
     assert head.predicted_peak_bytes < every.predicted_peak_bytes <= 8 * 2**20

@@ -13,9 +13,9 @@ from edgerev import approximate
 from edgerev.engine import InvertibleSequence, Mode, plain, supported_modes
 from edgerev.errors import ModeError
 from edgerev.layers import Coupling, HybridBlock, InvLeakyReLU
-from edgerev.memory.account import StepShape, account_step
-from edgerev.memory.measure import apply_plan
-from edgerev.memory.tracker import MemoryTracker
+from edgerev.memory.measure.account import StepShape, account_step
+from edgerev.memory.measure.peak import apply_plan
+from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models import create_model
 from edgerev.quantize import quantize
 from tests.helpers import randomize_, rel_err, residual_fn

@@ -22,11 +22,11 @@ import re
 import pytest
 import torch
 
-from edgerev.memory import profile as profile_mod
-from edgerev.memory.autoplan import floor_plan
-from edgerev.memory.cap import CpuCap, train_step
-from edgerev.memory.costs import BudgetTooSmall
+from edgerev.memory.measure import profile as profile_mod
+from edgerev.memory.plan.autoplan import floor_plan
+from edgerev.memory.solve.costs import BudgetTooSmall
 from edgerev.models import create_model, list_models
+from edgerev.train.cap import CpuCap, train_step
 from edgerev.train.config import ContinualConfig, DataConfig, MemoryConfig, ModelConfig, RunConfig, TrainConfig
 from edgerev.train.memory import loss_of, plan_memory, step_shape
 

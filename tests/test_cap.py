@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.cap import CpuCap, StepFailed, cpu_cap, train_step
-from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker
+from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
 from edgerev.models import create_model
+from edgerev.train.cap import CpuCap, StepFailed, cpu_cap, train_step
 
 # Small enough to run in float64, large enough that activations outweigh the weights: splitting the
 # batch must lower the peak, or no split can rescue a budget one byte short.
@@ -224,7 +224,7 @@ def test_cpu_cap_without_budget_is_a_no_op():
 @pytest.mark.gpu
 def test_cuda_cap_recovers_from_out_of_memory():
     """Under a 400 MiB CUDA cap a batch too large for it is split, not crashed on."""
-    from edgerev.memory.cap import apply_cuda_cap
+    from edgerev.train.cap import apply_cuda_cap
 
     torch.manual_seed(0)
     model = create_model("revnext").cuda()

@@ -12,8 +12,8 @@ import torch
 
 import edgerev.models
 from edgerev.cli import PAPER_PEAK_BYTES, main
-from edgerev.memory import profile as profile_mod
-from edgerev.memory.knapsack import smallest_budget
+from edgerev.memory.measure import profile as profile_mod
+from edgerev.memory.solve.knapsack import smallest_budget
 from tests.profiles import SMALL_REVNEXT, measured
 
 

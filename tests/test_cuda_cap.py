@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.cap import EXPANDABLE_PAGE, cuda_cap_fraction, expandable_segments
+from edgerev.train.cap import EXPANDABLE_PAGE, cuda_cap_fraction, expandable_segments
 
 MiB = 2**20
 GRANULE = 2 * MiB  # the allocator rounds every block to it; an expandable segment maps whole pages

@@ -1,4 +1,4 @@
-"""A plan fitted to the CUDA allocator (edgerev/memory/device_fit.py): the loop on constructed devices
+"""A plan fitted to the CUDA allocator (edgerev/memory/plan/device_fit.py): the loop on constructed devices
 (a planner and an allocator whose excess over the plan is known), and on a real GPU under a 400 MiB cap."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgerev.memory.autoplan import TrainingPlan
-from edgerev.memory.costs import BudgetTooSmall
-from edgerev.memory.device_fit import fit_to_device
+from edgerev.memory.plan.autoplan import TrainingPlan
+from edgerev.memory.plan.device_fit import fit_to_device
+from edgerev.memory.solve.costs import BudgetTooSmall
 
 MiB = 2**20
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -104,8 +104,8 @@ def test_a_floor_beyond_the_device_names_the_budget_that_would_fit():
 def test_the_planned_batch_trains_under_a_400_mib_cap_without_running_out_of_memory():
     """The GTX 750 recipe (RevNeXt width 32, 32x32, steps of 256) planned as the trainer does, then 20 steps at
     the planned micro-batch: not one out-of-memory retry, and the allocator's peak under the cap."""
-    from edgerev.memory.cap import train_step
     from edgerev.models import create_model
+    from edgerev.train.cap import train_step
     from edgerev.train.config import load_config
     from edgerev.train.memory import plan_memory
 

@@ -330,7 +330,7 @@ def test_the_command_in_its_own_process_text_and_exit_status(tmp_path):
 
 @pytest.mark.slow
 def test_with_a_measured_profile_the_daemons_own_plan_is_verified(tmp_path, cache):
-    from edgerev.memory.profile import cached_profile
+    from edgerev.memory.measure.profile import cached_profile
     from edgerev.models import create_model
 
     cfg = target_of(str(write_config(tmp_path))).recipe

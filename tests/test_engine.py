@@ -20,7 +20,7 @@ from edgerev.layers import (
     InvLeakyReLU,
     chunk_budget,
 )
-from edgerev.memory.tracker import MemoryTracker
+from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models import create_model
 from tests.helpers import (
     MODES,
@@ -614,7 +614,7 @@ def test_floor_mode_peak_is_half_a_volume_below_invert():
 def test_floor_bytes_predicted_on_fake_tensors_equal_the_measured():
     """The fake-tensor prediction of a step in floor mode (what the planner and ``edgerev memory --fake``
     use) is the byte count the tracker measures on real tensors."""
-    from edgerev.memory.measure import fake_step_peak, step_peak
+    from edgerev.memory.measure.peak import fake_step_peak, step_peak
 
     torch.manual_seed(0)
     model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1))
@@ -634,7 +634,7 @@ def test_planner_chooses_floor_when_the_cap_demands_it():
     import dataclasses
 
     from edgerev.errors import EdgerevError
-    from edgerev.memory.knapsack import plan, smallest_budget
+    from edgerev.memory.solve.knapsack import plan, smallest_budget
     from tests.profiles import recorded
 
     prof = recorded("revnext")

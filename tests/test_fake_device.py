@@ -7,8 +7,8 @@ same way, on mixed devices)."""
 from __future__ import annotations
 
 from edgerev.engine import supported_modes
-from edgerev.memory.account import StepShape, account_step
-from edgerev.memory.profile import _bytes_curves, stage_inputs
+from edgerev.memory.measure.account import StepShape, account_step
+from edgerev.memory.measure.profile import _bytes_curves, stage_inputs
 from edgerev.models import create_model
 
 

@@ -27,14 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgerev.config import ConfigError
-from edgerev.memory import profile as profile_mod
-from edgerev.memory.account import StepShape, account_step
-from edgerev.memory.autoplan import floor_plan, plan_training
-from edgerev.memory.cap import CpuCap, train_step
-from edgerev.memory.costs import BudgetTooSmall, Segment
 from edgerev.memory.graph import ChainModel, GraphError, chain, planned
-from edgerev.memory.measure import apply_plan
-from edgerev.memory.trainable import (
+from edgerev.memory.measure import profile as profile_mod
+from edgerev.memory.measure.account import StepShape, account_step
+from edgerev.memory.measure.peak import apply_plan
+from edgerev.memory.plan.autoplan import floor_plan, plan_training
+from edgerev.memory.solve.costs import BudgetTooSmall, Segment
+from edgerev.train.cap import CpuCap, train_step
+from edgerev.train.config import TrainConfig
+from edgerev.train.trainable import (
     NothingFits,
     Trainable,
     TrainableError,
@@ -44,7 +45,6 @@ from edgerev.memory.trainable import (
     set_trainable,
     trainable_count,
 )
-from edgerev.train.config import TrainConfig
 
 SIZE, CLASSES = 32, 5
 
@@ -608,7 +608,7 @@ def test_an_edgerev_model_trains_its_head_alone(arch, args):
 
 @pytest.mark.slow  # a reversible model's fake steps: ~50 s on a loaded machine
 def test_auto_on_an_edgerev_model_keeps_its_stage_modes():
-    from edgerev.memory.autoplan import floor_plan
+    from edgerev.memory.plan.autoplan import floor_plan
     from edgerev.models import create_model
 
     torch.manual_seed(0)

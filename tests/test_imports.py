@@ -1,7 +1,8 @@
 """The house rules of the imports: the library never imports the service, pure planner modules import no torch,
 the engine nothing from memory/, no import cycle among edgerev's modules (counting the imports inside functions: a
-lazy import is still an arrow, and the old engine -> memory -> engine cycle was one). The daemon's rooms keep
-their order: tests/daemon/test_rooms.py."""
+lazy import is still an arrow, and the old engine -> memory -> engine cycle was one), and edgerev's rooms keep
+their order (ROOMS below: no arrow runs back up a layer). The daemon's rooms keep theirs:
+tests/daemon/test_rooms.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = ["edgerev.sizes", "edgerev.models.info", "edgerev.models.carried", "edgerev.memory.costs",
-        "edgerev.memory.knapsack", "edgerev.memory.segments"]
+PURE = ["edgerev.sizes", "edgerev.models.info", "edgerev.models.carried",  # and every module of memory's solvers
+        *sorted(f"edgerev.memory.solve.{p.stem}" for p in (ROOT / "edgerev" / "memory" / "solve").glob("*.py")
+                if p.stem != "__init__")]
 
 
 def module_name(path: Path) -> str:
@@ -148,3 +150,107 @@ def test_the_check_sees_every_kind_of_import(tmp_path):
                    "def f():\n    from edgerev_daemon.learning import fleet\n    import daemon.config\n")
     assert [(n, m) for n, m in every_import(bad) if m.split(".")[0] in SERVICE] == [
         (1, "edgerev_daemon"), (4, "edgerev_daemon.config"), (6, "edgerev_daemon.learning"), (7, "daemon.config")]
+
+
+#: edgerev's rooms, lowest first: a module imports from its own room and from the tiers below it, never from a room
+#: above it or beside it in its tier. A module is in the room of the longest prefix that names it. The package
+#: ``edgerev`` itself stands outside: it re-exports every room lazily, and reading its ``__version__`` is no arrow.
+ROOMS: list[dict[str, tuple[str, ...]]] = [
+    {"shared": ("edgerev.errors", "edgerev.lazy", "edgerev.sizes", "edgerev.atomic", "edgerev.enums",
+                "edgerev._torchapi", "edgerev.torch_range", "edgerev.exits", "edgerev.source_tree", "edgerev.config")},
+    {"layers": ("edgerev.layers", "edgerev.quantize", "edgerev.approximate")},
+    {"engine": ("edgerev.engine", "edgerev.checkpointing")},
+    {"models": ("edgerev.models",)},
+    {"memory.solve": ("edgerev.memory.solve",)},  # pure: cost types and solvers, no torch
+    {"memory.measure": ("edgerev.memory.measure",), "memory.graph": ("edgerev.memory.graph",)},
+    {"memory": ("edgerev.memory",)},  # the package's face: the tracker's names
+    {"memory.plan": ("edgerev.memory.plan",)},
+    {"train": ("edgerev.train",)},
+    {"export": ("edgerev.export",)},
+    {"front": ("edgerev.api", "edgerev.cli", "edgerev.__main__", "edgerev.diagnostics", "edgerev.doctor",
+               "edgerev.fleet")},
+]
+MEMORY_ROOMS = ("solve", "measure", "plan")  # memory's sub-packages; graph.py is a room of one module
+
+
+def room_of(module: str) -> tuple[str, int] | None:
+    """``(room, tier)`` of an edgerev module, or None for one no room names."""
+    best = None
+    for tier, rooms in enumerate(ROOMS):
+        for room, prefixes in rooms.items():
+            for p in prefixes:
+                if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[0]):
+                    best = (len(p), room, tier)
+    return None if best is None else best[1:]
+
+
+def modules(root: Path) -> dict[str, Path]:
+    return {module_name(p) if root == ROOT else ".".join(p.relative_to(root).with_suffix("").parts)
+            .removesuffix(".__init__"): p for p in (root / "edgerev").rglob("*.py")}
+
+
+def targets(path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """The edgerev modules ``path`` imports and where: ``from a.b import c`` names ``a.b.c`` when that is a module,
+    and ``import a.b.c`` the longest of ``a.b.c``, ``a.b``, ``a`` that is one."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                out.append((node.lineno, f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
+                            else node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+    resolved = set()
+    for line, m in out:
+        while m not in known and "." in m:
+            m = m.rsplit(".", 1)[0]
+        if m in known and m.startswith("edgerev"):
+            resolved.add((line, m))
+    return sorted(resolved)
+
+
+def upward_imports(root: Path = ROOT) -> list[str]:
+    """Every import in the tree at ``root`` that runs up a tier or across to a room beside its own."""
+    files = modules(root)
+    wrong = []
+    for name, path in sorted(files.items()):
+        here = room_of(name)
+        if name == "edgerev" or here is None:
+            continue
+        for line, target in targets(path, set(files)):
+            there = room_of(target)
+            if target == "edgerev" or there is None or there[0] == here[0]:
+                continue
+            if there[1] >= here[1]:
+                wrong.append(f"{path.relative_to(root)}:{line} ({here[0]}) imports {target} ({there[0]})")
+    return wrong
+
+
+def test_every_module_is_in_a_room():
+    files = modules(ROOT)
+    assert not [m for m in files if m != "edgerev" and room_of(m) is None]
+    flat = sorted(p.name for p in (ROOT / "edgerev" / "memory").glob("*.py"))
+    assert flat == ["__init__.py", "graph.py"], "memory/ keeps its modules in its rooms: " + ", ".join(MEMORY_ROOMS)
+
+
+def test_no_import_runs_back_up_a_layer():
+    """The rooms' order, lazy imports and those under ``TYPE_CHECKING`` included: memory never imports train or
+    export, models never export, memory's solvers nothing of its measurement, graph capture or planning."""
+    wrong = upward_imports()
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_order_check_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "edgerev"
+    for name, text in {"__init__.py": "", "memory/__init__.py": "", "memory/solve/__init__.py": "",
+                       "memory/solve/costs.py": "def f():\n    from edgerev.memory.plan import autoplan\n",
+                       "memory/plan/__init__.py": "", "memory/plan/autoplan.py": "from edgerev.train import norms\n",
+                       "memory/graph.py": "from edgerev.memory.solve.costs import f\n",
+                       "train/__init__.py": "", "train/norms.py": "", "models/__init__.py": "import edgerev.export\n",
+                       "export/__init__.py": ""}.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert upward_imports(tmp_path) == [
+        "edgerev/memory/plan/autoplan.py:1 (memory.plan) imports edgerev.train.norms (train)",
+        "edgerev/memory/solve/costs.py:2 (memory.solve) imports edgerev.memory.plan.autoplan (memory.plan)",
+        "edgerev/models/__init__.py:1 (models) imports edgerev.export (export)"]

@@ -190,7 +190,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.mark.gpu
 @requires_cuda
 def test_cuda_step_peak():
-    from edgerev.memory.measure import step_peak
+    from edgerev.memory.measure.peak import step_peak
 
     model = build("revnext").cuda()
     result = step_peak(model, 2, 32, device="cuda")

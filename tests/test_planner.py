@@ -14,12 +14,12 @@ import torch
 from edgerev.engine import supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers import HybridBlock
-from edgerev.memory import profile as profile_mod
-from edgerev.memory.autoplan import plan_model, verify
-from edgerev.memory.costs import PROFILE_VERSION, BudgetTooSmall, Curve, Linear, ModeCost, Plan, Profile
-from edgerev.memory.knapsack import Choice, choices_at, peak_of, plan, smallest_budget, solve
-from edgerev.memory.measure import fake_step_peak
-from edgerev.memory.profile import cache_dir, estimate_profile, fixed_bytes, load_or_measure
+from edgerev.memory.measure import profile as profile_mod
+from edgerev.memory.measure.peak import fake_step_peak
+from edgerev.memory.measure.profile import cache_dir, estimate_profile, fixed_bytes, load_or_measure
+from edgerev.memory.plan.autoplan import plan_model, verify
+from edgerev.memory.solve.costs import PROFILE_VERSION, BudgetTooSmall, Curve, Linear, ModeCost, Plan, Profile
+from edgerev.memory.solve.knapsack import Choice, choices_at, peak_of, plan, smallest_budget, solve
 from edgerev.models import EngineModel, create_model
 from edgerev.models.base import stem
 from edgerev.sizes import parse_bytes
@@ -397,7 +397,7 @@ def test_plan_model_finds_a_plan_when_one_fits(cache):
 
 
 def test_plan_model_rejects_a_budget_below_the_weights(cache):
-    from edgerev.memory.autoplan import minimal_modes
+    from edgerev.memory.plan.autoplan import minimal_modes
 
     model = small_model()
     with pytest.raises(BudgetTooSmall) as info:
@@ -536,9 +536,9 @@ def test_a_cache_entry_that_is_not_an_object_is_measured_again(cache, monkeypatc
 
 def test_an_account_is_made_once_per_model_step_plan_and_loss(monkeypatch):
     """A daemon plans every job of the same model: the fake-tensor step behind each account runs once."""
-    from edgerev.memory import autoplan
-    from edgerev.memory.account import StepShape
-    from edgerev.memory.autoplan import Proposal, accounted
+    from edgerev.memory.measure.account import StepShape
+    from edgerev.memory.plan import autoplan
+    from edgerev.memory.plan.autoplan import Proposal, accounted
     from edgerev.train.continual import ContinualLoss
 
     monkeypatch.setattr(autoplan, "_ACCOUNTS", {})

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from edgerev import approximate
 from edgerev.engine import InvertibleSequence, plain
 from edgerev.layers import InvBatchNorm2d, InvLeakyReLU
-from edgerev.memory.profile import stage_inputs
-from edgerev.memory.tracker import MemoryTracker
+from edgerev.memory.measure.profile import stage_inputs
+from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models import create_model
 from edgerev.quantize import bn_range, channel_range, dequantize, quantize
 from tests.helpers import cosine, rel_err

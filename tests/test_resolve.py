@@ -8,7 +8,7 @@ from torch import nn
 
 from edgerev.config import ConfigError, from_dict
 from edgerev.errors import EdgerevError, TrustError, UnknownModelError
-from edgerev.memory.account import StepShape, account_step
+from edgerev.memory.measure.account import StepShape, account_step
 from edgerev.models import list_models
 from edgerev.models.names import ARCHS, SourceKind, source_kind
 from edgerev.models.resolve import ModelSourceError, load_weights, resolve_model

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgerev.memory.account import StepShape, account_step
-from edgerev.memory.cap import CpuCap, accumulate, split_batch, train_step
+from edgerev.memory.measure.account import StepShape, account_step
+from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.models import create_model
 from edgerev.train.augment import STRONG_OPS, StrongAugment
+from edgerev.train.cap import CpuCap, train_step
 from edgerev.train.config import (
     ContinualConfig,
     DataConfig,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker
+from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
 from tests import helpers  # noqa: F401  (sets one torch thread for these tiny shapes)
 
 
@@ -193,7 +193,7 @@ def test_in_place_resize_is_counted(how):
 
 
 def test_step_peak_on_cpu():
-    from edgerev.memory.measure import step_peak
+    from edgerev.memory.measure.peak import step_peak
     from edgerev.models import create_model
 
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 The planner of a job under ``training.memory.budget`` needs the model's stage profile: what each stage
 keeps and costs in each mode, measured on this machine (or estimated) the first time and cached
-(:func:`edgerev.memory.profile.load_or_measure`). The measurement runs every stage in every mode: minutes
+(:func:`edgerev.memory.measure.profile.load_or_measure`). The measurement runs every stage in every mode: minutes
 on a small CPU (6.5 min for the CPU preset's model on this loaded 2-core machine), and nothing in it asks
 a stop flag. So the daemon measures it in a child process (:mod:`edgerev_daemon.learning.children`) that a stop
 kills, before the job's training, whenever the cache lacks it; the trainer's plan then finds it cached.
@@ -56,7 +56,7 @@ def ensure_profile(config: DaemonConfig, folder: Path, stop: Callable[[], bool])
         Stopped: ``stop()`` said so before the measurement ended.
         EdgerevError: the measurement failed (the child's last lines of error output).
     """
-    from edgerev.memory.profile import cached_profile
+    from edgerev.memory.measure.profile import cached_profile
 
     target = _target(config)
     if target is None:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     children.end_with_parent()
     import torch
 
-    from edgerev.memory.profile import load_or_measure
+    from edgerev.memory.measure.profile import load_or_measure
     from edgerev.models.resolve import resolve_model
     from edgerev.train.config import default_threads
 

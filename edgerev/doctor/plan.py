@@ -4,13 +4,13 @@ The recipe is the daemon's job recipe with distillation on (every job after the 
 costliest step the daemon will run. Planning:
 
 - with the stage profile the daemon's planner uses (cached after its first job, or measured now with
-  ``profile="measure"``): :func:`edgerev.memory.autoplan.plan_training`, the daemon's own plan;
+  ``profile="measure"``): :func:`edgerev.memory.plan.autoplan.plan_training`, the daemon's own plan;
 - without one (measuring it takes minutes on a small CPU, too long for a first look): the least-memory modes
   (the planner's floor) at the largest micro-batch whose whole step, accounted exactly on fake tensors, fits
   the cap. That plan trains under the cap, and the daemon's will be at least as fast.
 
-Then ``steps`` real training steps of the plan, through the trainer's own :func:`edgerev.memory.cap.train_step`
-on random images: on CPU under the run's :class:`~edgerev.memory.cap.CpuCap` (its first step tracked and
+Then ``steps`` real training steps of the plan, through the trainer's own :func:`edgerev.train.cap.train_step`
+on random images: on CPU under the run's :class:`~edgerev.train.cap.CpuCap` (its first step tracked and
 enforced, as in the trainer), on CUDA under the allocator's cap; the measured peak is set against the cap.
 """
 
@@ -51,7 +51,7 @@ class PlanFacts:
 
 def _largest_fitting(model, shape, floor, floor_account, budget: int, loss_fn):
     """The least-memory modes at the largest micro-batch whose exact account fits ``budget``."""
-    from edgerev.memory.autoplan import Proposal, accounted
+    from edgerev.memory.plan.autoplan import Proposal, accounted
 
     batch = shape.batch
 
@@ -94,11 +94,11 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
     import torch
 
     from edgerev.errors import EdgerevError
-    from edgerev.memory import profile as profiles
-    from edgerev.memory.autoplan import floor_plan, plan_training
-    from edgerev.memory.cap import CpuCap, apply_cuda_cap, train_step
+    from edgerev.memory.measure import profile as profiles
+    from edgerev.memory.plan.autoplan import floor_plan, plan_training
     from edgerev.models.resolve import resolve_model
     from edgerev.models.spec import check_size, model_spec
+    from edgerev.train.cap import CpuCap, apply_cuda_cap, train_step
     from edgerev.train.memory import loss_of, step_shape
 
     t = cfg.train
@@ -172,7 +172,7 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
             cap = CpuCap(budget, baseline)
         else:
             from edgerev._torchapi import storage_bytes
-            from edgerev.memory.tracker import MemoryTracker
+            from edgerev.memory.measure.tracker import MemoryTracker
 
             base = storage_bytes([*model.parameters(), *model.buffers(), x, *target])
         n, retries, times, peak = math.ceil(t.batch / micro), 0, [], 0

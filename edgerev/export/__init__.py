@@ -4,6 +4,8 @@
 module                     does                                                         torch
 =========================  ===========================================================  ========
 :mod:`.onnx`               :func:`export_onnx`: model directory to a verified ``.onnx``  yes
+:mod:`.imported`           :func:`export_imported`: an imported ONNX model back into      yes
+                           its own file, verified
 :mod:`.predict`            :class:`Predictor`: images to labels with ONNX Runtime        no
 :mod:`.finetune`           :func:`finetune_head`: train the head on a frozen backbone    no
 :mod:`.head_numpy`         its default backend: softmax regression in numpy              no
@@ -32,10 +34,13 @@ _LAZY = {
     "FinetuneResult": "edgerev.export.finetune",
     "finetune_head": "edgerev.export.finetune",
     "ModelMeta": "edgerev.export.metadata",
+    "ImportedExport": "edgerev.export.imported",
+    "export_imported": "edgerev.export.imported",
 }
 
 if TYPE_CHECKING:
     from edgerev.export.finetune import FinetuneResult, finetune_head
+    from edgerev.export.imported import ImportedExport, export_imported
     from edgerev.export.metadata import ModelMeta
     from edgerev.export.onnx import ExportResult, export_onnx, verify_onnx
     from edgerev.export.predict import Prediction, Predictor
@@ -43,10 +48,12 @@ if TYPE_CHECKING:
 __all__ = [
     "ExportResult",
     "FinetuneResult",
+    "ImportedExport",
     "ModelMeta",
     "Prediction",
     "Predictor",
     "export_onnx",
+    "export_imported",
     "finetune_head",
     "verify_onnx",
 ]

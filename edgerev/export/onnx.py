@@ -189,13 +189,12 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
 
 def _export_imported(model: nn.Module, info: ModelInfo, sha: str, out_path: Path, *, batch: int, tolerance: float,
                      seed: int) -> ExportResult:
-    """A model imported from ONNX goes back into its own file (:func:`edgerev.models.onnx_import.export.
-    export_imported`: the original's graph, input and output names, dynamic batch and opset, verified with ONNX
-    Runtime), with edgerev's metadata beside the original's, so ``edgerev predict`` and ``edgerev finetune-head``
-    read its classes, input size, normalization and whether it outputs probabilities. Nothing is traced, so no
-    exporter is named."""
+    """A model imported from ONNX goes back into its own file (:func:`edgerev.export.imported.export_imported`: the
+    original's graph, input and output names, dynamic batch and opset, verified with ONNX Runtime), with edgerev's
+    metadata beside the original's, so ``edgerev predict`` and ``edgerev finetune-head`` read its classes, input
+    size, normalization and whether it outputs probabilities. Nothing is traced, so no exporter is named."""
     import edgerev
-    from edgerev.models.onnx_import.export import export_imported
+    from edgerev.export.imported import export_imported
 
     start = time.perf_counter()
     meta = ModelMeta(classes=info.classes, input_size=info.input_size, mean=info.mean, std=info.std, arch=info.arch,

@@ -4,7 +4,7 @@ Feng and Huang (Re-forwarding, section 5) plan an arbitrary computation graph by
 vertices every path from the input to the output passes through: between two of them the graph may
 branch and join (a residual block, a squeeze-and-excitation gate), but nothing crosses them. A tensor
 there is the only activation alive, so the network is a *chain* of pieces between such vertices, and
-the linear-graph planner of :mod:`edgerev.memory.segments` applies to it unchanged: each segment of
+the linear-graph planner of :mod:`edgerev.memory.solve.segments` applies to it unchanged: each segment of
 pieces is stored, checkpointed (re-run in the backward) or kept as an 8- or 4-bit copy.
 
 :func:`capture` traces a module with ``torch.fx`` (the ops it calls, its submodules as leaves), or with
@@ -18,7 +18,7 @@ reads the ones it uses.
 was made from, so training it trains that model, which stays what is saved and exported. Its
 leading pieces with no trainable parameter (a frozen backbone) run under ``no_grad``: they keep no
 activation and no gradient. The rest is an :class:`~edgerev.engine.InvertibleSequence` run as
-checkpoint segments, which the planner (:func:`edgerev.memory.autoplan.plan_training`) chooses
+checkpoint segments, which the planner (:func:`edgerev.memory.plan.autoplan.plan_training`) chooses
 exactly as for :class:`~edgerev.models.base.SequentialModel`.
 """
 
@@ -35,7 +35,7 @@ from torch import Tensor, fx, nn
 from edgerev.engine import Execution, InvertibleSequence
 from edgerev.errors import EdgerevError, UnsupportedModel
 from edgerev.layers.base import replaying
-from edgerev.memory.costs import Segment
+from edgerev.memory.solve.costs import Segment
 
 #: out-of-place twins of in-place functions that a traced graph may call
 _OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -448,7 +448,7 @@ class ChainModel(nn.Module):
             planned = self.body.execution != _default_plan(len(self.body.stages))
             if planned and torch.is_grad_enabled():
                 raise EdgerevError("the trainable parameters changed after the model was planned: plan it again "
-                                   "(edgerev.memory.autoplan.plan_training)")
+                                   "(edgerev.memory.plan.autoplan.plan_training)")
             self.resplit()
         if len(self.prefix):
             with torch.no_grad():  # a frozen prefix keeps no activation and no gradient

@@ -179,7 +179,7 @@ class TrainConfig:
     the schedule is to 0 before the run stops (a half cosine, see :mod:`edgerev.train.schedule`; within
     the ``epochs`` maximum; 0: stop at once, wherever the schedule is).
 
-    ``trainable``: which parameters train (:mod:`edgerev.memory.trainable`): ``all``, ``head`` (the
+    ``trainable``: which parameters train (:mod:`edgerev.train.trainable`): ``all``, ``head`` (the
     classifier), ``bias`` (every bias and the head), ``last:N`` (the last N pieces of the model's graph
     that have parameters) or ``auto`` (the most parameters whose step fits ``memory.budget`` at ``batch``);
     the frozen rest keeps no activation and no gradient. ``bn_stats``: ``updated`` (batch norms move their
@@ -206,7 +206,7 @@ class TrainConfig:
     bn_measure: int = 512
 
     def __post_init__(self) -> None:
-        from edgerev.memory.trainable import TrainableError, check_bn_stats, parse_trainable  # no torch
+        from edgerev.train.trainable import TrainableError, check_bn_stats, parse_trainable  # no torch
 
         for key, read in (("trainable", parse_trainable), ("bn_stats", check_bn_stats)):
             try:
@@ -245,7 +245,7 @@ def default_threads() -> int:
 @dataclass(frozen=True)
 class MemoryConfig:
     """``budget``: the hard cap on training memory, bytes as an int or a size such as "400MiB" or "1.5GB"
-    (read once into an int; null: none). It bounds the whole step as :mod:`edgerev.memory.account`
+    (read once into an int; null: none). It bounds the whole step as :mod:`edgerev.memory.measure.account`
     counts it: weights, gradients, optimizer state, the teacher, the batch and the planned micro-batch's
     activations. On CPU it bounds tensors, not the interpreter (see deploy/edgerev.service's
     ``MemoryMax=`` for the outer guard). ``mode``: ``auto``

@@ -105,11 +105,17 @@ def distillation_loss(logits: Tensor, teacher: Tensor, temperature: float) -> Te
 class ContinualLoss:
     """Cross-entropy on the labels plus, when a teacher's logits come with the batch, distillation.
 
-    Called by :func:`edgerev.memory.cap.train_step` as ``loss(logits, labels[, teacher_logits])``.
+    Called by :func:`edgerev.train.cap.train_step` as ``loss(logits, labels[, teacher_logits])``.
     """
 
     def __init__(self, distill: float = 0.0, temperature: float = 2.0, label_smoothing: float = 0.0) -> None:
         self.distill, self.temperature, self.label_smoothing = distill, temperature, label_smoothing
+
+    @property
+    def memory_key(self) -> tuple:
+        """What a step's memory depends on in this loss: the planner remembers a step's account by it
+        (:class:`edgerev.memory.plan.autoplan.DescribedLoss`)."""
+        return ("continual", self.distill, self.temperature, self.label_smoothing)
 
     def __call__(self, logits: Tensor, labels: Tensor, teacher: Tensor | None = None) -> Tensor:
         loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)

@@ -1,8 +1,8 @@
 """A recipe's memory: its step as the accounting sees it, its plan under ``memory.budget``, its floor.
 
 The trainer (:func:`plan_memory`) and the daemon's start check (:func:`floor`) both read the recipe
-through :func:`step_shape`, and both ask :mod:`edgerev.memory.autoplan`, which accounts every step
-with :func:`edgerev.memory.account.account_step`: one count of what a step holds, everywhere.
+through :func:`step_shape`, and both ask :mod:`edgerev.memory.plan.autoplan`, which accounts every step
+with :func:`edgerev.memory.measure.account.account_step`: one count of what a step holds, everywhere.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import math
 import torch
 from torch import nn
 
-from edgerev.memory.account import StepAccount, StepShape
-from edgerev.memory.autoplan import TrainingPlan, floor_plan, plan_training
-from edgerev.memory.cap import CpuCap, apply_cuda_cap
-from edgerev.memory.device_fit import cuda_step_peak, fit_to_device
+from edgerev.memory.measure.account import StepAccount, StepShape
+from edgerev.memory.plan.autoplan import TrainingPlan, floor_plan, plan_training
+from edgerev.memory.plan.device_fit import cuda_step_peak, fit_to_device
 from edgerev.models.spec import model_spec
+from edgerev.train.cap import CpuCap, apply_cuda_cap
 from edgerev.train.config import RunConfig
 from edgerev.train.continual import ContinualLoss
 from edgerev.train.semi import SemiLoss
@@ -63,7 +63,7 @@ def training_model(cfg: RunConfig, model: nn.Module) -> nn.Module:
     """
     from edgerev.config import ConfigError
     from edgerev.memory.graph import GraphError, has_engine_body
-    from edgerev.memory.trainable import TrainableError, parse_trainable, set_trainable
+    from edgerev.train.trainable import TrainableError, parse_trainable, set_trainable
 
     t = parse_trainable(cfg.train.trainable)
     if t.kind == "auto" and cfg.memory.budget is None:
@@ -89,7 +89,7 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     labelled samples and ``unlabeled`` strong views per step (their weak views' forward counted too).
 
     On CUDA the cap is set first and the plan is fitted to the allocator with real steps
-    (:func:`~edgerev.memory.device_fit.fit_to_device`): the summary's ``device_fit`` lists each plan measured.
+    (:func:`~edgerev.memory.plan.device_fit.fit_to_device`): the summary's ``device_fit`` lists each plan measured.
 
     Raises:
         BudgetTooSmall: ``memory.budget`` is below the step's floor (named), before anything is profiled.
@@ -115,7 +115,7 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     batch = shape.batch  # the step's whole batch, the strong views with the labelled samples
     trainable = {}
     if cfg.train.trainable == "auto":  # the most parameters whose step fits the budget at the recipe's batch
-        from edgerev.memory.trainable import choose_trainable
+        from edgerev.train.trainable import choose_trainable
 
         trainable = {"trainable": str(choose_trainable(model, shape, budget, cfg.train.bn_stats, loss_fn)[0])}
 

@@ -13,7 +13,7 @@ A step of ``B`` labelled images takes ``U = ratio * B`` unlabelled ones as well 
    then ``CE(labelled) + weight * sum(mask * CE(strong, pseudo)) / U``, the paper's, and the micro-batch
    loop's share-of-the-batch weighting keeps it exact under accumulation.
 
-The step's one memory accounting (:mod:`edgerev.memory.account`, ``StepShape.unlabeled``) counts the
+The step's one memory accounting (:mod:`edgerev.memory.measure.account`, ``StepShape.unlabeled``) counts the
 ``B + U`` batch, the per-sample weights, and the weak view's no-grad forward. Pseudo-labels exist only
 inside a step: they never reach the held-out evaluation, the replay sample or the promotion gate.
 """
@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev.memory.cap import CpuCap, cpu_cap, split_batch
+from edgerev.memory.measure.microbatch import split_batch
+from edgerev.train.cap import CpuCap, cpu_cap
 
 
 def quotas(labels: Tensor, num_classes: int, unlabeled: int, class_cap: float | None) -> Tensor | None:
@@ -76,7 +77,7 @@ class SemiLoss:
     """``mean(weights * CE(logits, labels))``, plus ``base``'s distillation when a teacher's logits come with
     the batch (over every sample: the old model's outputs are a target on any image, LwF's point).
 
-    Called by :func:`edgerev.memory.cap.train_step` as ``loss(logits, labels, weights[, teacher_logits])``.
+    Called by :func:`edgerev.train.cap.train_step` as ``loss(logits, labels, weights[, teacher_logits])``.
     """
 
     def __init__(self, base) -> None:

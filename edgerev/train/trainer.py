@@ -43,9 +43,9 @@ from torch import nn
 from edgerev.config import ConfigError, dump_yaml, from_dict, load_yaml, to_dict
 from edgerev.engine import plain
 from edgerev.errors import EdgerevError, NonFiniteError
-from edgerev.memory.cap import train_step
 from edgerev.models.spec import check_size, model_spec
 from edgerev.train.augment import Augment, StrongAugment
+from edgerev.train.cap import train_step
 from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
 from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 from torch import nn
 
+from edgerev.export.imported import export_imported
 from edgerev.export.onnx import DYNAMO_FROM
-from edgerev.models.onnx_import import export_imported, load_onnx, sidecar_path
+from edgerev.models.onnx_import import load_onnx, sidecar_path
 from edgerev.torch_range import release
 from tests.onnx_import.graphs import init, model, node, save
 

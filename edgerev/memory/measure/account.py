@@ -11,7 +11,7 @@ daemon's start check and every "smallest budget" in an error come from :func:`ac
   images' strong views together, with a weight per sample;
 - allocated by the step (:attr:`StepAccount.step_bytes`): the weight gradients, and the
   activations, gradients and temporaries of the planned micro-batch, measured exactly by running
-  the trainer's own micro-batch loop (:func:`edgerev.memory.cap.accumulate`) on fake tensors, and,
+  the trainer's own micro-batch loop (:func:`edgerev.memory.measure.microbatch.accumulate`) on fake tensors, and,
   with FixMatch, the no-grad forward of a micro-batch of weak views that comes before it (its input is
   counted as the batch's: it is made and dropped before the batch is).
 
@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from edgerev._torchapi import fake_copy, fake_mode
 from edgerev.engine import InvertibleSequence
-from edgerev.memory.cap import accumulate, split_batch
-from edgerev.memory.tracker import MemoryTracker
+from edgerev.memory.measure.microbatch import accumulate, split_batch
+from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models.spec import model_spec
 
 LABEL_BYTES = 8  # int64 class indices

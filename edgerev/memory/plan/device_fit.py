@@ -1,6 +1,6 @@
 """A plan fitted to the CUDA allocator: a real step under the cap, since the accounting cannot see all of it.
 
-The accounting (:mod:`edgerev.memory.account`) predicts a step from fake tensors on the CPU. Under a CUDA
+The accounting (:mod:`edgerev.memory.measure.account`) predicts a step from fake tensors on the CPU. Under a CUDA
 cap (``set_per_process_memory_fraction``, which limits the bytes *reserved*) a step also needs what CUDA
 kernels save beyond the CPU's and room left by the allocator's fragments. cuDNN's convolution workspaces
 need no planning: with the cap set, cuDNN takes the largest workspace that fits and falls back to slimmer
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from edgerev.memory.account import StepShape, held, weak_forward
-from edgerev.memory.autoplan import TrainingPlan
-from edgerev.memory.cap import _restore, _state, accumulate, split_batch
-from edgerev.memory.costs import BudgetTooSmall
+from edgerev.memory.measure.account import StepShape, held, weak_forward
+from edgerev.memory.measure.microbatch import accumulate, restore_buffers, save_buffers, split_batch
+from edgerev.memory.plan.autoplan import TrainingPlan
+from edgerev.memory.solve.costs import BudgetTooSmall
 
 OOM_SHRINK = 1 / 8  # of the cap taken off the planning budget when the tried step ran out of memory
 ROUNDS = 6
@@ -106,7 +106,7 @@ def cuda_step_peak(model: nn.Module, plan: TrainingPlan, shape: StepShape, loss_
     """
     plan.apply(model)
     model.train()
-    buffers = _state(model)
+    buffers = save_buffers(model)
     batch = shape.batch or plan.batch
     terms = held(model, shape, plan.batch)
     outside = terms["optimizer"] + terms["teacher_logits"] + (0 if teacher_on_device else terms["teacher"])
@@ -135,6 +135,6 @@ def cuda_step_peak(model: nn.Module, plan: TrainingPlan, shape: StepShape, loss_
     finally:
         held_beside = x = targets = None  # noqa: F841 (gone before the cache is emptied)
         model.zero_grad(set_to_none=True)
-        _restore(model, buffers)
+        restore_buffers(model, buffers)
         torch.cuda.empty_cache()
     return peak

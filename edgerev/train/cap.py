@@ -17,7 +17,8 @@ twice as many micro-batches, accumulates their gradients and tries again, down t
 one sample. Each loss is weighted by its share of the batch, so the update equals the full-batch one
 wherever the loss is a sum over samples (batch norm in training mode normalizes each micro-batch by
 its own statistics, as with any gradient accumulation). The optimizer steps exactly once per call,
-after every micro-batch succeeded.
+after every micro-batch succeeded. The loop over the micro-batches is memory's
+(:mod:`edgerev.memory.measure.microbatch`): the step's accounting runs the same function on fake tensors.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev._torchapi import is_fake, storage_bytes
+from edgerev._torchapi import storage_bytes
 from edgerev.engine import InvertibleSequence
 from edgerev.errors import EdgerevError
-from edgerev.memory.tracker import MemoryBudgetExceeded, MemoryTracker
+from edgerev.memory.measure.microbatch import accumulate, restore_buffers, save_buffers, split_batch
+from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (MemoryBudgetExceeded, torch.cuda.OutOfMemoryError)
 
@@ -146,51 +148,11 @@ class CpuCap:
         self._verified.add(key)
 
 
-def split_batch(n: int, micro_batches: int) -> list[slice]:
-    """The micro-batches of a batch of ``n``, as slices (views of the batch: no copy); the largest first."""
-    k = min(micro_batches, n)
-    size, extra = divmod(n, k)  # as torch.tensor_split: the first ``extra`` parts one sample larger
-    out, start = [], 0
-    for i in range(k):
-        stop = start + size + (1 if i < extra else 0)
-        out.append(slice(start, stop))
-        start = stop
-    return out
-
-
-def accumulate(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], parts: list[slice],
-               loss_fn: Callable[..., Tensor]) -> float:
-    """Forward and backward of each micro-batch, gradients summed; the loss of the batch (0 on fake tensors).
-
-    This loop is what a training step holds at its peak: :func:`edgerev.memory.account.account_step`
-    runs the same function on fake tensors to predict it.
-    """
-    n = x.shape[0]
-    total = 0.0
-    for part in parts:
-        loss = loss_fn(model(x[part]), *(t[part] for t in targets)) * ((part.stop - part.start) / n)
-        loss.backward()
-        if not is_fake(loss):
-            total += float(loss.detach())
-        del loss  # before the next micro-batch: its storage must not count there
-    return total
-
-
 @dataclass
 class StepResult:
     loss: float
     micro_batches: int
     retries: int
-
-
-def _state(model: nn.Module) -> dict[str, Tensor]:
-    return {k: v.clone() for k, v in model.named_buffers()}
-
-
-def _restore(model: nn.Module, state: dict[str, Tensor]) -> None:
-    with torch.no_grad():
-        for k, v in model.named_buffers():
-            v.copy_(state[k])
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor | tuple[Tensor, ...], *,
@@ -208,7 +170,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             None: no CPU cap; on CUDA, set the cap once with :func:`apply_cuda_cap`.
     """
     n = x.shape[0]
-    buffers = _state(model)
+    buffers = save_buffers(model)
     retries = 0
     targets = target if isinstance(target, tuple) else (target,)
     while True:
@@ -222,7 +184,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
                 total = accumulate(model, x, targets, parts, loss_fn)
         except OOM_ERRORS as e:
             optimizer.zero_grad(set_to_none=True)
-            _restore(model, buffers)  # the failed forward must not count as a step for batch norm
+            restore_buffers(model, buffers)  # the failed forward must not count as a step for batch norm
             if x.is_cuda:
                 torch.cuda.empty_cache()
             if micro_batches >= n:

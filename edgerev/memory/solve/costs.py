@@ -1,8 +1,8 @@
 """The planner's vocabulary: cost curves, per-stage mode costs, profiles, plans. Pure: no torch.
 
-Everything here is plain numbers, so the solvers (:mod:`edgerev.memory.knapsack`,
-:mod:`edgerev.memory.segments`) can be read, tested and run without PyTorch; measurement
-(:mod:`edgerev.memory.profile`) fills these types in.
+Everything here is plain numbers, so the solvers (:mod:`edgerev.memory.solve.knapsack`,
+:mod:`edgerev.memory.solve.segments`) can be read, tested and run without PyTorch; measurement
+(:mod:`edgerev.memory.measure.profile`) fills these types in.
 """
 
 from __future__ import annotations

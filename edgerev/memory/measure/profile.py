@@ -32,8 +32,8 @@ from edgerev._torchapi import fake_copy, fake_mode, storage_key
 from edgerev.engine import Execution, InvertibleSequence, Mode, supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
-from edgerev.memory.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats
-from edgerev.memory.tracker import MemoryTracker
+from edgerev.memory.measure.tracker import MemoryTracker
+from edgerev.memory.solve.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats
 from edgerev.models.spec import model_spec
 
 # seconds per FLOP used by estimates, per device type (a measured profile replaces them): about 20 GFLOP/s on a
@@ -256,7 +256,7 @@ def estimated_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], firs
                       ) -> Linear:
     """Seconds of a forward and backward of ``stage`` in ``mode`` as a line in the batch: its FLOPs and its kernel
     launches, counted on fake tensors at batches 1 and 2 with whole-batch slices (the planner widens a plan's
-    slices as far as its budget allows, :func:`edgerev.memory.autoplan.widen_slices`), at the nominal rates of a
+    slices as far as its budget allows, :func:`edgerev.memory.plan.autoplan.widen_slices`), at the nominal rates of a
     ``device`` (:func:`nominal_seconds`)."""
     seconds = {}
     for b in SMALL_BATCHES:
@@ -384,7 +384,7 @@ def _own_bytes(prof: Profile, model: nn.Module) -> Profile:
 _ESTIMATES: dict[tuple[str, bool], Profile] = {}  # (model key, exact modes only) -> estimated profile, this process
 
 
-# ---- plain models: per-stage statistics for checkpoint segments (edgerev.memory.segments) ----
+# ---- plain models: per-stage statistics for checkpoint segments (edgerev.memory.solve.segments) ----
 
 
 def stage_stats(stages: Sequence[nn.Module], x: Tensor, repeats: int = 2) -> list[StageStats]:

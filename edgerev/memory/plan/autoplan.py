@@ -3,11 +3,11 @@
 :func:`plan_training` is what the trainer, ``edgerev plan`` and the daemon call. The loop:
 
 1. the *floor*: batch 1 in the least-memory plan, its whole step accounted exactly on fake tensors
-   (:func:`edgerev.memory.account.account_step`); a budget below it is refused at once, naming it,
+   (:func:`edgerev.memory.measure.account.account_step`); a budget below it is refused at once, naming it,
    before anything is profiled;
 2. *solve*: a solver proposes the fastest plan its fitted costs say fits (stage modes by the
-   knapsack of :mod:`edgerev.memory.knapsack` for an invertible body, checkpoint segments by
-   :mod:`edgerev.memory.segments` for a plain one);
+   knapsack of :mod:`edgerev.memory.solve.knapsack` for an invertible body, checkpoint segments by
+   :mod:`edgerev.memory.solve.segments` for a plain one);
 3. *check*: the proposal's whole step is accounted exactly; if it passes the budget, the solver is
    asked again under a budget reduced by the overshoot (*shrink*), a few rounds, and the floor plan
    is the answer if nothing faster fits;
@@ -28,19 +28,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from edgerev.engine import supported_modes
 from edgerev.layers.base import Invertible
-from edgerev.memory import profile as profiles
-from edgerev.memory.account import StepAccount, StepShape, account_step, beyond_model
-from edgerev.memory.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
 from edgerev.memory.graph import planned
-from edgerev.memory.knapsack import default_batches, exact_only, plan, smallest_budget
-from edgerev.memory.measure import apply_plan, fake_step_peak, step_peak
-from edgerev.memory.segments import plan_segments
+from edgerev.memory.measure import profile as profiles
+from edgerev.memory.measure.account import StepAccount, StepShape, account_step, beyond_model
+from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
+from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
+from edgerev.memory.solve.knapsack import default_batches, exact_only, plan, smallest_budget
+from edgerev.memory.solve.segments import plan_segments
 from edgerev.models.spec import model_spec
 
 
@@ -210,13 +211,13 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
 
     ``model`` is an edgerev model or any classifier (``nn.Module``): one without an engine body is captured
     as a graph and planned as its chain (:func:`edgerev.memory.graph.planned`), which is what then trains:
-    it shares the model's weights. Its trainable set (:mod:`edgerev.memory.trainable`) is part of the plan.
+    it shares the model's weights. Its trainable set (:mod:`edgerev.train.trainable`) is part of the plan.
 
     Args:
         estimate: estimate the stage costs from FLOPs instead of measuring them (quick, less exact).
         max_batch: consider micro-batches up to this size only (a trainer's batch).
         step: what the recipe adds to a step (accumulation, momentum, a teacher; see
-            :class:`~edgerev.memory.account.StepShape`); None: a bare step of the micro-batch.
+            :class:`~edgerev.memory.measure.account.StepShape`); None: a bare step of the micro-batch.
         loss_fn: the trainer's loss (default: cross-entropy).
         profile, stats: the solver's per-stage costs, when the caller has them (else measured, cached).
         check: account each proposal exactly on fake tensors (default: on CPU, where that is exact).
@@ -344,14 +345,17 @@ def floor_plan(model: nn.Module, step: StepShape,
     return _floor(solver, lambda p: accounted(model, step, p, loss_fn), step.batch)
 
 
-def _loss_key(loss_fn) -> tuple | None:
-    from edgerev.train.continual import ContinualLoss
+class DescribedLoss(Protocol):
+    """A loss that says what a step's memory depends on: ``memory_key``, the same tuple for every loss whose step
+    holds the same tensors (the trainer's :class:`~edgerev.train.continual.ContinualLoss` has one)."""
 
+    memory_key: tuple
+
+
+def _loss_key(loss_fn: Callable[..., Tensor] | DescribedLoss | None) -> tuple | None:
     if loss_fn is None:
         return ("cross-entropy",)
-    if type(loss_fn) is ContinualLoss:
-        return ("continual", loss_fn.distill, loss_fn.temperature, loss_fn.label_smoothing)
-    return None  # a loss this cannot describe: accounted every time
+    return getattr(loss_fn, "memory_key", None)  # None: a loss this cannot describe, accounted every time
 
 
 _ACCOUNTS: dict[tuple, StepAccount] = {}  # (model, step, plan, loss) -> its account, for this process
@@ -360,7 +364,7 @@ _STAGE_PEAKS: dict[tuple, dict[int, int]] = {}  # the same key -> the account's 
 
 def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[..., Tensor] | None = None,
               stage_peaks: dict[int, int] | None = None) -> StepAccount:
-    """:func:`~edgerev.memory.account.account_step` of proposal ``p``, remembered for this process.
+    """:func:`~edgerev.memory.measure.account.account_step` of proposal ``p``, remembered for this process.
 
     An account on fake tensors depends only on the model's structure, its weights' types and which are
     trained, the step's shape, the plan and the loss: a daemon plans each job of the same model again, and

@@ -13,8 +13,8 @@ from torch import nn
 from edgerev._torchapi import fake_copy, fake_mode, storage_bytes
 from edgerev.engine import Execution, Mode, supported_modes
 from edgerev.errors import ModeError
-from edgerev.memory.account import StepShape, account_step
-from edgerev.memory.tracker import CudaPeak, MemoryTracker
+from edgerev.memory.measure.account import StepShape, account_step
+from edgerev.memory.measure.tracker import CudaPeak, MemoryTracker
 from edgerev.models import create_model
 from edgerev.models.spec import model_spec
 
@@ -80,7 +80,7 @@ def fake_step_peak(model: nn.Module, modes: tuple[str, ...] | None, batch: int, 
     """Exact peak bytes of one bare training step (cross-entropy, no optimizer state, a batch of
     ``batch``) with ``modes`` (or checkpoint ``segments``), on fake tensors: nothing is allocated.
 
-    A step under a recipe (accumulation, momentum, a teacher) is :func:`edgerev.memory.account.account_step`;
+    A step under a recipe (accumulation, momentum, a teacher) is :func:`edgerev.memory.measure.account.account_step`;
     this is that step with nothing but the micro-batch.
     """
     return account_step(model, StepShape(size), batch, lambda m: apply_plan(m, modes, segments)).total
@@ -138,7 +138,7 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
     (:mod:`edgerev.models.resolve`); a model from outside the registry runs through plain autograd.
     ``trust_factories``: the factories a model directory may name (:mod:`edgerev.models.trust`).
     """
-    from edgerev.memory.analytic import model_bytes_per_pixel
+    from edgerev.memory.measure.analytic import model_bytes_per_pixel
     from edgerev.models.names import SourceKind, source_kind
     from edgerev.models.resolve import resolve_model
 

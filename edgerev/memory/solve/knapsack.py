@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.costs import BudgetTooSmall, ModeCost, Plan, Profile
+from edgerev.memory.solve.costs import BudgetTooSmall, ModeCost, Plan, Profile
 
 
 @dataclass(frozen=True)

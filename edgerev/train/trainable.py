@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.costs import BudgetTooSmall  # pure: no torch
+from edgerev.memory.solve.costs import BudgetTooSmall  # pure: no torch
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-    from edgerev.memory.account import StepAccount, StepShape
+    from edgerev.memory.measure.account import StepAccount, StepShape
 
 BN_STATS = ("updated", "frozen")
 FORMS = "all, head, bias, last:N (N >= 1) or auto"
@@ -182,13 +182,13 @@ def choose_trainable(model: nn.Module, step: StepShape, budget: int, bn_stats: s
     instead when it trains more parameters and fits. The model is left with the chosen set applied.
 
     Raises:
-        NothingFits: not even the head fits at that batch (a :class:`~edgerev.memory.costs.BudgetTooSmall`
+        NothingFits: not even the head fits at that batch (a :class:`~edgerev.memory.solve.costs.BudgetTooSmall`
             whose message names the budget that does).
     """
     from dataclasses import replace
 
-    from edgerev.memory.autoplan import _ModesSolver, _SegmentsSolver, accounted, is_plain
     from edgerev.memory.graph import planned
+    from edgerev.memory.plan.autoplan import _ModesSolver, _SegmentsSolver, accounted, is_plain
 
     run = planned(model, step.size)
     batch = step.batch or 1

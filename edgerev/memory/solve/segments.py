@@ -12,7 +12,7 @@ linear graph. Re-forwarding minimizes that peak; here the same segment structure
 minimize the step time under the budget, exactly, by a dynamic program over (stage, bytes kept).
 
 The segments run in :mod:`edgerev.checkpointing` (beside the engine); the per-stage statistics come
-from :func:`edgerev.memory.profile.stage_stats`.
+from :func:`edgerev.memory.measure.profile.stage_stats`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 
 from edgerev.errors import EdgerevError
-from edgerev.memory.costs import BudgetTooSmall, Segment, SegmentPlan, StageStats
+from edgerev.memory.solve.costs import BudgetTooSmall, Segment, SegmentPlan, StageStats
 
 SEGMENT_MODES = ("store", "checkpoint", "store8", "store4")
 #: bytes an approximate segment keeps per float32 byte of its graph (the 1-d statistics stay exact: rounding)
