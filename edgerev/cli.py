@@ -117,8 +117,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         ppx = f"{r['paper_bytes_per_pixel']:.0f}" if "paper_bytes_per_pixel" in r else "-"
         print(f"{r['arch']:<10} {r['params']:>10,} {_mb(r['peak_bytes']):>10} {r['bytes_per_pixel']:>7.0f} "
               f"{_per_px(r['model_bytes_per_pixel']):>7} {paper:>9} {ppx:>9}")
-    print("B/px: slope of the peak between batch B and 2B per input pixel; model: analytic; paper: its peak at batch 32,\n"
-          "240x240, and that peak over its pixels (the paper gives no slope)")
+    print("B/px: slope of the peak between batch B and 2B per input pixel; model: analytic;\n"
+          "paper: its peak at batch 32, 240x240, and that peak over its pixels (the paper gives no slope)")
     return 0
 
 
