@@ -124,7 +124,8 @@ def check_finite(t: Tensor, what: str) -> None:
     if is_fake(t) or t.numel() == 0:
         return
     lo, hi = torch.aminmax(t.detach())
-    if not (torch.isfinite(lo) and torch.isfinite(hi)):
+    # one read of the host, not two: 0 * lo is NaN for an infinite or NaN lo, and hi adds its own
+    if not bool(torch.isfinite(lo.mul(0).add_(hi))):
         raise NonFiniteError(f"{what} holds NaN or infinity")
 
 
