@@ -43,6 +43,7 @@ def _rates(out):
     return [(r["step"], r["lr"]) for r in rows if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_a_run_that_patience_ends_anneals_its_rate_to_near_zero(tmp_path):
     r = train(plateau_cfg(train__log_every=1), tmp_path / "run", progress=False)
     early = r.summary["stopped_early"]
@@ -57,6 +58,7 @@ def test_a_run_that_patience_ends_anneals_its_rate_to_near_zero(tmp_path):
     assert tail[-1] == pytest.approx(lr * math.sin(math.pi / 16) ** 2)  # 8 steps: 3.8 % of lr at the last
 
 
+@pytest.mark.slow
 def test_anneal_zero_stops_where_patience_runs_out(tmp_path):
     r = train(plateau_cfg(train__anneal_epochs=0), tmp_path / "run", progress=False)
     rows = [json.loads(line) for line in (r.out / "metrics.jsonl").read_text().splitlines()]
@@ -65,6 +67,7 @@ def test_anneal_zero_stops_where_patience_runs_out(tmp_path):
     assert r.summary["stopped_early"]["annealed_epochs"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["before the tail", "inside the tail"])
 def test_a_resumed_run_anneals_where_an_uninterrupted_one_does(tmp_path, where):
     whole = train(plateau_cfg(train__log_every=1), tmp_path / "whole", progress=False)

@@ -44,6 +44,7 @@ def test_plan_without_a_batch_chooses_one_under_the_budget():
     assert p.batch >= 1 and p.predicted_peak_bytes <= 64 * 2**20
 
 
+@pytest.mark.slow
 def test_plan_refuses_a_budget_below_the_floor_naming_it():
     with pytest.raises(BudgetTooSmall, match="smallest"):
         edgerev.plan("resnet18", size=16, budget=1000, args={"width": 8})

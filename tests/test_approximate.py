@@ -148,6 +148,7 @@ def test_an_invertible_stage_keeps_no_float_copy_to_hand_back():
     assert kept - rebuilt == x.numel() * 4  # the plain stage keeps its float32 input; the invertible one rebuilds it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["resnet18", "revnet", "revnext"])
 def test_the_copies_are_all_that_is_kept_and_the_prediction_is_exact(arch, monkeypatch):
     """Kept bytes are the codes plus their per-channel ranges, and fake tensors predict a whole step to the byte."""
@@ -185,6 +186,7 @@ def test_the_copies_are_all_that_is_kept_and_the_prediction_is_exact(arch, monke
         assert predicted.total == measured.total, mode
 
 
+@pytest.mark.slow
 def test_mixed_plans_are_predicted_to_the_byte():
     """Plans where approximate stages hand back their input (kept or rebuilt) are predicted exactly too."""
     for arch, pattern in (("revnext", ("invert", "store8", "store4")), ("revnet", ("recompute", "store4", "store8"))):

@@ -98,6 +98,7 @@ def capped_steps(model, teacher, cfg, batch: int, micro: int, cap, steps: int = 
     assert cap.baseline < cap.peak <= cap.budget, "the verified step's tracked peak"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", [False, True], ids=["new-only", "replay"])
 @pytest.mark.parametrize("distill", [False, True], ids=["ce", "distill"])
 @pytest.mark.parametrize("size", [32, pytest.param(64, marks=pytest.mark.slow)])  # 32 covers every invariant
@@ -141,6 +142,7 @@ def test_the_trainer_plans_at_the_floor_and_trains(arch, monkeypatch, tmp_path):
     capped_steps(model, teacher, cfg, BATCH, micro, cap)
 
 
+@pytest.mark.slow
 def test_a_run_below_the_floor_stops_at_start_and_writes_nothing(tmp_path):
     from edgerev.config import from_dict
     from edgerev.train.trainer import train

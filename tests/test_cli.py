@@ -54,6 +54,7 @@ def test_memory_json(capsys):
     assert d["paper_peak_bytes"] == PAPER_PEAK_BYTES["revnext"]
 
 
+@pytest.mark.slow
 def test_memory_table_json(capsys):
     rows = run_json(capsys, "memory", "--table", "--batch", "1", "--size", "16", "--fake", "--json")
     assert isinstance(rows, list) and len(rows) == 5
@@ -63,6 +64,7 @@ def test_memory_table_json(capsys):
         assert r["peak_bytes"] > 0 and r["paper_peak_bytes"] == PAPER_PEAK_BYTES[r["arch"]]
 
 
+@pytest.mark.slow
 def test_memory_text(capsys):
     rc, out, _ = run(capsys, "memory", "--arch", "revnext", "--batch", "1", "--size", "16", "--fake")
     assert rc == 0
@@ -153,6 +155,7 @@ def test_plan_json_verify(capsys, small_revnext):
     assert "measured_peak_bytes" not in d2
 
 
+@pytest.mark.slow
 def test_plan_plain_model_json_verify(capsys, tmp_path, monkeypatch):
     """The default ResNet-18 (no invertible stage) end to end: a plan that the measured step keeps to."""
     monkeypatch.setenv("EDGEREV_CACHE", str(tmp_path))
@@ -174,6 +177,7 @@ def test_plan_text(capsys, small_revnext):
     assert "budget 2,097,152 bytes" in out and "predicted peak" in out and "HybridBlock" in out
 
 
+@pytest.mark.slow
 def test_plan_budget_too_small(capsys, small_revnext):
     prof, _, _ = small_revnext
     line = assert_one_line_error(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "1B")
@@ -185,6 +189,7 @@ def test_plan_budget_too_small(capsys, small_revnext):
     assert json.loads(out)["predicted_peak_bytes"] <= int(budget)
 
 
+@pytest.mark.slow
 def test_plan_estimate(capsys, small_revnext):
     rc, out, err = run(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "2MiB", "--estimate", "--json")
     assert rc == 0, err

@@ -157,6 +157,7 @@ def test_a_failing_part_is_recorded_and_the_campaign_goes_on(tmp_path):
     assert "memory: failed" in r.stdout
 
 
+@pytest.mark.slow
 def test_a_part_over_the_budget_is_killed_and_what_it_measured_is_kept(tmp_path):
     # ResNet-18's three modes at 16 x 240 x 240 under the CPU tracker: minutes of work for an 8-second budget
     r, result = campaign(tmp_path, "--device", "cpu", "--only", "memory", "--models", "resnet18", "--batch", "16",

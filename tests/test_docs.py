@@ -274,6 +274,109 @@ def _readme_setup(page: Path) -> list[Block]:
     return [Block(page, first.line, "sh", demo + "\n", None)]
 
 
+# What the pages train runs small while tested: a page shows the recipe a user runs, the test checks that its
+# commands work together and leave what the page says (CHECKS). The recipes' outcomes are tested at full length
+# elsewhere: tests/test_train.py::test_cpu_demo_preset_reaches_its_stated_accuracy (configs/cpu-demo.yaml),
+# tests/daemon/test_cli.py::test_demo_status_check_rollback (the demo on 300 images, as the guides run it: its
+# first model is promoted).
+
+#: the presets the pages train, rewritten in a page's scratch configs/ with these keys (the rest are the preset's)
+SMALL_PRESETS = {
+    name: {"data": {"train": {"samples": 320}, "val": {"samples": 200}}, "train": {"epochs": 1}}
+    for name in ("cpu-demo.yaml", "cpu-demo-old.yaml", "finetune-demo.yaml")
+}
+#: per page, (the text in its blocks, what runs in its place): each must be found, so that an edited page fails
+#: here instead of running long unnoticed
+SMALL_TEXT = {
+    "README.md": [("edgerev daemon demo\n", "edgerev daemon demo --images 300\n"),
+                  ("--batch 8 --size 240 --fake", "--batch 8 --size 64 --fake"),  # training.md's, at 64 too
+                  ("edgerev daemon demo  ", "edgerev daemon demo --images 300  "),
+                  ("train: {kind: synthetic, samples: 1000}", "train: {kind: synthetic, samples: 128}")],
+    "docs/guides/device.md": [("edgerev daemon demo\n", "edgerev daemon demo --images 300\n")],
+    "docs/guides/training.md": [("train: {kind: synthetic, samples: 1000}", "train: {kind: synthetic, samples: 128}")],
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """What a page's run must leave behind: files in its scratch folder, and lines its commands print (regular
+    expressions searched in the stdout of all its blocks together)."""
+
+    files: tuple[str, ...] = ()
+    printed: tuple[str, ...] = ()
+
+
+DEMO_PRINTS = (r"ingest: \d+ stored", r"ONNX model: \S+\.onnx", r"prediction with ONNX Runtime for ")
+HEAD_TUNED = r"trained the head \(numpy [\d.]+\) on \d+ images"
+TRAIN_DONE = r"done: \d+ steps, validation accuracy \d\.\d{4}"
+CHECKS = {
+    "README.md": Check(
+        files=("runs/daemon-demo/current/model.onnx", "runs/demo/summary.json", "runs/demo/model.safetensors",
+               "runs/capped/summary.json", "runs/new/summary.json", "new.onnx"),
+        printed=(*DEMO_PRINTS, r"demo run 2: ", TRAIN_DONE, r"old classes \d\.\d{4}, new classes \d\.\d{4}",
+                 r"wrote new\.onnx: [\d,]+ bytes", r"ONNX Runtime against PyTorch: max abs difference",
+                 r"example\.png: class\d ", r"predicted peak", r"^\d+ \d+$")),
+    "docs/install.md": Check(printed=(r"^edgerev \S+$",)),
+    "docs/guides/bring-your-own-model.md": Check(
+        files=("pretrained.onnx", "runs/v1/summary.json", "runs/v2/summary.json", "updated.onnx", "tuned.onnx"),
+        printed=(r"^updated\.onnx \[\('image', \['batch', 3, 32, 32\]\)\] \[\('scores', \['batch', 6\]\)\]$",
+                 r"wrote updated\.onnx: ", r"images/class5/\S+\.png: class\d ", HEAD_TUNED,
+                 r"wrote tuned\.onnx in ", r"^\d+ \d+$")),
+    "docs/guides/continual.md": Check(files=("runs/old/summary.json", "runs/new/summary.json"),
+                                      printed=(r"'forgetting': ", r"'start_old_acc': ")),
+    "docs/guides/daemon.md": Check(
+        files=("runs/daemon-demo/current/model.onnx",),
+        printed=(*DEMO_PRINTS, r'"current": \{', r"samples, \d+ blobs: consistent")),
+    "docs/guides/device.md": Check(
+        files=("runs/daemon-demo/current/model.onnx", "mydevice/daemon.yaml"),
+        printed=(*DEMO_PRINTS, r"example\.png: class\d ")),
+    "docs/guides/export.md": Check(
+        files=("runs/demo/summary.json", "demo.onnx", "demo-tuned.onnx"),
+        printed=(TRAIN_DONE, r"wrote demo\.onnx: ", r"images/class3/\S+\.png: class\d ", HEAD_TUNED,
+                 r"wrote demo-tuned\.onnx in ")),
+    "docs/guides/labelling.md": Check(
+        files=("runs/daemon-demo/current/model.onnx",),
+        printed=(*DEMO_PRINTS, r"questions")),
+    "docs/guides/training.md": Check(
+        files=("runs/demo/summary.json", "runs/capped/summary.json"),
+        printed=(TRAIN_DONE, r"predicted peak")),
+    "docs/reference/commands.md": Check(printed=(r"usage: edgerev ", r"usage: edgerev daemon ")),
+}
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    return {**base, **{k: _merge(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in changes.items()}}
+
+
+def _configs(work: Path) -> None:
+    """The page's configs/: the repository's, with SMALL_PRESETS rewritten small."""
+    import yaml
+
+    (work / "configs").mkdir()
+    for entry in (ROOT / "configs").iterdir():
+        if entry.name in SMALL_PRESETS:
+            preset = _merge(yaml.safe_load(entry.read_text()), SMALL_PRESETS[entry.name])
+            (work / "configs" / entry.name).write_text(yaml.safe_dump(preset, sort_keys=False))
+        else:
+            (work / "configs" / entry.name).symlink_to(entry)
+
+
+def _small(page: Path, todo: list[Block]) -> list[Block]:
+    """The page's blocks with SMALL_TEXT in place."""
+    name = str(page.relative_to(ROOT))
+    for old, new in SMALL_TEXT.get(name, []):
+        assert any(old in b.code for b in todo), f"{name}: no block holds {old!r} (tests/test_docs.py SMALL_TEXT)"
+        todo = [Block(b.page, b.line, b.lang, b.code.replace(old, new), b.marker) for b in todo]
+    return todo
+
+
+def _profiles(tmp_path_factory) -> Path:
+    """The profile cache the pages share: the run's, across its workers (a measured profile is a minute of CPU
+    here; the cache writes each file whole, through a rename, so two workers measuring at once is safe)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "edgerev-cache"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [pytest.param(p, marks=[pytest.mark.longest] if p == README else [])
                                   for p in RUN_PAGES if any(b.marker is None and b.lang in ("sh", "python")
@@ -282,12 +385,13 @@ def _readme_setup(page: Path) -> list[Block]:
 def test_page_runs(page, tmp_path, tmp_path_factory):
     work = tmp_path / "work"
     work.mkdir()
-    for name in ("configs", "benchmarks"):
-        (work / name).symlink_to(ROOT / name)
+    _configs(work)
+    (work / "benchmarks").symlink_to(ROOT / "benchmarks")
     home = tmp_path / "home"
     home.mkdir()
-    env = _env(home, tmp_path_factory.getbasetemp() / "edgerev-cache")  # profiles shared by the pages
-    todo = (_readme_setup(page) if page == README else []) + blocks(page)
+    env = _env(home, _profiles(tmp_path_factory))
+    todo = _small(page, (_readme_setup(page) if page == README else []) + blocks(page))
+    printed = []
     for block in todo:
         where = f"{page.relative_to(ROOT)}:{block.line}"
         if block.marker == "forever":
@@ -302,3 +406,18 @@ def test_page_runs(page, tmp_path, tmp_path_factory):
         r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
         assert r.returncode == 0, (f"{where}: exit {r.returncode}\n$ {shlex.join(argv)[:2000]}\n"
                                    f"--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}")
+        printed.append(r.stdout)
+    name = str(page.relative_to(ROOT))
+    for path in CHECKS[name].files:
+        assert (work / path).is_file(), f"{name}: its commands wrote no {path}"
+    out = "".join(printed)
+    for pattern in CHECKS[name].printed:
+        assert re.search(pattern, out, re.M), f"{name}: nothing printed matches {pattern!r}:\n{out[-4000:]}"
+
+
+def test_every_page_that_runs_has_checks():
+    """A page test_page_runs runs says what its commands must leave (CHECKS), and nothing else is named there."""
+    ran = {str(p.relative_to(ROOT)) for p in RUN_PAGES if any(b.marker is None and b.lang in ("sh", "python")
+                                                              for b in blocks(p))}
+    assert ran == set(CHECKS)
+    assert set(SMALL_TEXT) <= ran

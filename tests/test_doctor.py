@@ -313,6 +313,7 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
     assert e.value.code == USAGE
 
 
+@pytest.mark.slow
 def test_the_command_in_its_own_process_text_and_exit_status(tmp_path):
     env = {**os.environ, "EDGEREV_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "edgerev", "doctor", "--config", str(write_config(tmp_path)),

@@ -529,6 +529,7 @@ def test_store_mode_peak_is_several_times_larger():
     assert rec["after_forward"] < 1.05 * v, rec
 
 
+@pytest.mark.slow
 def test_invert_mode_peak_does_not_grow_with_depth():
     a = _hybrid_step(8, "invert")
     b = _hybrid_step(16, "invert")
@@ -613,6 +614,7 @@ def test_floor_on_a_generic_coupling_names_the_stage_and_its_modes():
         seq.stages[4].floor_backward_(None, None, None, {})
 
 
+@pytest.mark.slow
 def test_floor_mode_peak_is_half_a_volume_below_invert():
     inv, inv2 = _hybrid_step(8, "invert"), _hybrid_step(8, "invert", batch=16)
     flo, flo2 = _hybrid_step(8, "floor"), _hybrid_step(8, "floor", batch=16)
@@ -626,6 +628,7 @@ def test_floor_mode_peak_is_half_a_volume_below_invert():
     assert flo["after_step"] == inv["after_step"]
 
 
+@pytest.mark.slow
 def test_floor_bytes_predicted_on_fake_tensors_equal_the_measured():
     """The fake-tensor prediction of a step in floor mode (what the planner and ``edgerev memory --fake``
     use) is the byte count the tracker measures on real tensors."""

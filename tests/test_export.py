@@ -272,6 +272,7 @@ def test_input_normalization_matches_the_trainer():
     np.testing.assert_allclose(ours, torch_normalize(torch.from_numpy(pixels), info).numpy(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cli_export(exported, capsys, tmp_path):
     _, _, r = exported
     run = r.path.parent / "run"

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernels.py"
 TINY = {"width": 4}
@@ -41,6 +43,7 @@ def test_a_step_counts_more_kernels_inverted_than_stored_by_autograd():
     assert plain["flops"] < invert["flops"]  # the backward rebuilds the activations it did not keep
 
 
+@pytest.mark.slow
 def test_the_json_has_a_row_per_mode_with_its_ratios_to_plain_autograd(tmp_path):
     out = tmp_path / "kernels.json"
     result = kernels.main(["--models", "revnext", "--modes", "invert", "--width", "4", "--batch", "2",

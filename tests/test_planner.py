@@ -409,6 +409,7 @@ def test_plan_model_rejects_a_budget_below_the_weights(cache):
     assert verify(model, fitted.plan.modes, fitted.plan.batch, 16)["measured_peak_bytes"] <= info.value.smallest
 
 
+@pytest.mark.slow
 def test_estimate_profile_runs_and_agrees_with_measured_bytes():
     torch.manual_seed(0)
     model = EngineModel([stem(4), HybridBlock(4)], features=4, num_classes=2, divisor=1)
@@ -534,6 +535,7 @@ def test_a_cache_entry_that_is_not_an_object_is_measured_again(cache, monkeypatc
     assert fake.calls == 2
 
 
+@pytest.mark.slow
 def test_an_account_is_made_once_per_model_step_plan_and_loss(monkeypatch):
     """A daemon plans every job of the same model: the fake-tensor step behind each account runs once."""
     from edgerev.memory.measure.account import StepShape

@@ -213,6 +213,7 @@ def test_cli_predict_reports_each_bad_file_and_classifies_the_rest(setup, capsys
     assert "error" in rows[0] and rows[1]["label"] in CLASSES
 
 
+@pytest.mark.slow
 def test_cli_predict_into_a_closed_pipe_ends_quietly(setup, tmp_path):
     """`edgerev predict ... | head`: the reader is gone; exit 141 as a tool killed by SIGPIPE, no traceback."""
     import os

@@ -94,6 +94,7 @@ def plateau_cfg(**over) -> RunConfig:
     return from_dict(RunConfig, c)
 
 
+@pytest.mark.slow
 def test_a_plateau_ends_the_run_early_and_the_summary_says_why(tmp_path):
     r = train(plateau_cfg(), tmp_path / "run", progress=False)
     early = r.summary["stopped_early"]
@@ -107,6 +108,7 @@ def test_a_plateau_ends_the_run_early_and_the_summary_says_why(tmp_path):
     assert read_progress(r.out)["state"] == "plateau" and (r.out / "model.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_resumed_run_stops_on_the_same_plateau(tmp_path):
     whole = train(plateau_cfg(), tmp_path / "whole", progress=False)
     calls = {"n": 0}

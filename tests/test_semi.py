@@ -140,6 +140,7 @@ def test_the_account_counts_the_strong_views_and_their_weights():
         StepShape(16, 8, unlabeled=8)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=st.integers(1, 6), ratio=st.integers(1, 3), micro=st.integers(1, 8), distill=st.booleans())
 def test_the_trainer_s_step_with_fixmatch_stays_under_its_account(batch, ratio, micro, distill):
@@ -202,6 +203,7 @@ def recipe(semi: bool, budget=None, epochs: int = 2, threshold: float = 0.5) -> 
                      semi=SemiConfig(enabled=semi, threshold=threshold, ratio=2))
 
 
+@pytest.mark.slow
 def test_a_run_under_a_budget_with_fixmatch_stays_under_it(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEREV_CACHE", str(tmp_path / "cache"))
     budget = 24 * 2**20

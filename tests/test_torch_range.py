@@ -58,6 +58,7 @@ def test_the_installed_torch_is_in_range_and_importing_warns_nothing():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_importing_under_another_torch_warns_once_in_one_line(version="2.5.1+cu124"):
     code = f"import torch; torch.__version__ = {version!r}; import edgerev.models, edgerev.engine, edgerev.layers"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

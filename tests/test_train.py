@@ -83,6 +83,7 @@ def _weights(folder):
     return model.state_dict()
 
 
+@pytest.mark.slow
 def test_a_stopped_run_resumes_to_the_same_weights(tmp_path):
     whole = run(tmp_path, "whole")
     polls = []
@@ -104,6 +105,7 @@ def test_a_stopped_run_resumes_to_the_same_weights(tmp_path):
     assert len(steps) == len(set(steps)), "resuming must not log a step twice"
 
 
+@pytest.mark.slow
 def test_a_stop_in_an_epochs_evaluation_waits_one_batch_and_the_resume_evaluates_first(tmp_path, monkeypatch):
     """A stop asked during an epoch's evaluation ends it before its next batch, with no step after it; the
     checkpoint says the evaluation is due, and the resumed run makes it before any step: the same weights and
@@ -244,6 +246,7 @@ def test_output_folder_rules(tmp_path):
         train(from_dict(RunConfig, recipe(train__epochs=9)), tmp_path / "s", resume=True)
 
 
+@pytest.mark.slow
 def test_memory_saving_and_plain_training_agree(tmp_path):
     """Same weights, same seed, same steps: the engine's run and plain autograd's end at the same accuracy."""
     saving = run(tmp_path, "saving", memory__mode="invert")

@@ -19,6 +19,7 @@ from tests.daemon.conftest import Clock
 from tests.daemon.test_service import SMALL, drop, make_config
 
 
+@pytest.mark.slow
 def test_a_rare_label_waits_reported_then_trains_on_all_its_samples(tmp_path):
     config, _ = make_config(tmp_path, training={**SMALL["training"], "min_samples_per_label": 8})
     drop(config, 100, range(2))

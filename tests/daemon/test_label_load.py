@@ -128,6 +128,7 @@ def journal_labels(config) -> dict[str, int]:
     return count
 
 
+@pytest.mark.slow
 def test_200_answers_at_once_each_get_a_reply_and_each_is_applied_once(unlabelled):
     config, samples = unlabelled
     holder = Holder(config)

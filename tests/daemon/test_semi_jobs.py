@@ -23,6 +23,7 @@ from .test_service import SMALL, drop
 from .test_service import make_config as service_config
 
 
+@pytest.mark.slow
 def test_a_daemon_job_learns_from_unlabelled_images_in_the_inbox(tmp_path):
     """The real loop: 160 labelled images and 60 unlabelled ones; the job takes the unlabelled ones as its
     trainer's unlabelled set, reports them, and is judged on the labelled held-out samples alone."""
@@ -72,6 +73,7 @@ def test_a_daemon_job_learns_from_unlabelled_images_in_the_inbox(tmp_path):
     assert f"\nedgerev_last_job_unlabeled_taken {last['unlabeled']}\n" in text
 
 
+@pytest.mark.slow
 def test_status_before_a_job_and_after_one_without_unlabelled_images(tmp_path):
     """No job yet: no pseudo-label line, no gauge; a job with no unlabelled image says so (pool 0)."""
     from edgerev_daemon.service.daemon import Daemon

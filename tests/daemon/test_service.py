@@ -65,6 +65,7 @@ def assert_current_complete(config, daemon=None) -> str:
     return target.name
 
 
+@pytest.mark.slow
 def test_cycles_train_promote_and_keep_out(tmp_path, caplog):
     config, _ = make_config(tmp_path)
     clock = Clock()
@@ -105,6 +106,7 @@ def test_cycles_train_promote_and_keep_out(tmp_path, caplog):
         assert check_consistency(d.store, d.blobs).ok
 
 
+@pytest.mark.slow
 def test_the_schedule_counts_samples_and_time(tmp_path):
     config, _ = make_config(tmp_path, schedule={"min_new_samples": 1000, "max_interval_seconds": 600.0})
     clock = Clock()
@@ -119,6 +121,7 @@ def test_the_schedule_counts_samples_and_time(tmp_path):
         assert d.cycle().due is None  # nothing new since
 
 
+@pytest.mark.slow
 def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
     from edgerev_daemon.learning import promote
 
@@ -145,6 +148,7 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
         assert not (Path(config.data_dir) / "versions" / r.job["version"]).exists()
 
 
+@pytest.mark.slow
 def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatch):
     from edgerev_daemon.storage import registry
 
@@ -176,6 +180,7 @@ def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatc
         assert assert_current_complete(config) == "v0003"
 
 
+@pytest.mark.slow
 def test_rollback(tmp_path):
     config, _ = make_config(tmp_path, promotion={"alpha": 0.5, "forgetting_margin": 1.0, "keep_last": 1})
     with Daemon(config, clock=Clock()) as d:
@@ -293,6 +298,7 @@ def test_run_reloads_on_sighup_and_stops_on_sigterm_with_a_checkpoint(tmp_path):
     assert 0 < step < 1000 * 4
 
 
+@pytest.mark.slow
 def test_presets_are_valid():
     from edgerev_daemon.config import load_config
     from edgerev_daemon.learning.jobs import check_training

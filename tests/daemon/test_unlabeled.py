@@ -506,6 +506,7 @@ def test_a_removal_of_unlabelled_samples_cut_short_is_finished_at_start(tmp_path
         d.lock.release()
 
 
+@pytest.mark.slow
 def test_a_daemon_cycle_trains_and_judges_on_labelled_samples_only(tmp_path):
     """The real loop: 60 unlabelled images beside 160 labelled ones make no job due by themselves, and the job
     the labelled ones make trains on the labelled training split alone and is judged on the labelled held-out."""

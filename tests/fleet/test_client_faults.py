@@ -74,6 +74,7 @@ def test_bad_message_is_refused_with_one_event_and_no_job(device, identity, faul
     assert device.store.last_job() is None and device.registry.current() is None
 
 
+@pytest.mark.slow
 def test_device_whose_cap_cannot_train_the_fleets_model_says_so(device, identity):
     from dataclasses import replace
 

@@ -55,6 +55,7 @@ def test_a_link_to_a_running_daemon_hands_its_request_over_and_gives_up_when_una
     assert not any(requests_dir(daemon.config.layout.root).iterdir())
 
 
+@pytest.mark.slow
 def test_the_daemons_cycle_answers_a_round_and_a_candidate(running):
     _, daemon = running
     root = daemon.config.layout.root
