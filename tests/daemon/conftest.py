@@ -138,8 +138,8 @@ def served(tmp_path_factory) -> Path:
     """A data directory the daemon made, with v0001 in service (one real job, trained once for every test
     that asks: test_service's SMALL config, 160 images of 2 classes). Read it, or copy it to change it."""
     from edgerev_daemon.service.daemon import Daemon
-    from tests.daemon.test_service import drop
-    from tests.daemon.test_service import make_config as service_config
+    from tests.daemon.service.test_service import drop
+    from tests.daemon.service.test_service import make_config as service_config
 
     tmp = tmp_path_factory.mktemp("served")
     config, _ = service_config(tmp)
@@ -169,8 +169,8 @@ def label_page(served, tmp_path):
     """The labelling page's server on a copy of ``served`` with 30 unlabelled samples and their questions:
     (config, the running server, each sample's true label)."""
     from edgerev_daemon.service.http import StatusServer
-    from tests.daemon.test_http import http_config
-    from tests.daemon.test_questions import asked_copy
+    from tests.daemon.learning.test_questions import asked_copy
+    from tests.daemon.service.test_http import http_config
 
     config, _, truth, _ = asked_copy(served, tmp_path, n=30)
     config = http_config(config)
