@@ -276,7 +276,7 @@ def _readme_setup(page: Path) -> list[Block]:
 
 # What the pages train runs small while tested: a page shows the recipe a user runs, the test checks that its
 # commands work together and leave what the page says (CHECKS). The recipes' outcomes are tested at full length
-# elsewhere: tests/test_train.py::test_cpu_demo_preset_reaches_its_stated_accuracy (configs/cpu-demo.yaml),
+# elsewhere: tests/train/test_trainer.py::test_cpu_demo_preset_reaches_its_stated_accuracy (configs/cpu-demo.yaml),
 # tests/daemon/service/test_cli.py::test_demo_status_check_rollback (the demo on 300 images, as the guides run
 # it: its first model is promoted).
 

@@ -11,7 +11,7 @@ from edgerev.train.continual import ContinualLoss, distillation_loss, grow_head,
 from edgerev.train.data import DataError
 from edgerev.train.labeled import LabeledImages
 from edgerev.train.trainer import train
-from tests.test_train import recipe
+from tests.train.test_trainer import recipe
 
 
 def test_grown_head_keeps_old_logits():

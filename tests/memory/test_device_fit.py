@@ -109,7 +109,7 @@ def test_the_planned_batch_trains_under_a_400_mib_cap_without_running_out_of_mem
     from edgerev.train.config import load_config
     from edgerev.train.memory import plan_memory
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gtx750.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "gtx750.yaml")
     cfg = replace(cfg, memory=replace(cfg.memory, profile="estimate"))  # measuring the profile takes minutes
     torch.manual_seed(0)
     model = create_model("revnext", width=32, num_classes=10).cuda()

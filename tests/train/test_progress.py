@@ -13,7 +13,7 @@ from edgerev.train.config import RunConfig
 from edgerev.train.progress import Pacer, Plateau, Progress, duration, read_progress
 from edgerev.train.trainer import RunError, train
 
-from .test_train import recipe
+from .test_trainer import recipe
 
 
 class Clock:

@@ -20,7 +20,7 @@ from edgerev.models.names import ARCHS
 from edgerev.models.onnx_import import load_onnx
 from edgerev.models.onnx_import.read import read_onnx
 from edgerev.train.checkpoint import load_model
-from tests.model_files import VALID_INFO, classifier, model_directory, save_onnx, with_external_data
+from tests.models.model_files import VALID_INFO, classifier, model_directory, save_onnx, with_external_data
 
 TINY = "tests.resolve_factories:tiny"
 #: what a file might name as code: none of these modules may be imported because a file said so

@@ -21,7 +21,7 @@ from edgerev.export.onnx import export_onnx
 from edgerev.export.predict import Predictor, softmax
 from edgerev.train.checkpoint import normalize as torch_normalize
 from edgerev.train.data import decode_image
-from tests.exporting import CLASSES, SIZE, make_run, run_without_torch, save_images, synthetic
+from tests.export.exporting import CLASSES, SIZE, make_run, run_without_torch, save_images, synthetic
 
 pytest.importorskip("onnxruntime")
 
@@ -158,7 +158,7 @@ def test_without_torch(setup, tmp_path):
         assert main(["predict", "--model", {str(path)!r}, {str(images[1])!r}]) == 0
         assert sys.modules["torch"] is None and not any(m.startswith("torch.") for m in sys.modules)
     """
-    done = run_without_torch(code, Path(__file__).parents[1])
+    done = run_without_torch(code, Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr
     label = done.stdout.split()[0]
     assert label in CLASSES and f"{images[1]}: " in done.stdout

@@ -24,7 +24,7 @@ from edgerev.export.onnx import export_onnx
 from edgerev.export.ort_training import build_artifacts
 from edgerev.export.ort_training import train_head as ort_train_head
 from edgerev.export.runtime import inference_session, training_modules
-from tests.exporting import CLASSES, make_run, needs_ort_training, run_without_torch, save_images, synthetic
+from tests.export.exporting import CLASSES, make_run, needs_ort_training, run_without_torch, save_images, synthetic
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +304,7 @@ def test_without_torch(exported, data, tmp_path, backend):
         print(r.val_accuracy_before, r.val_accuracy_after)
         assert sys.modules["torch"] is None and not any(m.startswith("torch.") for m in sys.modules)
     """
-    done = run_without_torch(code, Path(__file__).parents[1])
+    done = run_without_torch(code, Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr
     before, after = map(float, done.stdout.split())
     assert after >= 0.9 and after > before

@@ -308,7 +308,7 @@ def test_cpu_demo_preset_reaches_its_stated_accuracy(tmp_path):
 
     from edgerev.train.config import load_config
 
-    preset = Path(__file__).parent.parent / "configs" / "cpu-demo.yaml"
+    preset = Path(__file__).parents[2] / "configs" / "cpu-demo.yaml"
     t0 = time.perf_counter()
     result = train(load_config(preset), tmp_path / "demo", progress=False)
     seconds = time.perf_counter() - t0

@@ -20,7 +20,7 @@ from edgerev.export.runtime import inference_session
 from edgerev.models import list_models
 from edgerev.torch_range import release
 from edgerev.train.checkpoint import INFO, CheckpointError, ModelInfo, save_model
-from tests.exporting import CLASSES, SIZE, make_run, tiny_model
+from tests.export.exporting import CLASSES, SIZE, make_run, tiny_model
 
 pytest.importorskip("onnxruntime")
 

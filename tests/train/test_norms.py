@@ -14,7 +14,7 @@ from edgerev.train.config import RunConfig
 from edgerev.train.norms import calibrate, norms
 from edgerev.train.trainer import train
 
-from .test_train import recipe
+from .test_trainer import recipe
 
 
 def _model():

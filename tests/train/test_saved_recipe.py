@@ -11,7 +11,7 @@ from edgerev.train.labeled import load_source
 from edgerev.train.trainer import train
 from edgerev_daemon.service.demo import write_images
 
-from .test_train import recipe
+from .test_trainer import recipe
 
 
 def test_a_folder_run_saves_only_what_a_folder_source_means_and_reads_back_the_same(tmp_path):

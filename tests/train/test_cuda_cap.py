@@ -1,6 +1,6 @@
 """The CUDA cap's fraction: whichever device total the allocator multiplies and however it maps its pages,
 the bytes it may reserve stay within the budget. Runs without a GPU; the allocator itself is checked
-by the GPU tests (tests/test_cap.py, tests/test_cuda_campaign.py)."""
+by the GPU tests (tests/train/test_cap.py, tests/test_cuda_campaign.py)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from edgerev.models.info import CheckpointError
 from edgerev.models.resolve import resolve_model
 from edgerev.train.checkpoint import ModelInfo, load_model, save_model
 from edgerev.train.config import ModelConfig
-from tests.model_files import VALID_INFO, classifier, model_directory, save_onnx, with_external_data
+from tests.models.model_files import VALID_INFO, classifier, model_directory, save_onnx, with_external_data
 from tests.resolve_factories import TinyNet, tiny
 
 TINY = "tests.resolve_factories:tiny"
