@@ -70,11 +70,13 @@ def _view(v: Tensor, dim: int) -> Tensor:
     return v.view(1, -1, *([1] * (dim - 2)))
 
 
-def split_codes(hi: Tensor, lo: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """Codes per channel for positive values and for the others, in proportion to the two ranges."""
+def split_codes(hi: Tensor, lo: Tensor, bits: int) -> Tensor:
+    """Codes per channel ``[2, C]``: for positive values and for the others, in proportion to the two ranges."""
     total = 2**bits
-    positive = (total * hi / (hi + lo)).round_().clamp_(1, total - 1)
-    return positive, total - positive
+    counts = hi.new_empty(2, *hi.shape)
+    torch.mul(hi, total, out=counts[0]).div_(hi + lo).round_().clamp_(1, total - 1)
+    torch.neg(counts[0], out=counts[1]).add_(total)
+    return counts
 
 
 # Codes run in the order of the values: ``0 .. N-1`` for values <= 0 (the largest magnitude first), ``N ..
@@ -103,9 +105,7 @@ def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None) -> 
         table[1].copy_(rng[1])
     # a range of 0 would put a whole sign at zero on the way back: keep every range positive
     ranges.clamp_min_(torch.finfo(x.dtype).eps)
-    counts = torch.empty_like(ranges)  # codes of the positive values, of the others
-    torch.mul(table[0], total, out=counts[0]).div_(table[0] + table[1]).round_().clamp_(1, total - 1)
-    torch.neg(counts[0], out=counts[1]).add_(total)
+    counts = split_codes(table[0], table[1], bits)
     torch.div(ranges, counts, out=table[2:4])
     torch.sub(counts[1], 0.5, out=table[4])
     step_pos, step_neg = _view(table[2], dim), _view(table[3], dim)
