@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from edgerev.config import ConfigError, byte_size, check, from_dict, load_yaml
+from edgerev.config import ConfigError, byte_size, check, from_dict, load_yaml, merged
 from edgerev.sizes import ByteSize, parse_bytes
 from edgerev.train.config import ContinualConfig, MemoryConfig, ModelConfig, OptimConfig, SemiConfig, TrainConfig
 from edgerev_daemon.layout import Layout
@@ -133,16 +133,6 @@ class TrainingConfig:
         check(self.min_samples_per_label >= 1, "min_samples_per_label",
               f"must be at least 1, got {self.min_samples_per_label}")
         check(self.max_unlabeled >= 0, "max_unlabeled", f"must be >= 0 (0: none), got {self.max_unlabeled}")
-
-
-def _merged(defaults: dict, given) -> dict:
-    """``given`` over ``defaults``, mapping by mapping (a non-mapping ``given`` is left for the type check)."""
-    if not isinstance(given, dict):
-        return given
-    out = dict(defaults)
-    for k, v in given.items():
-        out[k] = _merged(defaults[k], v) if isinstance(defaults.get(k), dict) and isinstance(v, dict) else v
-    return out
 
 
 @dataclass(frozen=True)
@@ -347,7 +337,7 @@ def config_from_dict(data: dict, base: str | Path | None = None) -> DaemonConfig
         if moved:  # a config written for an earlier edgerev: say where each key went
             raise ConfigError("; ".join(f"training.{k} is now training.{MOVED_TRAINING_KEYS[k]}" for k in moved)
                               + " (the training section takes the trainer's recipe sections; see configs/daemon/)")
-        data = {**data, "training": _merged(TRAINING_DEFAULTS, data.get("training") or {})}
+        data = {**data, "training": merged(TRAINING_DEFAULTS, data.get("training") or {})}
     if isinstance(data, dict) and isinstance(data.get("promotion"), dict):
         gone = [k for k in data["promotion"] if k in REMOVED_PROMOTION_KEYS]
         if gone:  # a config written for an earlier edgerev: say why the key went and what replaces it

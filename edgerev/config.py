@@ -160,6 +160,17 @@ def to_dict(cfg) -> dict:
     return plain(cfg)
 
 
+def merged(base: dict, over):
+    """``over`` laid on ``base`` mapping by mapping (a key's mapping merged, anything else replaced); a non-mapping
+    ``over`` comes back as it is, for the type check to refuse. Neither argument is changed."""
+    if not isinstance(over, dict):
+        return over
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
 def load_yaml(path: str | Path) -> dict:
     """Read a YAML mapping with ``yaml.safe_load``; one clear error for a missing or malformed file."""
     import yaml

@@ -344,18 +344,16 @@ CHECKS = {
 }
 
 
-def _merge(base: dict, changes: dict) -> dict:
-    return {**base, **{k: _merge(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in changes.items()}}
-
-
 def _configs(work: Path) -> None:
     """The page's configs/: the repository's, with SMALL_PRESETS rewritten small."""
     import yaml
 
+    from edgerev.config import merged
+
     (work / "configs").mkdir()
     for entry in (ROOT / "configs").iterdir():
         if entry.name in SMALL_PRESETS:
-            preset = _merge(yaml.safe_load(entry.read_text()), SMALL_PRESETS[entry.name])
+            preset = merged(yaml.safe_load(entry.read_text()), SMALL_PRESETS[entry.name])
             (work / "configs" / entry.name).write_text(yaml.safe_dump(preset, sort_keys=False))
         else:
             (work / "configs" / entry.name).symlink_to(entry)

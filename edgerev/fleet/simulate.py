@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgerev.config import ConfigError, check, from_dict, load_yaml
+from edgerev.config import ConfigError, check, from_dict, load_yaml, merged
 from edgerev.fleet.settings import FleetSettings
 
 
@@ -82,13 +82,6 @@ def load_simulation(path: str | Path) -> SimulationConfig:
     return from_dict(SimulationConfig, load_yaml(Path(path)))
 
 
-def _deep(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _deep(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
-    return out
-
-
 def device_config(sim: SimulationConfig, spec: DeviceSpec, folder: Path) -> dict:
     """The daemon config of one device: its training is the fleet's model; one job on arrival."""
     f = sim.fleet
@@ -97,7 +90,7 @@ def device_config(sim: SimulationConfig, spec: DeviceSpec, folder: Path) -> dict
             "training": {"model": {"arch": f.arch, "args": dict(f.model_args),
                                    **({"weights": f.weights} if f.weights else {})},
                          "train": {"epochs": sim.local_epochs}}}
-    return _deep(_deep(base, sim.daemon), spec.daemon)
+    return merged(merged(base, sim.daemon), spec.daemon)
 
 
 def test_set(sim: SimulationConfig):
