@@ -50,11 +50,9 @@ def ingest(d, **kwargs):
 
 
 @pytest.fixture
-def d(tmp_path):
-    dd = open_data_dir(make_config(tmp_path))
-    yield dd
-    dd.store.close()
-    dd.lock.release()
+def d(datadir):
+    """The daemon conftest's data directory, under the short name these tests use."""
+    return datadir
 
 
 # stored like labelled images ----------------------------------------------------------------------------
