@@ -164,6 +164,9 @@ def _mutated(n: fx.Node, gm: fx.GraphModule) -> bool:
     if n.op == "call_method":
         return n.target.endswith("_") and not n.target.startswith("_")
     if n.op == "call_function":
+        if _aten(n.target):  # torch.export's graph: silu_.default, relu_.default...
+            name = n.target.overloadpacket.__name__
+            return name.endswith("_") and not name.startswith("_")
         name = getattr(n.target, "__name__", "")
         return n.target in _OUT_OF_PLACE or n.kwargs.get("inplace", False) is True or n.target is operator.setitem \
             or (name.endswith("_") and not name.startswith("_") and getattr(n.target, "__module__", "") in
@@ -171,7 +174,14 @@ def _mutated(n: fx.Node, gm: fx.GraphModule) -> bool:
     return False
 
 
+def _aten(target) -> bool:
+    """Whether ``target`` is an overload of an aten op (what torch.export's graphs call)."""
+    return hasattr(target, "overloadpacket")
+
+
 def _is_view(n: fx.Node) -> bool:
+    if _aten(n.target):
+        return n.op == "call_function" and n.target.overloadpacket.__name__ in _VIEWS | {"slice", "alias"}
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
     return n.op in ("call_method", "call_function") and name in _VIEWS
 
@@ -206,6 +216,13 @@ def _out_of_place(gm: fx.GraphModule) -> None:
                 raise GraphError(f"cannot plan node {n.name} (method {n.target}): it writes in place and has no "
                                  "out-of-place form")
             n.target = n.target[:-1]
+        elif _aten(n.target):
+            packet = getattr(torch.ops.aten, n.target.overloadpacket.__name__[:-1], None)
+            twin = getattr(packet, n.target.__name__.rpartition(".")[2], None) if packet is not None else None
+            if twin is None:
+                raise GraphError(f"cannot plan node {n.name} ({_target_name(n)}): it writes in place and has no "
+                                 "out-of-place form")
+            n.target = twin
         elif n.target in _OUT_OF_PLACE:
             n.target = _OUT_OF_PLACE[n.target]
         elif "inplace" in n.kwargs:
