@@ -225,6 +225,10 @@ class Builder:
             if len(dsyms) == 1 and dsyms[0].name == syms[0].name and dsyms[0].scale == 1:
                 known = math.prod(e for e in data if isinstance(e, int))
                 fixed = math.prod(e for e in entries if isinstance(e, int) and e != -1) * syms[0].scale
+                # per sample, the target must hold the data's elements: exactly, or with a whole -1 entry
+                if known % fixed if -1 in entries else known != fixed:
+                    self.refuse(node, f"reshapes {known} elements per sample into {_sizes(entries)}, "
+                                      "which does not hold them")
                 return tuple(-1 if isinstance(e, Sym) else (known // fixed if e == -1 else int(e)) for e in entries)
         out = []
         for e in entries:
@@ -344,3 +348,9 @@ def _replace(io: OnnxIO, **changes) -> OnnxIO:
     from dataclasses import replace
 
     return replace(io, **changes)
+
+
+def _sizes(entries: list) -> str:
+    """A Reshape target as the refusal shows it: the batch's multiples by name."""
+    return "[" + ", ".join(e.name if isinstance(e, Sym) and e.scale == 1 else f"{e.scale}*{e.name}"
+                           if isinstance(e, Sym) else str(e) for e in entries) + "]"
