@@ -59,7 +59,7 @@ from edgerev.fleet.model import (
     fleet_info,
     to_wire,
 )
-from edgerev.train.checkpoint import load_tensors, read_info, save_model
+from edgerev.models.directory import load_tensors, read_info, save_model
 from edgerev.train.config import ModelConfig
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.learning.host import JobHost
@@ -165,7 +165,7 @@ def measure_norms(daemon: JobHost, folder: Path) -> dict[str, torch.Tensor]:
     Each layer is measured behind the layers before it at *this device's* statistics, not the fleet's: a
     layer's input measured behind the fleet's statistics of the round before is a round late, and those
     lags compound over the depth (measured: a fleet of the preset at chance for six rounds)."""
-    from edgerev.train.checkpoint import load_model, normalize
+    from edgerev.models.directory import load_model, normalize
     from edgerev.train.norms import calibrate, norms
     from edgerev_daemon.learning.jobs import load_samples
 

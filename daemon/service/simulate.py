@@ -36,7 +36,7 @@ log = logging.getLogger("edgerev.fleet.simulate")
 def _dir_accuracy(folder: Path, data, daemon) -> float:
     """The accuracy of the model in ``folder`` (a version of ``daemon``, read with the factories its config
     allows)."""
-    from edgerev.train.checkpoint import load_model
+    from edgerev.models.directory import load_model
 
     model, info, _ = load_model(folder, trust_factories=daemon.config.training.model.factories)
     return accuracy(model, info, data)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from edgerev.errors import EdgerevError
-from edgerev.train.checkpoint import ModelInfo
+from edgerev.models.directory import ModelInfo
 
 SHARING = ("head", "head+last", "all")
 
@@ -126,7 +126,7 @@ def fleet_model(fm: FleetModel) -> nn.Module:
 
     torch.manual_seed(fm.seed)
     try:
-        model = resolve_model(fm.arch, weights=fm.weights, args=fm.args, num_classes=len(fm.classes))
+        model = resolve_model(fm.arch, weights=fm.weights, args=fm.args, num_classes=len(fm.classes)).module
     except (ValueError, TypeError, KeyError) as e:  # EdgerevError is a ValueError
         raise FleetError(f"cannot build the fleet's model {fm.arch} {fm.args}: {e}") from None
     head_prefix(model)  # one that the fleet cannot name is refused here, before anything travels

@@ -13,7 +13,7 @@ from edgerev.config import ConfigError  # noqa: E402
 from edgerev.fleet.model import FleetError, FleetModel, check_shared, device_model, fleet_model, model_names  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
-from edgerev.train.checkpoint import load_model  # noqa: E402
+from edgerev.models.directory import load_model  # noqa: E402
 from edgerev_daemon.learning.fleet import write_model  # noqa: E402
 from tests.fleet.devices import CLASSES, FakeDevice, run_fleet  # noqa: E402
 
