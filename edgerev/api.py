@@ -106,6 +106,7 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
         edgerev.memory.solve.costs.BudgetTooSmall: the budget is below the smallest step (named).
         edgerev.errors.EdgerevError: a source, size or value that cannot be used (one line).
     """
+    from edgerev.memory.graph import planned
     from edgerev.memory.measure.account import account_step
     from edgerev.memory.plan.autoplan import plan_training
     from edgerev.memory.plan.autoplan import verify as verify_plan
@@ -131,7 +132,9 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     summary = {"arch": str(arch), "size": size, "device": device, "budget_bytes": budget, "step_batch": batch,
                **tp.summary}
     if verify:
-        summary.update(verify_plan(net, tp.modes, tp.batch, size, device, segments=tp.segments, slices=tp.slices))
+        # the steps run on what the plan is for: an edgerev model itself, any other as its chain (same weights)
+        summary.update(verify_plan(planned(net, size), tp.modes, tp.batch, size, device, segments=tp.segments,
+                                   slices=tp.slices))
         if device == "cpu":  # the whole step as the trainer holds it, measured on real tensors
             summary["measured_peak_bytes"] = account_step(net, step, tp.batch, tp.apply, loss_of(cfg), real=True).total
     return PlanResult(tp.batch, summary["predicted_peak_bytes"], summary, tp.account, tp.apply)

@@ -46,7 +46,7 @@ class EngineModel(nn.Module):
 
     def check_input(self, x: Tensor) -> None:
         """One clear error for an input the model cannot take."""
-        name = getattr(self, "arch", type(self).__name__)
+        name = vars(self).get("arch", type(self).__name__)  # the registry's name, where the registry built it
         if x.dim() != 4:
             raise ShapeError(f"{name} expects images as a [batch, channels, height, width] tensor, "
                              f"got {tuple(x.shape)}")

@@ -33,8 +33,8 @@ def _bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def step_shape(cfg: RunConfig, model: nn.Module | ModelHandle, teacher: nn.Module | ModelHandle | None, batch: int | None,
-               unlabeled: int = 0) -> StepShape:
+def step_shape(cfg: RunConfig, model: nn.Module | ModelHandle, teacher: nn.Module | ModelHandle | None,
+               batch: int | None, unlabeled: int = 0) -> StepShape:
     """What ``cfg`` adds to a step of ``model``: the batch of ``batch`` labelled samples (replay included;
     None: the planner's to choose, as ``edgerev plan`` without ``--batch``) and ``unlabeled`` strong views
     (FixMatch, :mod:`edgerev.train.semi`), SGD momentum, and the distillation ``teacher`` and its logits."""
