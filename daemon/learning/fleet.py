@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from edgerev.atomic import fsync_dir, fsync_tree
 from edgerev.errors import EdgerevError
@@ -66,6 +65,7 @@ from edgerev_daemon.learning.host import JobHost
 from edgerev_daemon.storage.records import EventKind, Job, JobState, Split
 
 if TYPE_CHECKING:
+    from edgerev.models.handle import ModelHandle
     from edgerev_daemon.learning.jobs import JobOutcome
 
 log = logging.getLogger("edgerev.daemon.fleet")
@@ -91,7 +91,7 @@ def local_state(root: Path) -> tuple[dict[str, torch.Tensor], tuple[str, ...]] |
     return load_tensors(folder / "model.safetensors", raw.get("weights_sha256")), info.classes
 
 
-def write_model(folder: Path, fm: FleetModel, model: nn.Module) -> None:
+def write_model(folder: Path, fm: FleetModel, model: ModelHandle) -> None:
     """A model directory the trainer and the promotion read (weights, description; no replay sample: a
     round trains on all of the device's samples)."""
     if folder.exists():

@@ -38,10 +38,8 @@ from edgerev.errors import EdgerevError
 from edgerev.lazy import lazy_attributes
 from edgerev.models.trust import confined
 
-if TYPE_CHECKING:
-    from torch import Tensor, nn
-
-    from edgerev.models.handle import ModelHandle
+if TYPE_CHECKING:  # annotations only: importing this module imports no torch (the handle module does)
+    from edgerev.models.handle import ModelHandle, Tensor, nn
 
 INFO = "model.json"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -240,11 +238,10 @@ def load_tensors(path: str | Path, sha256: str | None = None) -> dict[str, Tenso
 
 def normalize(pixels: Tensor, info: ModelInfo) -> Tensor:
     """``uint8 [B, C, H, W]`` pixels to the model's float input."""
-    import torch
-
-    mean = torch.tensor(info.mean, device=pixels.device).view(1, -1, 1, 1)
-    std = torch.tensor(info.std, device=pixels.device).view(1, -1, 1, 1)
-    return (pixels.float() / 255 - mean) / std
+    x = pixels.float()
+    mean = x.new_tensor(info.mean).view(1, -1, 1, 1)
+    std = x.new_tensor(info.std).view(1, -1, 1, 1)
+    return (x / 255 - mean) / std
 
 
 def save_model(folder: str | Path, model: nn.Module | ModelHandle, info: ModelInfo, extra: dict | None = None) -> str:

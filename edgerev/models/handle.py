@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import Tensor, nn  # noqa: F401 (Tensor: named for the model directory annotations)
 
 from edgerev.engine import InvertibleSequence, engine_body
 from edgerev.errors import EdgerevError

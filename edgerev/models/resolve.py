@@ -187,8 +187,8 @@ def rebuild_error(handle: ModelHandle) -> str | None:
     if handle.arch is None:
         cls = type(handle.module)
         return f"{cls.__qualname__} is defined inside a function; define the class at a module's top level"
-    if source_kind(handle.arch) not in (SourceKind.REGISTRY, SourceKind.FACTORY):
-        return None  # a directory or an ONNX file rebuilds from its own files
+    if handle.onnx_source is not None or source_kind(handle.arch) not in (SourceKind.REGISTRY, SourceKind.FACTORY):
+        return None  # an ONNX import or a directory rebuilds from its own files
     try:
         with torch.device("meta"):
             again = resolve_model(handle.arch, args=dict(handle.args), num_classes=handle.num_classes)

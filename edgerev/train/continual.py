@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev.models.directory import CheckpointError, load_tensors, save_tensors
-from edgerev.models.handle import ModelHandle, describe
+from edgerev.models.handle import ModelHandle, SpecError, describe
 from edgerev.models.head import ScaledLinear
 from edgerev.train.labeled import LabeledImages
 
@@ -36,10 +36,14 @@ def head_name(model: nn.Module | ModelHandle) -> str:
     Raises:
         CheckpointError: the model has no linear layer.
     """
-    name = describe(model).head
+    try:
+        name = describe(model).head
+    except SpecError:
+        name = None
     if name is None:
-        raise CheckpointError(f"{type(describe(model).module).__name__} has no linear layer (Gemm, MatMul or Linear) "
-                              "whose rows are its classes: its head cannot grow for new classes")
+        module = model.module if isinstance(model, ModelHandle) else model
+        raise CheckpointError(f"{type(module).__name__} has no linear layer (Gemm, MatMul or Linear) whose rows are "
+                              "its classes: its head cannot grow for new classes")
     return name
 
 
@@ -56,8 +60,8 @@ def grow_head(model: nn.Module | ModelHandle, old: tuple[str, ...], new: tuple[s
     """
     if new[: len(old)] != old:
         raise CheckpointError(f"new classes {list(new)} must start with the old ones {list(old)}")
+    name = head_name(model)
     handle = describe(model)
-    name = head_name(handle)
     head: nn.Linear = handle.module.get_submodule(name)
     if head.out_features != len(old):
         raise CheckpointError(f"the head {name!r} of {type(handle.module).__name__} has {head.out_features} rows, not "

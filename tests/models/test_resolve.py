@@ -122,7 +122,7 @@ def test_pretrained_weights_keep_their_classifier_then_it_is_remade_for_the_clas
 def test_weights_of_a_registry_model(tmp_path):
     torch.manual_seed(3)
     src = resolve_model("resnet18", args={"width": 8}, num_classes=4)
-    save_tensors(tmp_path / "r.safetensors", src.state_dict())
+    save_tensors(tmp_path / "r.safetensors", src.module.state_dict())
     model = resolve_model("resnet18", args={"width": 8}, weights=tmp_path / "r.safetensors", num_classes=6)
     assert model_spec(model).num_classes == 6 and model.num_classes == 6 and model.module.num_classes == 6
     assert all(torch.equal(model.module.state_dict()[k], v) for k, v in src.module.state_dict().items()

@@ -101,7 +101,7 @@ def test_the_owner_allows_a_factory_by_name_by_callable_or_through_the_config(tm
         load_model(folder)
     for trust in ([TINY], [tiny], (TINY, "other.mod:fn")):
         back, info, _ = load_model(folder, trust_factories=trust)
-        assert info.arch == TINY and back.classifier.weight.equal(model.classifier.weight)
+        assert info.arch == TINY and back.classifier.weight.equal(model.module.classifier.weight)
     with pytest.raises(TrustError):
         load_model(folder, trust_factories=[TinyNet])  # the class is another factory than the function
     cfg = ModelConfig(arch=str(folder), trust_factories=(TINY,))
