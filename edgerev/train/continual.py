@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev.models.directory import CheckpointError, load_tensors, save_tensors
-from edgerev.models.handle import ModelHandle, SpecError, describe
+from edgerev.models.handle import ModelHandle, SpecError, describe, last_linear
 from edgerev.models.head import ScaledLinear
 from edgerev.train.labeled import LabeledImages
 
@@ -36,12 +36,12 @@ def head_name(model: nn.Module | ModelHandle) -> str:
     Raises:
         CheckpointError: the model has no linear layer.
     """
+    module = model.module if isinstance(model, ModelHandle) else model
     try:
         name = describe(model).head
-    except SpecError:
-        name = None
+    except SpecError:  # its input cannot be read from its layers: its classifier still can
+        name = last_linear(module)
     if name is None:
-        module = model.module if isinstance(model, ModelHandle) else model
         raise CheckpointError(f"{type(module).__name__} has no linear layer (Gemm, MatMul or Linear) whose rows are "
                               "its classes: its head cannot grow for new classes")
     return name
@@ -61,10 +61,10 @@ def grow_head(model: nn.Module | ModelHandle, old: tuple[str, ...], new: tuple[s
     if new[: len(old)] != old:
         raise CheckpointError(f"new classes {list(new)} must start with the old ones {list(old)}")
     name = head_name(model)
-    handle = describe(model)
-    head: nn.Linear = handle.module.get_submodule(name)
+    module = model.module if isinstance(model, ModelHandle) else model
+    head: nn.Linear = module.get_submodule(name)
     if head.out_features != len(old):
-        raise CheckpointError(f"the head {name!r} of {type(handle.module).__name__} has {head.out_features} rows, not "
+        raise CheckpointError(f"the head {name!r} of {type(module).__name__} has {head.out_features} rows, not "
                               f"one per old class ({len(old)}): its last linear layer is not the classifier")
     if len(new) == len(old):
         return
@@ -78,7 +78,7 @@ def grow_head(model: nn.Module | ModelHandle, old: tuple[str, ...], new: tuple[s
         if head.bias is not None:
             grown.bias[: len(old)] = head.bias
     grown.train(head.training)
-    handle.replace_head(grown)
+    describe(model).replace_head(grown)
 
 
 def distillation_loss(logits: Tensor, teacher: Tensor, temperature: float) -> Tensor:
