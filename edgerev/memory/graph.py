@@ -32,10 +32,11 @@ import weakref
 import torch
 from torch import Tensor, fx, nn
 
-from edgerev.engine import Execution, InvertibleSequence
+from edgerev.engine import Execution, InvertibleSequence, engine_body
 from edgerev.errors import EdgerevError, UnsupportedModel
 from edgerev.layers.base import replaying
 from edgerev.memory.solve.costs import Segment
+from edgerev.models.handle import describes
 
 #: out-of-place twins of in-place functions that a traced graph may call
 _OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -528,7 +529,14 @@ _CHAINS: weakref.WeakKeyDictionary[nn.Module, ChainModel] = weakref.WeakKeyDicti
 
 def has_engine_body(model: nn.Module) -> bool:
     """True for a model the planner runs as it is (an edgerev model: its body is an engine sequence)."""
-    return isinstance(getattr(model, "body", None), InvertibleSequence)
+    return engine_body(model) is not None
+
+
+def _chain_fields(model: ChainModel) -> dict:
+    return {"in_channels": model.in_channels, "image_size": model.image_size, "fixed_classes": model.num_classes}
+
+
+describes(ChainModel, _chain_fields)
 
 
 def planned(model: nn.Module, size: int | None = None) -> nn.Module:
