@@ -188,7 +188,7 @@ def run(name: str, route: str, size: int, opts: dict, work: Path) -> dict:
     import edgerev
     from edgerev.export import export_onnx
     from edgerev.memory.solve.costs import BudgetTooSmall
-    from edgerev.models.info import read_info
+    from edgerev.models.directory import read_info
 
     rec: dict = {"model": name, "library": MODELS[name], "route": route, "size": size}
     stage = "build"
@@ -244,7 +244,7 @@ def run(name: str, route: str, size: int, opts: dict, work: Path) -> dict:
         else:
             done = export_onnx(out, onnx_out)
             info, _ = read_info(out)
-            trained = edgerev.resolve_model(out)
+            trained = edgerev.resolve_model(out).module
         rec["exporter"], rec["export_max_abs_diff"] = done.exporter, done.max_abs_diff
 
         stage = "check"

@@ -24,6 +24,10 @@ from edgerev.train.config import RunConfig, load_config
     ({"model": {"args": {"num_classes": 3}}}, "model.args.num_classes: set by the data's classes"),
     ({"model": {"args": [1]}}, "model.args: expected mapping, got list [1]"),
     ({"memory": {"budget": "lots"}}, "memory.budget: cannot read 'lots' as a size in bytes"),
+    ({"model": {"mean": [0.5, 0.5, 0.5]}}, "model.std: the normalization needs both mean and std"),
+    ({"model": {"mean": [0.5], "std": [0.2, 0.2]}}, "model.std: has 2 values, mean 1"),
+    ({"model": {"mean": [0.5], "std": [0.0]}}, "model.std[0]: must be positive, got 0.0"),
+    ({"model": {"mean": "grey", "std": [0.2]}}, "model.mean: expected list of float, got str 'grey'"),
     ({"memory": {"budget": "100MiB", "mode": "plain"}}, "memory.mode: a budget needs mode auto"),
     ({"device": "tpu"}, "device: expected one of 'cpu' or 'cuda' or 'auto', got str 'tpu'"),
     ({"continual": {"replay": -5}}, "continual.replay: must be >= 0, got -5"),
@@ -36,7 +40,11 @@ def test_bad_keys_and_types_are_named(data, message):
 
 def test_defaults_are_the_paper_recipe():
     cfg = from_dict(RunConfig, {})
-    assert (cfg.optim.lr, cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay) == (0.4, 0.9, True, 5e-4)
+    assert (cfg.optim.peak("scratch"), cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay) == (
+        0.4, 0.9, True, 5e-4)
+    # the rate is the model's to choose (null): a fine-tuning one for a pretrained model, lower without batch norm
+    assert cfg.optim.lr is None and (cfg.optim.peak("pretrained"), cfg.optim.peak("folded")) == (0.01, 0.001)
+    assert from_dict(RunConfig, {"optim": {"lr": 0.2}}).optim.peak("pretrained") == 0.2  # a recipe's rate stays
     assert cfg.optim.schedule == "onecycle" and cfg.model.arch == "revnext"
 
 

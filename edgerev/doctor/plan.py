@@ -154,7 +154,8 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         if teacher is not None:
             teacher.to(dev)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(params, lr=cfg.optim.lr, momentum=cfg.optim.momentum,
+        optimizer = torch.optim.SGD(params, lr=cfg.optim.peak("scratch"),  # the rate changes no byte
+                                    momentum=cfg.optim.momentum,
                                     nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(t.batch, model_spec(model).in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev)

@@ -30,13 +30,21 @@ class ModelConfig:
     ``package.module:callable`` that a model directory (``arch``, ``init``, a daemon's versions) may name.
     A model directory is data and never names code to run unless its owner allows it here (or an installed
     package registers the factory as an ``edgerev.models`` entry point); a factory named in ``arch`` is
-    allowed too. Naming a factory is trusting its module: importing it runs its code."""
+    allowed too. Naming a factory is trusting its module: importing it runs its code.
+
+    ``mean``, ``std``: per channel, the normalization the model was trained with, on pixels scaled to 0..1
+    (both or neither). They stand above what the source carries (a model directory's, an ONNX file's
+    metadata or sidecar, a module's ``mean``/``std``); with neither here nor there, they are computed from
+    the training images, which is right for a model trained from random weights and, for a pretrained one,
+    said in one warning line: a model normalized otherwise than it was trained sees other inputs."""
 
     arch: str = "revnext"
     args: dict = field(default_factory=dict)
     weights: str | None = None
     init: str | None = None
     trust_factories: tuple[str, ...] = ()
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         from edgerev.errors import UnknownModelError
@@ -53,6 +61,12 @@ class ModelConfig:
                 trusted = False
             check(trusted, f"trust_factories[{i}]", f"{name!r} is not a factory package.module:callable")
         check("num_classes" not in self.args, "args.num_classes", "set by the data's classes, not here")
+        check((self.mean is None) == (self.std is None), "mean" if self.mean is None else "std",
+              "the normalization needs both mean and std")
+        if self.mean is not None:
+            check(len(self.mean) == len(self.std), "std", f"has {len(self.std)} values, mean {len(self.mean)}")
+            for i, v in enumerate(self.std):
+                check(v > 0, f"std[{i}]", f"must be positive, got {v}")
         if kind in (SourceKind.DIRECTORY, SourceKind.ONNX):
             check(not self.args, "args", f"{self.arch} carries its own architecture; leave args out")
             check(self.weights is None, "weights", f"{self.arch} carries its own weights; leave weights out")
@@ -130,9 +144,18 @@ class AugmentConfig:
         check(self.cutout >= 0, "cutout", f"must be >= 0, got {self.cutout}")
 
 
+#: ``optim.lr`` when the recipe leaves it null, by how a run starts (:class:`OptimConfig`)
+DEFAULT_LR = {"scratch": 0.4, "pretrained": 0.01, "folded": 0.001}
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    """SGD; ``lr`` is the peak of the schedule (reached after ``warmup`` of the steps).
+    """SGD; ``lr`` is the peak of the schedule (reached after ``warmup`` of the steps); null: chosen by how the
+    run starts (:data:`DEFAULT_LR`): 0.4 for a model from random weights (the RevNeXt paper's peak), 0.01
+    for fine-tuning a pretrained one (an ONNX file, a model directory, ``model.weights``, ``model.init``, a
+    module object whose batch norms hold trained statistics), 0.001 for a pretrained one without batch norm
+    (an ONNX file whose batch norms were folded into its convolutions: nothing renormalizes its activations,
+    and a fine-tuning rate of 0.01 took such files to NaN).
 
     ``schedule``: ``onecycle`` (warm-up from ``lr/25``, cosine down), ``linear`` (the RevNeXt authors'
     cycle: from 0 up to ``lr``, then straight down to 0; their CIFAR-10 runs: ``warmup: 0.1``, i.e. 5 of
@@ -145,7 +168,7 @@ class OptimConfig:
     lr >= 0.1 still set it.
     """
 
-    lr: float = 0.4
+    lr: float | None = None
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 5e-4
@@ -154,10 +177,14 @@ class OptimConfig:
     warmup: float = 0.25
     clip_grad_norm: float | None = None
 
+    def peak(self, start: str) -> float:
+        """``lr``, or when null the default for a run that starts ``start`` (a key of :data:`DEFAULT_LR`)."""
+        return self.lr if self.lr is not None else DEFAULT_LR[start]
+
     def __post_init__(self) -> None:
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm",
               f"must be positive (or null), got {self.clip_grad_norm}")
-        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        check(self.lr is None or self.lr > 0, "lr", f"must be positive (or null), got {self.lr}")
         check(0.0 <= self.momentum < 1.0, "momentum", f"must lie in [0, 1), got {self.momentum}")
         check(not self.nesterov or self.momentum > 0, "nesterov", "needs momentum > 0")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")

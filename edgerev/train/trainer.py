@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import sys
 import time
@@ -61,6 +62,7 @@ from edgerev.train.state import has_checkpoint, load_checkpoint, save_checkpoint
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+log = logging.getLogger(__name__)
 
 
 class RunError(EdgerevError):
@@ -125,6 +127,7 @@ class _Setup:
     teacher: nn.Module | None
     start_eval: dict | None
     source_sha: str | None
+    start: str  # how the run starts, a key of DEFAULT_LR: scratch, pretrained or folded
 
 
 def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, LabeledImages | None] | None,
@@ -173,6 +176,9 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
                               stop=stop)
         grow_head(model, old, classes)
         info = replace(info0, classes=classes)
+        if cfg.model.mean is not None:
+            info = replace(info, mean=tuple(cfg.model.mean), std=tuple(cfg.model.std))
+        pretrained = f"model.init {cfg.model.init}"
     else:
         from edgerev.models.resolve import resolve_model
 
@@ -192,12 +198,8 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
                 raise RunError(f"model: the {type(model.module).__name__} given cannot be rebuilt from its model "
                                f"directory ({why}); name the function that builds it as a factory, e.g. "
                                'fit("torchvision.models:resnet18", args={"num_classes": 10})')
-        if model.mean is not None and model.std is not None:  # the normalization the model was trained with
-            mean, std = model.mean, model.std
-        else:
-            pixels = train_new.images.float() / 255
-            mean = pixels.mean(dim=(0, 2, 3)).tolist()
-            std = pixels.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
+        pretrained = _pretrained(cfg, model)
+        mean, std = _normalization(cfg, model, train_new, pretrained)
         info = ModelInfo(model.arch or "", classes, size, tuple(round(float(v), 4) for v in mean),
                          tuple(round(float(v), 4) for v in std), dict(model.args))
     model.check_size(size)
@@ -205,7 +207,53 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     if replay is not None:
         train = LabeledImages.concat([train, replay.relabel(classes)])
     model.module.to(device)
-    return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha)
+    start = "scratch" if not pretrained else "folded" if _without_batch_norm(model.module) else "pretrained"
+    return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha, start)
+
+
+def _pretrained(cfg: RunConfig, model: ModelHandle) -> str | None:
+    """Why the run's starting model is a pretrained one (what it was resolved from), or None: random weights.
+
+    A file (an ONNX file, a model directory) or ``model.weights`` carries trained weights; any other source (a
+    registry name, a factory, a module object) does when its batch norms hold statistics other than their
+    initial ones (a model without batch norm is then taken as new: nothing in it says otherwise)."""
+    from edgerev.models.names import SourceKind, source_kind
+
+    if cfg.model.weights is not None:
+        return f"model.weights {cfg.model.weights}"
+    if source_kind(cfg.model.arch) in (SourceKind.DIRECTORY, SourceKind.ONNX):
+        return f"model.arch {cfg.model.arch}"
+    moved = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+                and (bool(m.running_mean.ne(0).any()) or bool(m.running_var.ne(1).any()))
+                for m in model.module.modules())
+    return f"model.arch {cfg.model.arch} (its batch norms hold trained statistics)" if moved else None
+
+
+def _without_batch_norm(module: nn.Module) -> bool:
+    """A network of convolutions with no batch norm: a pretrained file whose batch norms were folded."""
+    layers = list(module.modules())
+    return (any(isinstance(m, nn.modules.conv._ConvNd) for m in layers)
+            and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layers))
+
+
+def _normalization(cfg: RunConfig, model: ModelHandle, images: LabeledImages, pretrained: str | None):
+    """The run's mean and std: the recipe's ``model.mean``/``std``, else what the source carries, else computed
+    from the training images, which for a pretrained model is said in one warning line."""
+    if cfg.model.mean is not None:
+        if len(cfg.model.mean) != model.in_channels:
+            raise RunError(f"model.mean: {len(cfg.model.mean)} values for a model of {model.in_channels} input "
+                           "channels")
+        return cfg.model.mean, cfg.model.std
+    if model.mean is not None and model.std is not None:  # the normalization the model was trained with
+        return model.mean, model.std
+    pixels = images.images.float() / 255
+    mean = pixels.mean(dim=(0, 2, 3)).tolist()
+    std = pixels.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
+    if pretrained is not None:
+        log.warning("%s carries no normalization: its mean and std are computed from the %d training images (mean "
+                    "%s, std %s); set model.mean and model.std in the recipe to the ones it was trained with",
+                    pretrained, len(images), [round(v, 4) for v in mean], [round(v, 4) for v in std])
+    return mean, std
 
 
 def _same_arch(saved: str, arch: str) -> bool:
@@ -333,6 +381,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         dump_yaml(out / CONFIG, cfg)
+    cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start)))  # saved null: chosen again on resume
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD([{"params": params}], lr=cfg.optim.lr, momentum=cfg.optim.momentum,
                                 nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)

@@ -1,0 +1,97 @@
+"""A pretrained model stays itself (issue 34): its normalization is the source's or the recipe's, and one computed
+from the device's images is said in one warning line; the rate is a fine-tuning one, lower without batch norm, and
+a model from random weights keeps the paper's."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import edgerev
+from edgerev.models.directory import read_info
+from tests.resolve_factories import TinyNet
+
+SIZE = 16
+DATA = {"train": {"kind": "synthetic", "samples": 24, "num_classes": 2, "seed": 0}, "val_fraction": 0.25}
+RECIPE = {"data": DATA, "train": {"epochs": 1, "batch": 8, "log_every": 1, "patience": None},
+          "optim": {"schedule": "constant"}, "device": "cpu"}
+NOTE = "carries no normalization"
+
+
+def trained_net() -> TinyNet:
+    """A TinyNet whose batch norm holds statistics of its own (a model trained elsewhere)."""
+    torch.manual_seed(0)
+    net = TinyNet(classes=2)
+    with torch.no_grad():
+        net.train()(torch.rand(16, 3, SIZE, SIZE))
+    return net.eval()
+
+
+def onnx_file(path, *, keep_batch_norm: bool):
+    """The net as an owner's file: with its batch norm (TorchScript exporter, no constant folding, training mode
+    kept) or folded into the convolution (the exporter's default in eval mode)."""
+    mode = torch.onnx.TrainingMode.PRESERVE if keep_batch_norm else torch.onnx.TrainingMode.EVAL
+    torch.onnx.export(trained_net(), (torch.zeros(1, 3, SIZE, SIZE),), str(path), dynamo=False,
+                      do_constant_folding=not keep_batch_norm, training=mode, input_names=["image"],
+                      output_names=["scores"], dynamic_axes={"image": {0: "n"}, "scores": {0: "n"}})
+    return path
+
+
+def rates(out) -> set[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["lr"] for r in rows if r["kind"] == "train"}
+
+
+def notes(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and NOTE in r.getMessage()]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the TorchScript exporter, as an owner's file was written
+@pytest.mark.parametrize("keep_batch_norm, rate", [(True, 0.01), (False, 0.001)])
+def test_a_file_trains_at_a_fine_tuning_rate_and_says_its_normalization_was_computed(tmp_path, caplog,
+                                                                                      keep_batch_norm, rate):
+    source = onnx_file(tmp_path / "owner.onnx", keep_batch_norm=keep_batch_norm)
+    with caplog.at_level(logging.WARNING):
+        out = edgerev.fit(source, out=tmp_path / "run", size=SIZE, config=RECIPE)
+    assert rates(out) == {rate}
+    (line,) = notes(caplog)  # one line, which says how to set it
+    assert "owner.onnx" in line and "model.mean and model.std" in line and "\n" not in line
+    info, _ = read_info(out)
+    assert all(0 < s for s in info.std)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_recipe_s_normalization_is_kept_and_nothing_is_said(tmp_path, caplog):
+    source = onnx_file(tmp_path / "owner.onnx", keep_batch_norm=True)
+    recipe = {**RECIPE, "model": {"mean": [0.5, 0.4, 0.3], "std": [0.2, 0.2, 0.25]}}
+    with caplog.at_level(logging.WARNING):
+        out = edgerev.fit(source, out=tmp_path / "run", size=SIZE, config=recipe)
+    info, _ = read_info(out)
+    assert (info.mean, info.std) == ((0.5, 0.4, 0.3), (0.2, 0.2, 0.25)) and notes(caplog) == []
+
+
+def test_a_recipe_s_normalization_must_match_the_model_s_channels(tmp_path):
+    recipe = {**RECIPE, "model": {"mean": [0.5], "std": [0.2]}}
+    with pytest.raises(edgerev.EdgerevError, match="model.mean: 1 values for a model of 3 input channels"):
+        edgerev.fit("tests.resolve_factories:tiny", out=tmp_path / "run", size=SIZE, config=recipe)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_module_with_trained_statistics_fine_tunes_and_a_new_one_learns_from_scratch(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        pretrained = edgerev.fit(trained_net(), out=tmp_path / "old", size=SIZE, config=RECIPE)
+    assert rates(pretrained) == {0.01} and len(notes(caplog)) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        new = edgerev.fit(TinyNet(classes=2), out=tmp_path / "new", size=SIZE, config=RECIPE)
+        factory = edgerev.fit("tests.resolve_factories:tiny", out=tmp_path / "factory", size=SIZE, config=RECIPE)
+    assert rates(new) == rates(factory) == {0.4} and notes(caplog) == []  # from random weights: nothing to keep
+
+
+def test_a_recipe_s_rate_stays_whatever_the_model(tmp_path):
+    out = edgerev.fit(trained_net(), out=tmp_path / "run", size=SIZE, config={**RECIPE, "optim": {
+        "schedule": "constant", "lr": 0.05}})
+    assert rates(out) == {0.05}
