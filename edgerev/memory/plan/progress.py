@@ -22,13 +22,14 @@ class Progress:
 
     Args:
         sink: takes one line (None: report nothing; the phases still cost nothing).
-        after: seconds of planning before lines are passed on (0: every phase).
+        after: seconds of planning before lines are passed on (0: every phase; None: :data:`REPORT_AFTER`).
         clock: seconds, monotonic (default :func:`time.monotonic`).
     """
 
-    def __init__(self, sink: Callable[[str], None] | None = None, after: float = REPORT_AFTER,
+    def __init__(self, sink: Callable[[str], None] | None = None, after: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.sink, self.after, self.clock = sink, after, clock
+        self.sink, self.clock = sink, clock
+        self.after = REPORT_AFTER if after is None else after
         self.start = clock()
 
     def phase(self, name: str) -> None:
