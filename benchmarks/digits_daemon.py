@@ -41,7 +41,7 @@ import yaml
 from _common import write_json
 from real_images import make_digits, split
 
-from edgerev.train.checkpoint import load_model
+from edgerev.models.directory import load_model
 from edgerev.train.config import SourceConfig
 from edgerev.train.data import ImageFolder
 from edgerev.train.evaluate import predict_logits

@@ -35,8 +35,8 @@ from edgerev.export.images import normalize
 from edgerev.export.onnx import export_onnx
 from edgerev.export.predict import Predictor
 from edgerev.models import create_model, list_models
-from edgerev.train.checkpoint import ModelInfo, load_model, save_model
-from edgerev.train.checkpoint import normalize as torch_normalize
+from edgerev.models.directory import ModelInfo, load_model, save_model
+from edgerev.models.directory import normalize as torch_normalize
 from edgerev.train.data import SyntheticImages
 
 CLASSES = tuple(f"class{i}" for i in range(10))

@@ -62,7 +62,7 @@ def accuracy(model, info, data) -> float:
 
 
 def central(a, data, test, tmp: Path) -> dict:
-    from edgerev.train.checkpoint import load_model
+    from edgerev.models.directory import load_model
     from edgerev.train.labeled import LabeledImages
     from edgerev.train.trainer import train
 
@@ -78,7 +78,7 @@ def federated(a, data, test, tmp: Path, distill: float) -> dict:
 
     from edgerev.fleet.aggregate import Contribution, aggregate
     from edgerev.models import create_model
-    from edgerev.train.checkpoint import ModelInfo, load_model, save_model
+    from edgerev.models.directory import ModelInfo, load_model, save_model
     from edgerev.train.trainer import train
 
     torch.manual_seed(a.seed)

@@ -57,7 +57,7 @@ def budget_for(model, size: int) -> int:
     and 16 MiB (64x64) or 128 MiB (224x224) beside them, rounded up to a MiB."""
     from edgerev.models.resolve import resolve_model
 
-    net = resolve_model(model)
+    net = resolve_model(model).module
     held = 3 * sum(p.numel() * p.element_size() for p in net.parameters()) + BATCH * 3 * size * size * 4
     return -(-(held + (16 if size <= 64 else 128) * 2**20) // 2**20) * 2**20
 

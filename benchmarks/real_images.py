@@ -28,7 +28,7 @@ from pathlib import Path
 
 from _common import write_json
 
-from edgerev.train.checkpoint import load_model
+from edgerev.models.directory import load_model
 from edgerev.train.config import SourceConfig
 from edgerev.train.evaluate import evaluate
 from edgerev.train.labeled import LabeledImages, load_source

@@ -193,7 +193,7 @@ def month_eval(month: int, peak: float, seed: int, size: int, per_class: int):
 
 def accuracy(model_dir: Path, data) -> float:
     """The model's top class against each label (a class it does not know is always wrong)."""
-    from edgerev.train.checkpoint import load_model
+    from edgerev.models.directory import load_model
     from edgerev.train.evaluate import predict_logits
 
     model, info, _ = load_model(model_dir)

@@ -110,20 +110,21 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
         edgerev.memory.solve.costs.BudgetTooSmall: the budget is below the smallest step (named).
         edgerev.errors.EdgerevError: a source, size or value that cannot be used (one line).
     """
+    from edgerev.memory.graph import planned
     from edgerev.memory.measure.account import account_step
     from edgerev.memory.plan.autoplan import plan_training
     from edgerev.memory.plan.autoplan import verify as verify_plan
     from edgerev.memory.plan.progress import Progress
     from edgerev.models.resolve import resolve_model
-    from edgerev.models.spec import check_size
     from edgerev.models.trust import owner_factories
     from edgerev.train.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from edgerev.train.memory import loss_of, step_shape
 
     budget = byte_size(budget, "budget")
     trusted = owner_factories(trust_factories)  # a misspelt one is refused whatever the source
-    net = resolve_model(model, weights=weights, args=args, trust_factories=trusted).to(device)
-    check_size(net, size)
+    handle = resolve_model(model, weights=weights, args=args, trust_factories=trusted)
+    net = handle.module.to(device)
+    handle.check_size(size)
     # the trainer's default recipe at this size and batch: the same step the trainer accounts and plans
     mom = OptimConfig().momentum if momentum else 0.0
     cfg = RunConfig(data=DataConfig(size=size), train=TrainConfig(batch=batch or TrainConfig().batch),
@@ -134,12 +135,14 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     report = progress if isinstance(progress, Progress) else Progress(progress)
     tp = plan_training(net, size, budget, device, estimate=estimate, max_batch=batch, step=step, loss_fn=loss_of(cfg),
                        progress=report)
-    arch = model if isinstance(model, (str, Path)) else getattr(net, "arch", type(net).__name__)
+    arch = model if isinstance(model, (str, Path)) else handle.arch or type(net).__name__
     summary = {"arch": str(arch), "size": size, "device": device, "budget_bytes": budget, "step_batch": batch,
                **tp.summary}
     if verify:
         report.phase("verifying: real training steps with the plan")
-        summary.update(verify_plan(net, tp.modes, tp.batch, size, device, segments=tp.segments, slices=tp.slices))
+        # the steps run on what the plan is for: an edgerev model itself, any other as its chain (same weights)
+        summary.update(verify_plan(planned(net, size), tp.modes, tp.batch, size, device, segments=tp.segments,
+                                   slices=tp.slices))
         if device == "cpu":  # the whole step as the trainer holds it, measured on real tensors
             summary["measured_peak_bytes"] = account_step(net, step, tp.batch, tp.apply, loss_of(cfg), real=True).total
     return PlanResult(tp.batch, summary["predicted_peak_bytes"], summary, tp.account, tp.apply)
@@ -213,14 +216,13 @@ def fit_run(model: str | Path | nn.Module | None = None, data: str | Path | Labe
         cfg = replace(cfg, model=replace(cfg.model, trust_factories=named))
     given = None
     if isinstance(model, nn.Module):
-        from edgerev.models.resolve import module_arch
+        from edgerev.models.resolve import ModelSourceError, resolve_model
 
-        given = model
-        cfg = replace(cfg, model=replace(cfg.model, arch=module_arch(model), args={}, weights=None))
-        if weights is not None:
-            from edgerev.models.resolve import resolve_model
-
-            resolve_model(model, weights=weights)
+        given = resolve_model(model, weights=weights)
+        if given.arch is None:
+            raise ModelSourceError(f"{type(model).__qualname__} is defined inside a function; define the class at a "
+                                   "module's top level so its model directory can rebuild it")
+        cfg = replace(cfg, model=replace(cfg.model, arch=given.arch, args=dict(given.args), weights=None))
     elif model is not None:
         from edgerev.models.resolve import resolve_model
 
@@ -230,9 +232,7 @@ def fit_run(model: str | Path | nn.Module | None = None, data: str | Path | Labe
             given = resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args,
                                   trust_factories=cfg.model.factories)
     if size is None and given is not None:
-        from edgerev.models.spec import model_spec
-
-        size = model_spec(given).image_size
+        size = given.image_size
     if size is not None:
         cfg = replace(cfg, data=replace(cfg.data, size=size))
     if budget is not None:

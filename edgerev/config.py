@@ -56,14 +56,19 @@ def _convert(tp, value, key: str):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        specific = None  # an alternative that took the value's kind but not its content says why (a size's reason)
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _convert(a, value, key)
-            except ConfigError:
+            except ConfigError as e:
                 if len([x for x in args if x is not type(None)]) == 1:
                     raise
+                if not str(e).startswith(f"{key}: expected "):
+                    specific = specific or e
+        if specific is not None:
+            raise specific
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_got(value)}")
     if origin is Literal:
         if value not in typing.get_args(tp):

@@ -75,7 +75,7 @@ def diagnose(arch: str, depth: int | None = None, batch: int = 8, size: int = 32
     torch.manual_seed(seed)
     model = create_model(arch, **overrides)
     if modes is not None:
-        set_modes(model, modes)
+        set_modes(model, modes, arch)
     model.train()
     x = torch.randn(batch, model.in_channels, size, size)
     target = torch.randint(0, model.num_classes, (batch,))

@@ -103,6 +103,14 @@ class Execution:
     watch: Callable[[int | None], None] | None = None
 
 
+def engine_body(module: nn.Module) -> InvertibleSequence | None:
+    """The engine sequence ``module`` runs as its body (its child ``body``), or None: a model the engine does not
+    run (a model from outside, trained through plain autograd or cut into a chain first). A type check on a
+    child, so a model says what it is by what it holds, not by an attribute stamped on it."""
+    body = dict(module.named_children()).get("body")
+    return body if isinstance(body, InvertibleSequence) else None
+
+
 def _parse_mode(value: Mode | str) -> Mode:
     try:
         return Mode(value)

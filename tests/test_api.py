@@ -11,8 +11,8 @@ import edgerev
 from edgerev.cli import main
 from edgerev.config import ConfigError
 from edgerev.memory.solve.costs import BudgetTooSmall
+from edgerev.models.directory import load_model, save_tensors
 from edgerev.models.resolve import ModelSourceError, resolve_model
-from edgerev.train.checkpoint import load_model, save_tensors
 from edgerev.train.config import SourceConfig
 from edgerev.train.labeled import load_source
 from tests.resolve_factories import TinyNet

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = ["edgerev.sizes", "edgerev.models.info", "edgerev.models.carried",  # and every module of memory's solvers
+PURE = ["edgerev.sizes", "edgerev.models.directory", "edgerev.models.carried",  # and every module of memory's solvers
         *sorted(f"edgerev.memory.solve.{p.stem}" for p in (ROOT / "edgerev" / "memory" / "solve").glob("*.py")
                 if p.stem != "__init__")]
 

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgerev_daemon.config import DaemonConfig, TrainingConfig
+
+if TYPE_CHECKING:
+    from edgerev.models.handle import ModelHandle
 
 
 def names_base(t: TrainingConfig) -> bool:
@@ -33,15 +37,10 @@ def names_base(t: TrainingConfig) -> bool:
     return source_kind(t.model.arch) in (SourceKind.DIRECTORY, SourceKind.ONNX) or t.model.weights is not None
 
 
-def base_classes(model, arch: str) -> tuple[str, ...]:
-    """The class names a base model carries, in output order, or ``()``."""
-    from edgerev.models.names import SourceKind, source_kind
-    from edgerev.train.checkpoint import read_info
-
-    if source_kind(arch) is SourceKind.DIRECTORY:
-        return read_info(Path(arch).expanduser())[0].classes
-    io = getattr(model, "io", None)  # an ONNX import: names from the file's metadata or its sidecar
-    return tuple(getattr(io, "classes", ()) or ())
+def base_classes(model: ModelHandle) -> tuple[str, ...]:
+    """The class names a base model carries, in output order (a model directory's; an ONNX file's metadata or
+    sidecar), or ``()``."""
+    return model.classes
 
 
 def write_base(config: DaemonConfig, out: Path) -> tuple[str, ...]:
@@ -52,13 +51,13 @@ def write_base(config: DaemonConfig, out: Path) -> tuple[str, ...]:
     trainer's default; its input size is the daemon's ``image_size`` (the start check refused a model that
     cannot take it).
     """
+    from edgerev.models.directory import ModelInfo, read_info, save_model
     from edgerev.models.resolve import resolve_model
     from edgerev.models.spec import model_spec
-    from edgerev.train.checkpoint import ModelInfo, read_info, save_model
 
     t = config.training
     model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, trust_factories=t.model.factories)
-    classes = base_classes(model, t.model.arch)
+    classes = base_classes(model)
     spec = model_spec(model)
     if not classes or len(classes) != spec.num_classes:
         return ()
@@ -68,8 +67,9 @@ def write_base(config: DaemonConfig, out: Path) -> tuple[str, ...]:
     elif Path(t.model.arch).expanduser().is_dir():
         saved = read_info(Path(t.model.arch).expanduser())[0]
         extra = {"mean": saved.mean, "std": saved.std}
-    info = ModelInfo(model.arch, classes, config.image_size, model_args=dict(model.model_args), **extra)
+    info = ModelInfo(model.arch, classes, config.image_size, model_args=dict(model.args), **extra)
     if out.exists():
         shutil.rmtree(out)
-    save_model(out, model.cpu().eval(), info, {"base": t.model.arch})
+    model.module.cpu().eval()
+    save_model(out, model, info, {"base": t.model.arch})
     return classes

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from edgerev.atomic import fsync_dir, fsync_tree
 from edgerev.errors import EdgerevError
@@ -59,13 +58,14 @@ from edgerev.fleet.model import (
     fleet_info,
     to_wire,
 )
-from edgerev.train.checkpoint import load_tensors, read_info, save_model
+from edgerev.models.directory import load_tensors, read_info, save_model
 from edgerev.train.config import ModelConfig
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.learning.host import JobHost
 from edgerev_daemon.storage.records import EventKind, Job, JobState, Split
 
 if TYPE_CHECKING:
+    from edgerev.models.handle import ModelHandle
     from edgerev_daemon.learning.jobs import JobOutcome
 
 log = logging.getLogger("edgerev.daemon.fleet")
@@ -91,7 +91,7 @@ def local_state(root: Path) -> tuple[dict[str, torch.Tensor], tuple[str, ...]] |
     return load_tensors(folder / "model.safetensors", raw.get("weights_sha256")), info.classes
 
 
-def write_model(folder: Path, fm: FleetModel, model: nn.Module) -> None:
+def write_model(folder: Path, fm: FleetModel, model: ModelHandle) -> None:
     """A model directory the trainer and the promotion read (weights, description; no replay sample: a
     round trains on all of the device's samples)."""
     if folder.exists():
@@ -165,7 +165,7 @@ def measure_norms(daemon: JobHost, folder: Path) -> dict[str, torch.Tensor]:
     Each layer is measured behind the layers before it at *this device's* statistics, not the fleet's: a
     layer's input measured behind the fleet's statistics of the round before is a round late, and those
     lags compound over the depth (measured: a fleet of the preset at chance for six rounds)."""
-    from edgerev.train.checkpoint import load_model, normalize
+    from edgerev.models.directory import load_model, normalize
     from edgerev.train.norms import calibrate, norms
     from edgerev_daemon.learning.jobs import load_samples
 

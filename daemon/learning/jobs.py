@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from edgerev.models.info import model_classes
+from edgerev.models.directory import model_classes
 from edgerev.train.config import AugmentConfig, DataConfig, RunConfig
 from edgerev.train.data import decode_image
 from edgerev.train.labeled import LabeledImages
@@ -231,9 +231,10 @@ def check_training(config: DaemonConfig) -> None:
 
     t = config.training
     try:
-        model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2,
-                              trust_factories=t.model.factories)
-        check_size(model, config.image_size)
+        handle = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2,
+                               trust_factories=t.model.factories)
+        check_size(handle, config.image_size)
+        model = handle.module
     except ValueError as e:
         raise ConfigError(f"training: {e} (image_size {config.image_size})") from None
     budget = t.memory.budget

@@ -39,10 +39,10 @@ def _target(config: DaemonConfig):
 
     model = resolve_model(t.model.arch, weights=t.model.weights, args=t.model.args, num_classes=2,
                           trust_factories=t.model.factories)
-    if not hasattr(model, "body"):  # a model from outside: checkpoint segments, no stage profile
+    if model.engine is None:  # a model from outside: checkpoint segments, no stage profile
         return None
     device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
-    return model, device, t.memory.profile == "estimate"
+    return model.module, device, t.memory.profile == "estimate"
 
 
 def ensure_profile(config: DaemonConfig, folder: Path, stop: Callable[[], bool]) -> bool:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(spec.get("threads") or default_threads())  # the trainer's: the profile times steps
     model = resolve_model(spec["arch"], weights=spec["weights"], args=spec["args"], num_classes=2,
-                          trust_factories=spec.get("trust_factories", ()))  # the daemon's config's, handed down
+                          trust_factories=spec.get("trust_factories", ())).module  # the daemon's config's, handed down
     verb = "estimating" if spec["estimate"] else "measuring"
     load_or_measure(model, spec["size"], spec["device"], estimate=spec["estimate"],
                     progress=lambda i, n: print(f"{PROGRESS}{verb} stage {i + 1}/{n}", file=sys.stderr, flush=True))

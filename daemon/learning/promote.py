@@ -42,7 +42,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgerev.train.checkpoint import load_model
+from edgerev.models.directory import load_model
 from edgerev.train.evaluate import EvaluationStopped, predict_logits
 from edgerev.train.evaluate import confusion as confusion_of
 from edgerev.train.labeled import LabeledImages

@@ -188,7 +188,7 @@ def score(model_dir: Path, samples: Sequence[Sample], blobs: BlobStore,
     ``trust_factories``: the factories ``model_dir`` may name (the daemon's ``training.model.factories``)."""
     import torch
 
-    from edgerev.train.checkpoint import load_model
+    from edgerev.models.directory import load_model
     from edgerev.train.evaluate import predict_logits
     from edgerev.train.labeled import LabeledImages
     from edgerev_daemon.learning.jobs import decode_samples

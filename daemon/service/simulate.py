@@ -36,7 +36,7 @@ log = logging.getLogger("edgerev.fleet.simulate")
 def _dir_accuracy(folder: Path, data, daemon) -> float:
     """The accuracy of the model in ``folder`` (a version of ``daemon``, read with the factories its config
     allows)."""
-    from edgerev.train.checkpoint import load_model
+    from edgerev.models.directory import load_model
 
     model, info, _ = load_model(folder, trust_factories=daemon.config.training.model.factories)
     return accuracy(model, info, data)
@@ -179,7 +179,7 @@ def simulate(sim: SimulationConfig, out: str | Path) -> dict:
                 model = device_model(fm, check_shared(fm), local_state(d.daemon.config.layout.root))
                 info = fleet_info(fm, model)
                 own = own_test(test, d.spec)
-                acc, acc_own = accuracy(model, info, test), accuracy(model, info, own)
+                acc, acc_own = accuracy(model.module, info, test), accuracy(model.module, info, own)
                 current = d.daemon.registry.current()
                 cur_acc = _dir_accuracy(d.daemon.registry.current_path(), test, d.daemon) if current else None
                 cur_own = _dir_accuracy(d.daemon.registry.current_path(), own, d.daemon) if current else None

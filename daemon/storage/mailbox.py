@@ -48,7 +48,7 @@ def _write(final: Path, meta: dict, tensors: dict | None) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if tensors is not None:
-        from edgerev.train.checkpoint import save_tensors  # torch: only a request that carries tensors needs it
+        from edgerev.models.directory import save_tensors  # torch: only a request that carries tensors needs it
 
         meta = {**meta, "sha256": save_tensors(tmp / TENSORS, tensors)}
     atomic_write(tmp / META, json.dumps(meta).encode())  # fsynced, as the tensors are, and the folder
@@ -69,7 +69,7 @@ def read(folder: Path) -> tuple[dict, dict | None]:
     if "sha256" not in meta:
         return meta, None
     from edgerev.errors import EdgerevError
-    from edgerev.train.checkpoint import load_tensors
+    from edgerev.models.directory import load_tensors
 
     try:
         return meta, load_tensors(folder / TENSORS, meta["sha256"])

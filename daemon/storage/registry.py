@@ -30,7 +30,7 @@ from pathlib import Path
 
 from edgerev.atomic import fsync_dir
 from edgerev.errors import EdgerevError, TrustError
-from edgerev.models.info import CheckpointError, model_classes
+from edgerev.models.directory import CheckpointError, model_classes
 
 VERSION_RE = re.compile(r"v\d{4,}")
 REQUIRED = ("model.safetensors", "model.json", "model.onnx")
@@ -80,7 +80,7 @@ class Registry:
 
     def current_classes(self) -> tuple[str, ...]:
         """The classes of the version in service (its ``model.json``, read without torch as a job reads it:
-        :func:`edgerev.models.info.model_classes`); () when none is in service or its description cannot be
+        :func:`edgerev.models.directory.model_classes`); () when none is in service or its description cannot be
         read (the start-up checks report that)."""
         try:
             path = self.current_path()

@@ -107,9 +107,10 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
     t0 = time.perf_counter()
     try:
         torch.manual_seed(seed)
-        model = resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args, num_classes=classes,
-                              trust_factories=cfg.model.factories)
-        check_size(model, cfg.data.size)
+        handle = resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args, num_classes=classes,
+                               trust_factories=cfg.model.factories)
+        check_size(handle, cfg.data.size)
+        model = handle.module
         teacher = None
         if cfg.continual.distill > 0:  # jobs after the first distill from the model in service
             teacher = copy.deepcopy(model).eval().requires_grad_(False)

@@ -47,9 +47,10 @@ from edgerev.export.graph import give_head_a_bias
 from edgerev.export.images import normalize
 from edgerev.export.metadata import ModelMeta, set_props
 from edgerev.export.runtime import first_line, inference_session, logits_apart
+from edgerev.models.directory import ModelInfo, load_handle
+from edgerev.models.handle import Exporter, ModelHandle, describe
 from edgerev.models.head import ScaledLinear
 from edgerev.torch_range import release
-from edgerev.train.checkpoint import ModelInfo, load_model
 
 MAX_OPSET = 21
 MAX_IR = 10
@@ -88,20 +89,20 @@ class ExportResult:
 
 
 def weights_sha256(model: nn.Module) -> str:
-    """SHA-256 of the model's weights as :func:`edgerev.train.checkpoint.save_model` would write them."""
+    """SHA-256 of the model's weights as :func:`edgerev.models.directory.save_model` would write them."""
     from safetensors.torch import save
 
     data = save({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()})
     return hashlib.sha256(data).hexdigest()
 
 
-def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: ModelInfo | None = None,
+def export_onnx(source: str | Path | nn.Module | ModelHandle, out_path: str | Path, *, info: ModelInfo | None = None,
                 batch: int = 4, tolerance: float = 1e-4, opset: int | None = None, exporter: str = "auto",
                 seed: int = 0, trust_factories: Iterable[str | Callable] = ()) -> ExportResult:
     """Export a model to ONNX with a dynamic batch, verify it with ONNX Runtime, write it atomically.
 
     Args:
-        source: a model directory (``model.json`` + ``model.safetensors``) or a model.
+        source: a model directory (``model.json`` + ``model.safetensors``), or a model (its handle, or a module).
         out_path: the ``.onnx`` file to write.
         info: classes, input size and normalization; required with a model, read from a directory.
         batch: verification batch size (batch 1 is verified too).
@@ -131,23 +132,30 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
     out_path = Path(out_path)
     if not out_path.parent.is_dir():
         raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
-    if isinstance(source, nn.Module):
+    if isinstance(source, (nn.Module, ModelHandle)):
         if info is None:
             raise ExportError("exporting a model object needs its ModelInfo (classes, input size, normalization)")
-        model, sha = source, weights_sha256(source)
+        handle = describe(source)
+        sha = weights_sha256(handle.module)
     else:
-        model, info, sha = load_model(source, trust_factories=trust_factories)
-    if isinstance(getattr(model, "onnx_source", None), bytes):
-        return _export_imported(model, info, sha, out_path, batch=batch, tolerance=tolerance, seed=seed)
-    arch = getattr(model, "arch", info.arch)
+        handle, info, sha = load_handle(source, trust_factories=trust_factories)
+    return _EXPORTERS[handle.exporter](handle, info, sha, out_path, batch=batch, tolerance=tolerance, opset=opset,
+                                       exporter=exporter, seed=seed)
+
+
+def _export_traced(handle: ModelHandle, info: ModelInfo, sha: str, out_path: Path, *, batch: int, tolerance: float,
+                   opset: int | None, exporter: str, seed: int) -> ExportResult:
+    """A model of edgerev's or of the owner's, traced by torch's exporters (``exporter``) and verified."""
+    arch = handle.arch or info.arch
     # a copy: eval() and tracing never touch the caller's model (its mode, its batch-norm statistics)
-    model = copy.deepcopy(model).cpu().eval()
-    if isinstance(getattr(model, "head", None), ScaledLinear):
+    handle = handle.replace(module=copy.deepcopy(handle.module).cpu().eval())
+    model = handle.module
+    head = model.get_submodule(handle.head) if handle.head is not None else None
+    if isinstance(head, ScaledLinear):
         # the same logits from a plain Gemm(features, weight, bias): what head fine-tuning looks for
-        model.head = model.head.folded()
+        handle.replace_head(head.folded())
     example = torch.zeros(2, len(info.mean), info.input_size, info.input_size)
-    if hasattr(model, "check_input"):
-        model.check_input(example)  # one clear error for an input size the model cannot take
+    handle.check_size(info.input_size)  # one clear error for an input size the model cannot take
 
     start = time.perf_counter()
     if exporter == "auto" and (release(str(torch.__version__)) or (0, 0)) < DYNAMO_FROM:
@@ -187,8 +195,8 @@ def export_onnx(source: str | Path | nn.Module, out_path: str | Path, *, info: M
                         size_bytes=len(data), weights_sha256=sha, exporter=exporter)
 
 
-def _export_imported(model: nn.Module, info: ModelInfo, sha: str, out_path: Path, *, batch: int, tolerance: float,
-                     seed: int) -> ExportResult:
+def _export_imported(handle: ModelHandle, info: ModelInfo, sha: str, out_path: Path, *, batch: int,
+                     tolerance: float, opset: int | None, exporter: str, seed: int) -> ExportResult:
     """A model imported from ONNX goes back into its own file (:func:`edgerev.export.imported.export_imported`: the
     original's graph, input and output names, dynamic batch and opset, verified with ONNX Runtime), with edgerev's
     metadata beside the original's, so ``edgerev predict`` and ``edgerev finetune-head`` read its classes, input
@@ -201,12 +209,17 @@ def _export_imported(model: nn.Module, info: ModelInfo, sha: str, out_path: Path
                      weights_sha256=sha, edgerev_version=edgerev.__version__)
     # one write, the metadata with it: export_imported adds ``outputs`` (probabilities where the original ends in
     # its Softmax), which tells edgerev predict not to apply a softmax of its own
-    done = export_imported(model, out_path, batches=tuple(dict.fromkeys((batch, 1))), tolerance=tolerance, seed=seed,
+    done = export_imported(handle.module, out_path, batches=tuple(dict.fromkeys((batch, 1))), tolerance=tolerance,
+                           seed=seed,
                            props=meta.to_props())
     opset, ir_version, data_size = done.opset, done.ir_version, done.size_bytes
     return ExportResult(path=out_path, arch=info.arch, opset=opset, ir_version=ir_version,
                         max_abs_diff=done.max_abs_diff, batches=done.batches, seconds=time.perf_counter() - start,
                         verify_seconds=0.0, size_bytes=data_size, weights_sha256=sha, exporter="imported")
+
+
+#: each handle's exporter (:class:`edgerev.models.handle.Exporter`) and its function
+_EXPORTERS = {Exporter.TRACED: _export_traced, Exporter.IMPORTED: _export_imported}
 
 
 def verify_onnx(onnx_model: str | Path | bytes, model: nn.Module, meta: ModelMeta, batches: tuple[int, ...] = (4, 1),

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from edgerev.errors import EdgerevError
-from edgerev.train.checkpoint import ModelInfo
+from edgerev.models.directory import ModelInfo
+from edgerev.models.handle import ModelHandle, describe
 
 SHARING = ("head", "head+last", "all")
 
@@ -110,7 +111,7 @@ def shared_names(state: Mapping[str, torch.Tensor], parameters: set[str], sharin
             and (n in parameters or share_bn_stats)]
 
 
-def fleet_model(fm: FleetModel) -> nn.Module:
+def fleet_model(fm: FleetModel) -> ModelHandle:
     """The fleet's model before any round, the same tensors on the server and on every device: ``fm.arch``
     resolved as any model source (:func:`edgerev.models.resolve.resolve_model`) with ``fm.weights``, its
     classifier sized to the fleet's classes; what the source does not bring (a registry model without
@@ -136,7 +137,7 @@ def fleet_model(fm: FleetModel) -> nn.Module:
 WIRE_HEAD = "head."  # what the aggregation (edgerev.fleet.aggregate) takes for the classifier's tensors
 
 
-def head_prefix(model: nn.Module) -> str:
+def head_prefix(model: nn.Module | ModelHandle) -> str:
     """The prefix of ``model``'s classifier's tensor names (``head.`` for edgerev's models, ``fc.`` for a
     torchvision ResNet, an ONNX import's last Gemm's module).
 
@@ -147,9 +148,11 @@ def head_prefix(model: nn.Module) -> str:
 
     name = head_name(model)
     if name is None:
-        raise FleetError(f"the fleet's model {type(model).__name__} has no linear classifier to grow per class")
+        raise FleetError(f"the fleet's model {type(describe(model).module).__name__} has no linear classifier to "
+                         "grow per class")
     prefix = name + "."
-    if prefix != WIRE_HEAD and any(n.startswith(WIRE_HEAD) for n in model.state_dict()):
+    module = model.module if isinstance(model, ModelHandle) else model
+    if prefix != WIRE_HEAD and any(n.startswith(WIRE_HEAD) for n in module.state_dict()):
         raise FleetError(f"the fleet's model has its classifier at {name!r} and other tensors named head.*: "
                          "the fleet sends the classifier's as head.*")
     return prefix
@@ -174,7 +177,7 @@ def fleet_head(fm: FleetModel) -> str:
 def model_names(fm: FleetModel) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The fleet's model before any round (:func:`fleet_model`) as tensors, and its shared names, as the fleet
     names them (:func:`to_wire`)."""
-    model = fleet_model(fm)
+    model = fleet_model(fm).module
     head = head_prefix(model)
     state = to_wire(model.state_dict(), head)
     parameters = set(to_wire(dict(model.named_parameters()), head))
@@ -224,17 +227,17 @@ def compose(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, t
     return state
 
 
-def device_model(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, tuple] | None) -> nn.Module:
-    """The device's copy of the fleet model as a module: :func:`compose` of the fleet's tensors (``fresh``,
+def device_model(fm: FleetModel, fresh: dict[str, torch.Tensor], local: tuple[dict, tuple] | None) -> ModelHandle:
+    """The device's copy of the fleet model (its handle): :func:`compose` of the fleet's tensors (``fresh``,
     as the fleet names them) and the device's last round (``local``, as the model names them)."""
     model = fleet_model(fm)
     head = head_prefix(model)
     local = (to_wire(local[0], head), local[1]) if local is not None else None
-    model.load_state_dict(from_wire(compose(fm, fresh, local), head))
+    model.module.load_state_dict(from_wire(compose(fm, fresh, local), head))
     return model
 
 
-def fleet_info(fm: FleetModel, model: nn.Module) -> ModelInfo:
+def fleet_info(fm: FleetModel, model: ModelHandle) -> ModelInfo:
     """The description of a model of the fleet: what rebuilds it (the source's own ``arch``: a model
     directory's architecture, ``onnx`` with the file's copy), the fleet's classes and input size."""
-    return ModelInfo(model.arch, tuple(fm.classes), fm.input_size, model_args=dict(model.model_args))
+    return ModelInfo(model.arch, tuple(fm.classes), fm.input_size, model_args=dict(model.args))

@@ -32,10 +32,11 @@ import weakref
 import torch
 from torch import Tensor, fx, nn
 
-from edgerev.engine import Execution, InvertibleSequence
+from edgerev.engine import Execution, InvertibleSequence, engine_body
 from edgerev.errors import EdgerevError, UnsupportedModel
 from edgerev.layers.base import replaying
 from edgerev.memory.solve.costs import Segment
+from edgerev.models.handle import describes
 
 #: out-of-place twins of in-place functions that a traced graph may call
 _OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -164,6 +165,9 @@ def _mutated(n: fx.Node, gm: fx.GraphModule) -> bool:
     if n.op == "call_method":
         return n.target.endswith("_") and not n.target.startswith("_")
     if n.op == "call_function":
+        if _aten(n.target):  # torch.export's graph: silu_.default, relu_.default...
+            name = n.target.overloadpacket.__name__
+            return name.endswith("_") and not name.startswith("_")
         name = getattr(n.target, "__name__", "")
         return n.target in _OUT_OF_PLACE or n.kwargs.get("inplace", False) is True or n.target is operator.setitem \
             or (name.endswith("_") and not name.startswith("_") and getattr(n.target, "__module__", "") in
@@ -171,7 +175,14 @@ def _mutated(n: fx.Node, gm: fx.GraphModule) -> bool:
     return False
 
 
+def _aten(target) -> bool:
+    """Whether ``target`` is an overload of an aten op (what torch.export's graphs call)."""
+    return hasattr(target, "overloadpacket")
+
+
 def _is_view(n: fx.Node) -> bool:
+    if _aten(n.target):
+        return n.op == "call_function" and n.target.overloadpacket.__name__ in _VIEWS | {"slice", "alias"}
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
     return n.op in ("call_method", "call_function") and name in _VIEWS
 
@@ -180,15 +191,17 @@ def _out_of_place(gm: fx.GraphModule) -> None:
     """Rewrite every in-place op as its out-of-place twin, its later readers reading the result instead.
 
     A checkpointed segment is re-run from its input in the backward: an op that wrote into the input
-    would have changed what the re-run sees. An in-place write into a view (a slice of a tensor read
-    again later) has no such rewrite and is refused, naming the node.
+    would have changed what the re-run sees. An in-place write into a view is rewritten the same way where
+    nothing reads the viewed tensor after it (:func:`_read_later`); into a view of a tensor read again later it
+    has no such rewrite and is refused, naming the node.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in list(gm.graph.nodes):
         if not _mutated(n, gm):
             continue
         target = n.args[0] if n.args else None
-        if not isinstance(target, fx.Node) or n.target is operator.setitem or _is_view(target):
+        if not isinstance(target, fx.Node) or n.target is operator.setitem or _is_view(target) and _read_later(
+                target, n, order):
             raise GraphError(f"cannot plan node {n.name} ({n.op} {_target_name(n)}): it writes in place into "
                              f"{'a view of another tensor' if _is_view(target) else 'a tensor'}; "
                              "write it out of place (x = x + y, inplace=False)")
@@ -204,6 +217,13 @@ def _out_of_place(gm: fx.GraphModule) -> None:
                 raise GraphError(f"cannot plan node {n.name} (method {n.target}): it writes in place and has no "
                                  "out-of-place form")
             n.target = n.target[:-1]
+        elif _aten(n.target):
+            packet = getattr(torch.ops.aten, n.target.overloadpacket.__name__[:-1], None)
+            twin = getattr(packet, n.target.__name__.rpartition(".")[2], None) if packet is not None else None
+            if twin is None:
+                raise GraphError(f"cannot plan node {n.name} ({_target_name(n)}): it writes in place and has no "
+                                 "out-of-place form")
+            n.target = twin
         elif n.target in _OUT_OF_PLACE:
             n.target = _OUT_OF_PLACE[n.target]
         elif "inplace" in n.kwargs:
@@ -218,6 +238,23 @@ def _out_of_place(gm: fx.GraphModule) -> None:
             if user is not n and order[user] > order[n]:
                 user.replace_input_with(target, n)
     gm.recompile()
+
+
+def _read_later(view: fx.Node, n: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether a write by ``n`` into ``view`` would be seen after ``n`` other than through ``view``: the tensor it
+    views, or another view of it, is read after ``n``. When none is (``Dropout(inplace=True)`` on a flattened
+    feature map, as torchvision's EfficientNet writes it), the write and its out-of-place twin give the same
+    numbers."""
+    base = view
+    while _is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    family, todo = set(), [base]
+    while todo:  # the base and every view of it, transitively
+        m = todo.pop()
+        if m not in family:
+            family.add(m)
+            todo.extend(u for u in m.users if _is_view(u))
+    return any(order[u] > order[n] for m in family - {view} for u in m.users if u is not n)
 
 
 def _target_name(n: fx.Node) -> str:
@@ -492,7 +529,14 @@ _CHAINS: weakref.WeakKeyDictionary[nn.Module, ChainModel] = weakref.WeakKeyDicti
 
 def has_engine_body(model: nn.Module) -> bool:
     """True for a model the planner runs as it is (an edgerev model: its body is an engine sequence)."""
-    return isinstance(getattr(model, "body", None), InvertibleSequence)
+    return engine_body(model) is not None
+
+
+def _chain_fields(model: ChainModel) -> dict:
+    return {"in_channels": model.in_channels, "image_size": model.image_size, "fixed_classes": model.num_classes}
+
+
+describes(ChainModel, _chain_fields)
 
 
 def planned(model: nn.Module, size: int | None = None) -> nn.Module:

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from edgerev.engine import InvertibleSequence, Mode, check_finite
 from edgerev.errors import ShapeError
+from edgerev.models.handle import describes
 
 
 def stem(channels: int, in_channels: int = 3) -> nn.Conv2d:
@@ -45,7 +46,7 @@ class EngineModel(nn.Module):
 
     def check_input(self, x: Tensor) -> None:
         """One clear error for an input the model cannot take."""
-        name = getattr(self, "arch", type(self).__name__)
+        name = vars(self).get("arch", type(self).__name__)  # the registry's name, where the registry built it
         if x.dim() != 4:
             raise ShapeError(f"{name} expects images as a [batch, channels, height, width] tensor, "
                              f"got {tuple(x.shape)}")
@@ -86,3 +87,24 @@ class SequentialModel(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)
         return self.body(x)
+
+
+def _engine_fields(model: EngineModel) -> dict:
+    return {"in_channels": model.in_channels, "head": "head" if isinstance(model.head, nn.Linear) else None,
+            "fixed_classes": model.num_classes}
+
+
+def _sequential_fields(model: SequentialModel) -> dict:
+    from edgerev.models.handle import last_linear
+
+    head = last_linear(model)
+    fits = head is not None and model.get_submodule(head).out_features == model.num_classes
+    return {"in_channels": model.in_channels, "head": head if fits else None, "fixed_classes": model.num_classes}
+
+
+def _classes_follow(model: EngineModel | SequentialModel, rows: int) -> None:
+    model.num_classes = rows
+
+
+describes(EngineModel, _engine_fields, check_input=EngineModel.check_input, head_grown=_classes_follow)
+describes(SequentialModel, _sequential_fields, check_input=SequentialModel.check_input, head_grown=_classes_follow)

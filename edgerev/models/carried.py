@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgerev.errors import EdgerevError, TrustError
-from edgerev.models.info import CheckpointError, read_info
+from edgerev.models.directory import CheckpointError, read_info
 from edgerev.models.names import SourceKind, source_kind
 
 

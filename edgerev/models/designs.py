@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
+from edgerev.models.handle import describes
+
 
 def make_divisible(value: float, divisor: int = 8) -> int:
     """``value`` rounded to the nearest multiple of ``divisor``, never below ``divisor`` and never more than
@@ -246,3 +248,11 @@ def efficientnet_b0(num_classes: int = 1000, width: float = 1.0) -> Classifier:
 
 DESIGNS: dict[str, Callable[..., nn.Module]] = {
     "mobilenet_v2": mobilenet_v2, "resnet18": resnet18, "efficientnet_b0": efficientnet_b0}
+
+
+def _classes_follow(model: Classifier | ResNet, rows: int) -> None:
+    model.num_classes = rows
+
+
+describes(Classifier, lambda model: {}, head_grown=_classes_follow)
+describes(ResNet, lambda model: {}, head_grown=_classes_follow)

@@ -26,6 +26,7 @@ class SourceKind(Enum):
     DIRECTORY = "directory"  # an edgerev model directory (model.json + model.safetensors)
     ONNX = "onnx"  # an .onnx file
     FACTORY = "factory"  # package.module:callable returning an nn.Module
+    MODULE = "module"  # an nn.Module object, from Python (never spelt: source_kind does not return it)
 
 
 SOURCES_HELP = ("a registry name (" + ", ".join(ARCHS) + "), a model directory (a path with a /), an .onnx file or "

@@ -23,10 +23,13 @@ or an ONNX file is data (:mod:`edgerev.models.trust`): a directory's ``model.jso
 ``onnx`` or a factory the caller allows (``trust_factories``) or an installed package registers, and is
 refused before any import otherwise; each file it holds is read only inside it.
 
-Every model it returns carries ``arch`` (the registry name, the factory, ``"onnx"`` or the class of a
-module object) and ``model_args``: what :class:`edgerev.train.checkpoint.ModelInfo` records so a
-model directory rebuilds it through this same function. An ONNX import also carries ``onnx_source``
-(the file's bytes), which a model directory keeps a copy of (``source.onnx``), because its graph lives there.
+It returns a :class:`~edgerev.models.handle.ModelHandle`: the module and what the rest of edgerev needs to know of
+it (input, normalization, classes and head, input and output names, what rebuilds it, its planning surface and its
+exporter). Each kind of source is one handler in :data:`HANDLERS`; nothing past them asks the module or where it
+came from. A module object's owner may declare on it, as attributes, what a class cannot say: ``mean`` and ``std``
+(the normalization its weights were trained with), ``arch`` and ``model_args`` (the factory and arguments that
+rebuild it; :func:`rebuild_error` says when its class alone cannot), and ``in_channels``, ``num_classes`` and
+``image_size`` where its layers cannot say them.
 
 Bad input is refused in one line (:class:`ModelSourceError`) before anything is written: a module
 that does not import, a factory that raises or returns no module, a weights file that is missing,
@@ -54,8 +57,8 @@ from edgerev.models.directory import (
     load_tensors,
     read_info,
 )
+from edgerev.models.handle import ModelHandle, describe
 from edgerev.models.names import SourceKind, source_kind
-from edgerev.models.spec import head_name
 from edgerev.models.trust import check_file_arch, confined
 
 
@@ -63,9 +66,11 @@ class ModelSourceError(EdgerevError):
     """A model source cannot be turned into a model: the message names the source and what is wrong."""
 
 
-def resolve_model(source: str | Path | nn.Module, *, weights: str | Path | None = None, args: dict | None = None,
-                  num_classes: int | None = None, trust_factories: Iterable[str | Callable] = ()) -> nn.Module:
-    """The model ``source`` names (see the module docstring), with ``weights`` loaded and ``num_classes`` rows.
+def resolve_model(source: str | Path | nn.Module | ModelHandle, *, weights: str | Path | None = None,
+                  args: dict | None = None, num_classes: int | None = None,
+                  trust_factories: Iterable[str | Callable] = ()) -> ModelHandle:
+    """The handle of the model ``source`` names (see the module docstring), with ``weights`` loaded and
+    ``num_classes`` rows. A handle given as ``source`` is returned with them applied.
 
     ``source`` is the caller's: a factory it names is imported and called. A model directory is data: the
     factory its ``model.json`` names is built only when it is in ``trust_factories`` (names
@@ -80,52 +85,86 @@ def resolve_model(source: str | Path | nn.Module, *, weights: str | Path | None 
         edgerev.errors.TrustError: a model directory that names a factory not allowed, or a file outside it.
     """
     args = dict(args or {})
-    if isinstance(source, nn.Module):
+    if isinstance(source, ModelHandle):
         if args:
-            raise ModelSourceError("args are for a registry name or a factory, not for a module object")
-        model = source
-        if not isinstance(getattr(model, "arch", None), str):
-            try:
-                model.arch = module_arch(model)
-            except ModelSourceError:
-                pass  # planning needs no name; a model directory does (fit refuses then)
-        if not isinstance(getattr(model, "model_args", None), dict):
-            model.model_args = {}
-        return _finish(model, weights, num_classes)
-    text = str(source)
-    kind = source_kind(text)
+            raise ModelSourceError("args are for a registry name or a factory, not for a resolved model")
+        return _finish(source, weights, num_classes)
+    if isinstance(source, nn.Module):
+        kind = SourceKind.MODULE
+    else:
+        source = str(source)
+        kind = source_kind(source)
     if kind in (SourceKind.DIRECTORY, SourceKind.ONNX):
         if weights is not None:
-            raise ModelSourceError(f"weights: {text} carries its own weights; leave weights out")
+            raise ModelSourceError(f"weights: {source} carries its own weights; leave weights out")
         if args:
-            raise ModelSourceError(f"args: {text} carries its own architecture; leave args out")
-    if kind is SourceKind.REGISTRY:
-        from edgerev.models import create_model
+            raise ModelSourceError(f"args: {source} carries its own architecture; leave args out")
+    handle = HANDLERS[kind](source, args, None if weights is not None else num_classes, trust_factories)
+    return _finish(handle, weights, num_classes)
 
-        model = create_model(text, **args, **({} if weights is not None or num_classes is None
-                                              else {"num_classes": num_classes}))
-        model.model_args = args
-    elif kind is SourceKind.FACTORY:
-        model = _from_factory(text, args, None if weights is not None else num_classes)
-    elif kind is SourceKind.DIRECTORY:
-        path = Path(text).expanduser()
-        if not (path / "model.json").is_file():
-            raise ModelSourceError(f"{text} is not a model directory (no model.json in it)")
-        model, info, _ = load_model(path, trust_factories=trust_factories)
-        model.mean, model.std = info.mean, info.std  # the normalization its weights were trained with
-    else:
-        model = _from_onnx(Path(text).expanduser())
-    return _finish(model, weights, num_classes)
+
+def _from_registry(name: str, args: dict, num_classes: int | None, trust) -> ModelHandle:
+    from edgerev.models import create_model
+
+    model = create_model(name, **args, **({} if num_classes is None else {"num_classes": num_classes}))
+    return describe(model, arch=name, args=args)
+
+
+def _from_module(model: nn.Module, args: dict, num_classes: int | None, trust) -> ModelHandle:
+    if args:
+        raise ModelSourceError("args are for a registry name or a factory, not for a module object")
+    declared = _declared(model)
+    try:
+        arch = module_arch(model)
+    except ModelSourceError:
+        arch = None  # planning needs no name; a model directory does (fit refuses then: rebuild_error)
+    model_args = declared.get("model_args")
+    return describe(model, arch=arch, args=dict(model_args) if isinstance(model_args, dict) else {},
+                    mean=_floats(declared.get("mean")), std=_floats(declared.get("std")),
+                    in_channels=_count(declared.get("in_channels")), image_size=_count(declared.get("image_size")),
+                    fixed_classes=_count(declared.get("num_classes")))
+
+
+def _count(value) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _declared(model: nn.Module) -> dict:
+    """What a module object's owner declared on it (see the module docstring): its own attributes ``arch``,
+    ``model_args``, ``mean``, ``std``, ``in_channels``, ``num_classes`` and ``image_size`` (:data:`_DECLARED`),
+    read here once, where the module becomes a handle."""
+    own = vars(model)
+    return {k: own[k] for k in _DECLARED if k in own}
+
+
+#: what a module object's owner may declare on it; ``num_classes`` and ``in_channels`` where its layers cannot say
+_DECLARED = ("arch", "model_args", "mean", "std", "in_channels", "num_classes", "image_size")
+
+
+def _floats(value) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(float(v) for v in value) or None
+    except (TypeError, ValueError):
+        return None
+
+
+def _from_directory(text: str, args: dict, num_classes: int | None, trust) -> ModelHandle:
+    path = Path(text).expanduser()
+    if not (path / "model.json").is_file():
+        raise ModelSourceError(f"{text} is not a model directory (no model.json in it)")
+    return load_handle(path, trust_factories=trust)[0]
 
 
 def module_arch(model: nn.Module) -> str:
-    """What rebuilds a module object: its ``arch`` when it names a source, else its class as
-    ``package.module:Class`` (built with its ``model_args`` attribute, or no arguments).
+    """What rebuilds a module object: the ``arch`` its owner declared when it names a source, else its class as
+    ``package.module:Class`` (built with its declared ``model_args``, or no arguments).
 
     Raises:
         ModelSourceError: the class cannot be named (defined inside a function).
     """
-    arch = getattr(model, "arch", None)
+    arch = _declared(model).get("arch")
     if isinstance(arch, str):
         try:
             source_kind(arch)
@@ -140,42 +179,63 @@ def module_arch(model: nn.Module) -> str:
     return name
 
 
-def _finish(model: nn.Module, weights: str | Path | None, num_classes: int | None) -> nn.Module:
+def rebuild_error(handle: ModelHandle) -> str | None:
+    """Why ``handle.arch`` and ``handle.args`` would not rebuild ``handle``'s module with its weights' names and
+    shapes (None: they do). A model directory rebuilds its model this way, so :func:`edgerev.fit` asks before
+    training. The copy is built on the meta device (nothing allocated) where the builder allows, else on the CPU.
+    """
+    if handle.arch is None:
+        cls = type(handle.module)
+        return f"{cls.__qualname__} is defined inside a function; define the class at a module's top level"
+    if handle.onnx_source is not None or source_kind(handle.arch) not in (SourceKind.REGISTRY, SourceKind.FACTORY):
+        return None  # an ONNX import or a directory rebuilds from its own files
+    try:
+        with torch.device("meta"):
+            again = resolve_model(handle.arch, args=dict(handle.args), num_classes=handle.num_classes)
+    except ModelSourceError:
+        try:
+            again = resolve_model(handle.arch, args=dict(handle.args), num_classes=handle.num_classes)
+        except ModelSourceError as e:
+            return str(e)
+    except EdgerevError as e:
+        return str(e)
+    own = {k: tuple(v.shape) for k, v in handle.module.state_dict().items()}
+    built = {k: tuple(v.shape) for k, v in again.module.state_dict().items()}
+    differ = sorted(set(own) ^ set(built)) + sorted(k for k in own if k in built and own[k] != built[k])
+    if differ:
+        return (f"{handle.arch}{'(**' + _shown(dict(handle.args)) + ')' if handle.args else '()'} builds another "
+                f"model (its weights differ at {', '.join(differ[:3])})")
+    return None
+
+
+def _finish(handle: ModelHandle, weights: str | Path | None, num_classes: int | None) -> ModelHandle:
     """Load ``weights`` (the classifier first sized as in the file), then give the classifier ``num_classes`` rows."""
     if weights is not None:
         state = load_weights(weights)
-        head = head_name(model)
-        rows = state.get(f"{head}.weight") if head is not None else None
-        if rows is not None and rows.dim() == 2 and rows.shape[0] != model.get_submodule(head).out_features:
-            set_head_rows(model, rows.shape[0])
-        load_state(model, state, str(weights))
+        rows = state.get(f"{handle.head}.weight") if handle.head is not None else None
+        if rows is not None and rows.dim() == 2 and rows.shape[0] != handle.num_classes:
+            handle.set_head_rows(rows.shape[0])
+        load_state(handle.module, state, str(weights))
     if num_classes is not None:
-        set_head_rows(model, num_classes)
-    return model
+        set_head_rows(handle, num_classes)
+    return handle
 
 
-def set_head_rows(model: nn.Module, rows: int) -> None:
-    """Replace ``model``'s classifier (its last linear layer) by a fresh one of the same kind with ``rows`` rows.
+def set_head_rows(model: nn.Module | ModelHandle, rows: int) -> None:
+    """Replace the classifier (its last linear layer) by a fresh one of the same kind with ``rows`` rows
+    (:meth:`ModelHandle.set_head_rows`).
 
-    Nothing changes when it has that many rows already. ``model.num_classes`` follows when the model has one.
+    Raises:
+        ModelSourceError: the model has no linear layer whose rows could be its classes.
     """
-    head = head_name(model)
-    if head is None:
-        raise ModelSourceError(f"{type(model).__name__} has no linear layer whose rows could be its {rows} classes")
-    layer = model.get_submodule(head)
-    if layer.out_features == rows:
-        return
-    resized = getattr(layer, "resized", None)  # edgerev's ScaledLinear keeps its scale and bias-free kind
-    new = resized(rows) if callable(resized) else nn.Linear(layer.in_features, rows, bias=layer.bias is not None)
-    new = new.to(layer.weight.device, layer.weight.dtype)
-    parent, _, name = head.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, new)
-    if isinstance(getattr(model, "num_classes", None), int) and not isinstance(
-            getattr(type(model), "num_classes", None), property):  # an ONNX import counts its head's rows itself
-        model.num_classes = rows
+    handle = describe(model)
+    if handle.head is None:
+        raise ModelSourceError(f"{type(handle.module).__name__} has no linear layer whose rows could be its "
+                               f"{rows} classes")
+    handle.set_head_rows(rows)
 
 
-def _from_factory(text: str, args: dict, num_classes: int | None) -> nn.Module:
+def _from_factory(text: str, args: dict, num_classes: int | None, trust) -> ModelHandle:
     module_name, _, attr = text.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -198,10 +258,10 @@ def _from_factory(text: str, args: dict, num_classes: int | None) -> nn.Module:
         raise ModelSourceError(f"{text} raised {type(e).__name__}: {_line(e)}") from None
     if not isinstance(model, nn.Module):
         raise ModelSourceError(f"{text} returned a {type(model).__name__}, not a torch.nn.Module")
-    model.arch, model.model_args = text, dict(args)
+    handle = describe(model, arch=text, args=dict(args))
     if later is not None:
-        set_head_rows(model, later)
-    return model
+        set_head_rows(handle, later)
+    return handle
 
 
 def _takes(fn, name: str) -> bool:
@@ -212,16 +272,25 @@ def _takes(fn, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _from_onnx(path: Path) -> nn.Module:
+def _from_onnx(text: str, args: dict, num_classes: int | None, trust) -> ModelHandle:
+    path = Path(text).expanduser()
     if not path.is_file():
         raise ModelSourceError(f"ONNX file {path} does not exist")
     try:
         from edgerev.models.onnx_import import load_onnx
     except ImportError as e:
         raise ModelSourceError(f"{path}: this edgerev cannot import ONNX files ({_line(e)})") from None
-    model = load_onnx(path, classifier=True)  # carries onnx_source: the file's bytes (external data inlined)
-    model.arch, model.model_args = "onnx", {}
-    return model
+    return describe(load_onnx(path, classifier=True))  # its handle carries the file's bytes, names and input
+
+
+#: each kind of source and the one function that makes its handle: ``handler(source, args, num_classes, trust)``
+HANDLERS: dict[SourceKind, Callable[..., ModelHandle]] = {
+    SourceKind.REGISTRY: _from_registry,
+    SourceKind.DIRECTORY: _from_directory,
+    SourceKind.FACTORY: _from_factory,
+    SourceKind.MODULE: _from_module,
+    SourceKind.ONNX: _from_onnx,
+}
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -272,8 +341,8 @@ def _line(e: BaseException) -> str:
 
 
 def build_model(info: ModelInfo, folder: str | Path | None = None,
-                trust_factories: Iterable[str | Callable] = ()) -> nn.Module:
-    """The model ``info`` describes, fresh weights, one row per class, through :func:`resolve_model`.
+                trust_factories: Iterable[str | Callable] = ()) -> ModelHandle:
+    """The model ``info`` describes, fresh weights, one row per class, through :func:`resolve_model` (its handle).
 
     ``info`` is a file's: its ``arch`` must be a registry name, ``onnx`` (rebuilt from the copy of its file in
     the model directory ``folder``, read only inside it) or a factory in ``trust_factories`` or registered by
@@ -292,12 +361,15 @@ def build_model(info: ModelInfo, folder: str | Path | None = None,
         if not (Path(folder) / ONNX_SOURCE).is_file():
             raise CheckpointError(f"{where}: arch: {info.arch!r} is an imported ONNX model, rebuilt from the "
                                   f"directory's {ONNX_SOURCE}, which is not there")
-        return resolve_model(str(Path(folder) / ONNX_SOURCE), num_classes=len(info.classes))
-    try:
-        return resolve_model(info.arch, args=info.model_args, num_classes=len(info.classes))
-    except Exception as e:  # noqa: BLE001  (the arguments are a file's: whatever they make the builder raise)
-        raise CheckpointError(f"{where}: model_args: {info.arch} cannot be built with {_shown(info.model_args)} "
-                              f"({type(e).__name__}: {_line(e)})") from None
+        handle = resolve_model(str(Path(folder) / ONNX_SOURCE), num_classes=len(info.classes))
+    else:
+        try:
+            handle = resolve_model(info.arch, args=info.model_args, num_classes=len(info.classes))
+        except Exception as e:  # noqa: BLE001  (the arguments are a file's: whatever they make the builder raise)
+            raise CheckpointError(f"{where}: model_args: {info.arch} cannot be built with {_shown(info.model_args)} "
+                                  f"({type(e).__name__}: {_line(e)})") from None
+    # the normalization its weights are trained with, and its classes
+    return handle.replace(mean=info.mean, std=info.std, classes=info.classes)
 
 
 def _shown(value) -> str:
@@ -305,9 +377,9 @@ def _shown(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def load_model(folder: str | Path, arch: str | None = None, classes: Sequence[str] | None = None, *,
-               trust_factories: Iterable[str | Callable] = ()) -> tuple[nn.Module, ModelInfo, str]:
-    """Rebuild the model saved in ``folder`` with its weights; returns ``(model, info, sha256)``.
+def load_handle(folder: str | Path, arch: str | None = None, classes: Sequence[str] | None = None, *,
+                trust_factories: Iterable[str | Callable] = ()) -> tuple[ModelHandle, ModelInfo, str]:
+    """Rebuild the model saved in ``folder`` with its weights; returns ``(handle, info, sha256)``.
 
     Args:
         arch: refuse a checkpoint of another architecture.
@@ -328,6 +400,13 @@ def load_model(folder: str | Path, arch: str | None = None, classes: Sequence[st
         raise CheckpointError(f"{folder} was trained on classes {list(info.classes)}, not {list(classes)}")
     sha = raw.get("weights_sha256")
     state = load_tensors(Path(folder) / WEIGHTS, sha)
-    model = build_model(info, folder, trust_factories)
-    load_state(model, state, str(folder))
-    return model, info, sha
+    handle = build_model(info, folder, trust_factories)
+    load_state(handle.module, state, str(folder))
+    return handle, info, sha
+
+
+def load_model(folder: str | Path, arch: str | None = None, classes: Sequence[str] | None = None, *,
+               trust_factories: Iterable[str | Callable] = ()) -> tuple[nn.Module, ModelInfo, str]:
+    """:func:`load_handle`'s module: ``(model, info, sha256)``, for code that only runs the model."""
+    handle, info, sha = load_handle(folder, arch, classes, trust_factories=trust_factories)
+    return handle.module, info, sha

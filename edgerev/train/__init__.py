@@ -13,7 +13,7 @@ from edgerev.lazy import lazy_attributes
 
 _LAZY = {
     **dict.fromkeys(("Augment", "cutout", "pad_crop", "random_flip"), "edgerev.train.augment"),
-    **dict.fromkeys(("CheckpointError", "ModelInfo", "load_model", "save_model"), "edgerev.train.checkpoint"),
+    **dict.fromkeys(("CheckpointError", "ModelInfo", "load_model", "save_model"), "edgerev.models.directory"),
     **dict.fromkeys(("RunConfig", "load_config"), "edgerev.train.config"),
     **dict.fromkeys(("CIFAR10Binary", "DataError", "ImageFolder", "SyntheticImages"), "edgerev.train.data"),
     "evaluate": "edgerev.train.evaluate",
@@ -22,8 +22,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from edgerev.models.directory import CheckpointError, ModelInfo, load_model, save_model
     from edgerev.train.augment import Augment, cutout, pad_crop, random_flip
-    from edgerev.train.checkpoint import CheckpointError, ModelInfo, load_model, save_model
     from edgerev.train.config import RunConfig, load_config
     from edgerev.train.data import CIFAR10Binary, DataError, ImageFolder, SyntheticImages
     from edgerev.train.evaluate import evaluate

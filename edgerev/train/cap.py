@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev._torchapi import storage_bytes
-from edgerev.engine import InvertibleSequence
+from edgerev.engine import engine_body
 from edgerev.errors import EdgerevError
 from edgerev.memory.measure.microbatch import accumulate, restore_buffers, save_buffers, split_batch
 from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
@@ -136,8 +136,8 @@ class CpuCap:
 
     @staticmethod
     def key(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int) -> tuple:
-        body = getattr(model, "body", None)
-        plan = (tuple(body.modes), body.execution) if isinstance(body, InvertibleSequence) else ()
+        body = engine_body(model)
+        plan = (tuple(body.modes), body.execution) if body is not None else ()
         return (tuple(x.shape), x.dtype, tuple(tuple(t.shape) for t in targets), micro_batches, plan,
                 tuple((tuple(p.shape), p.requires_grad) for p in model.parameters()))
 

@@ -19,45 +19,37 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgerev.models.directory import CheckpointError, load_tensors, save_tensors
+from edgerev.models.handle import ModelHandle, SpecError, describe, last_linear
 from edgerev.models.head import ScaledLinear
-from edgerev.train.checkpoint import CheckpointError, load_tensors, save_tensors
 from edgerev.train.labeled import LabeledImages
 
 REPLAY = "replay.safetensors"
 
 
-def head_name(model: nn.Module) -> str:
-    """The qualified name of the layer whose rows are ``model``'s classes: ``head`` when the model has a linear
-    ``head`` (edgerev's own), else its last linear layer: in the order the graph runs them for a
-    ``torch.fx.GraphModule`` (an ONNX import: the last Gemm/MatMul/Linear becomes an ``nn.Linear``), in module
-    order for any other model (``classifier.1`` of a MobileNetV2, ``fc`` of a ResNet).
+def head_name(model: nn.Module | ModelHandle) -> str:
+    """The qualified name of the layer whose rows are ``model``'s classes: its handle's ``head`` (edgerev's own
+    ``head``; an ONNX import's last Gemm/MatMul/Linear in the order the graph runs), else its last linear layer:
+    in graph order for a ``torch.fx.GraphModule``, in module order for any other model (``classifier.1`` of a
+    MobileNetV2, ``fc`` of a ResNet).
 
     Raises:
         CheckpointError: the model has no linear layer.
     """
-    if isinstance(getattr(model, "head", None), nn.Linear):
-        return "head"
-    named = getattr(model, "head_name", None)  # a model that names its head (an ONNX import) is taken at its word
-    if isinstance(named, str) and isinstance(model.get_submodule(named), nn.Linear):
-        return named
-    if isinstance(model, torch.fx.GraphModule):
-        modules = dict(model.named_modules())
-        for node in reversed(model.graph.nodes):
-            if node.op == "call_module" and isinstance(modules.get(node.target), nn.Linear):
-                return node.target
-    last = None
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and name:
-            last = name
-    if last is None:
-        raise CheckpointError(f"{type(model).__name__} has no linear layer (Gemm, MatMul or Linear) whose rows are "
+    module = model.module if isinstance(model, ModelHandle) else model
+    try:
+        name = describe(model).head
+    except SpecError:  # its input cannot be read from its layers: its classifier still can
+        name = last_linear(module)
+    if name is None:
+        raise CheckpointError(f"{type(module).__name__} has no linear layer (Gemm, MatMul or Linear) whose rows are "
                               "its classes: its head cannot grow for new classes")
-    return last
+    return name
 
 
-def grow_head(model: nn.Module, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+def grow_head(model: nn.Module | ModelHandle, old: tuple[str, ...], new: tuple[str, ...]) -> None:
     """Replace the model's head (:func:`head_name`) by one with a row per class of ``new`` (which starts with
-    ``old``), in place; a ``num_classes`` attribute follows.
+    ``old``), in place (:meth:`ModelHandle.replace_head`: edgerev's models keep their ``num_classes`` in step).
 
     Old rows keep their weights and biases; new rows get the layer's default initialization, so the grown
     model gives exactly the old logits on the old classes.
@@ -69,10 +61,11 @@ def grow_head(model: nn.Module, old: tuple[str, ...], new: tuple[str, ...]) -> N
     if new[: len(old)] != old:
         raise CheckpointError(f"new classes {list(new)} must start with the old ones {list(old)}")
     name = head_name(model)
-    head: nn.Linear = model.get_submodule(name)
+    module = model.module if isinstance(model, ModelHandle) else model
+    head: nn.Linear = module.get_submodule(name)
     if head.out_features != len(old):
-        raise CheckpointError(f"the head {name!r} of {type(model).__name__} has {head.out_features} rows, not one per "
-                              f"old class ({len(old)}): its last linear layer is not the classifier")
+        raise CheckpointError(f"the head {name!r} of {type(module).__name__} has {head.out_features} rows, not "
+                              f"one per old class ({len(old)}): its last linear layer is not the classifier")
     if len(new) == len(old):
         return
     if isinstance(head, ScaledLinear):  # keeps its kind: no bias, the same logit scale
@@ -85,11 +78,7 @@ def grow_head(model: nn.Module, old: tuple[str, ...], new: tuple[str, ...]) -> N
         if head.bias is not None:
             grown.bias[: len(old)] = head.bias
     grown.train(head.training)
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent), attr, grown)
-    # an attribute follows; a property (an ONNX import's counts the head's rows) already does
-    if hasattr(model, "num_classes") and not isinstance(getattr(type(model), "num_classes", None), property):
-        model.num_classes = len(new)
+    describe(model).replace_head(grown)
 
 
 def distillation_loss(logits: Tensor, teacher: Tensor, temperature: float) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgerev.train.checkpoint import ModelInfo, normalize
+from edgerev.models.directory import ModelInfo, normalize
 from edgerev.train.labeled import LabeledImages
 
 

@@ -12,9 +12,11 @@ import math
 import torch
 from torch import nn
 
+from edgerev.engine import engine_body
 from edgerev.memory.measure.account import StepAccount, StepShape
 from edgerev.memory.plan.autoplan import TrainingPlan, floor_plan, plan_training
 from edgerev.memory.plan.device_fit import cuda_step_peak, fit_to_device
+from edgerev.models.handle import ModelHandle
 from edgerev.models.spec import model_spec
 from edgerev.train.cap import CpuCap, apply_cuda_cap
 from edgerev.train.config import RunConfig
@@ -22,15 +24,21 @@ from edgerev.train.continual import ContinualLoss
 from edgerev.train.semi import SemiLoss
 
 
+def _module(model: nn.Module | ModelHandle) -> nn.Module:
+    """The module a handle holds (the planner's functions take either)."""
+    return model.module if isinstance(model, ModelHandle) else model
+
+
 def _bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def step_shape(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int | None,
-               unlabeled: int = 0) -> StepShape:
+def step_shape(cfg: RunConfig, model: nn.Module | ModelHandle, teacher: nn.Module | ModelHandle | None,
+               batch: int | None, unlabeled: int = 0) -> StepShape:
     """What ``cfg`` adds to a step of ``model``: the batch of ``batch`` labelled samples (replay included;
     None: the planner's to choose, as ``edgerev plan`` without ``--batch``) and ``unlabeled`` strong views
     (FixMatch, :mod:`edgerev.train.semi`), SGD momentum, and the distillation ``teacher`` and its logits."""
+    teacher = _module(teacher) if teacher is not None else None
     return StepShape(cfg.data.size, None if batch is None else batch + unlabeled, momentum=cfg.optim.momentum > 0,
                      teacher_bytes=_bytes(teacher) if teacher is not None else 0,
                      teacher_classes=model_spec(teacher).num_classes if teacher is not None else 0,
@@ -43,14 +51,15 @@ def loss_of(cfg: RunConfig, unlabeled: int = 0) -> ContinualLoss | SemiLoss:
     return SemiLoss(base) if unlabeled else base
 
 
-def floor(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int | None = None,
-          unlabeled: int = 0) -> StepAccount:
+def floor(cfg: RunConfig, model: nn.Module | ModelHandle, teacher: nn.Module | ModelHandle | None,
+          batch: int | None = None, unlabeled: int = 0) -> StepAccount:
     """The least a step of ``cfg`` can hold (batch 1 in the least-memory plan): the smallest budget."""
+    model = _module(model)
     shape = step_shape(cfg, model, teacher, batch or cfg.train.batch, unlabeled)
     return floor_plan(model, shape, loss_of(cfg, unlabeled))[1]
 
 
-def training_model(cfg: RunConfig, model: nn.Module) -> nn.Module:
+def training_model(cfg: RunConfig, model: nn.Module | ModelHandle) -> nn.Module:
     """What the trainer's steps run for ``model``, with ``train.trainable`` and ``train.bn_stats`` applied.
 
     An edgerev model runs itself. Any other classifier runs as its chain (:mod:`edgerev.memory.graph`),
@@ -65,6 +74,7 @@ def training_model(cfg: RunConfig, model: nn.Module) -> nn.Module:
     from edgerev.memory.graph import GraphError, has_engine_body
     from edgerev.train.trainable import TrainableError, parse_trainable, set_trainable
 
+    model = _module(model)
     t = parse_trainable(cfg.train.trainable)
     if t.kind == "auto" and cfg.memory.budget is None:
         raise ConfigError("train.trainable: auto chooses the set that fits memory.budget; set a budget or a set")
@@ -97,7 +107,8 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     mem = cfg.memory
     if mem.mode == "plain":
         return 1, None, {"mode": "plain"}
-    if mem.budget is None and not hasattr(model, "body"):  # a model from outside: plain autograd, nothing to plan
+    body = engine_body(model)
+    if mem.budget is None and body is None:  # a model from outside: plain autograd, nothing to plan
         if mem.mode != "auto":
             from edgerev.config import ConfigError
 
@@ -106,10 +117,10 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
         return 1, None, {"mode": "plain"}
     if mem.budget is None:
         if mem.mode != "auto":
-            model.body.set_modes(mem.mode)
+            body.set_modes(mem.mode)
         return 1, None, {"mode": mem.mode, "stages": [
             {"name": n, "type": type(s).__name__, "mode": m.value}
-            for (n, s), m in zip(model.body.stages.named_children(), model.body.modes)]}
+            for (n, s), m in zip(body.stages.named_children(), body.modes)]}
     budget = int(mem.budget)
     shape, loss_fn = step_shape(cfg, model, teacher, batch, unlabeled), loss_of(cfg, unlabeled)
     batch = shape.batch  # the step's whole batch, the strong views with the labelled samples

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from edgerev.train.checkpoint import CheckpointError, load_state, load_tensors, read_json, save_tensors, write_json
+from edgerev.models.directory import CheckpointError, load_state, load_tensors, read_json, save_tensors, write_json
 
 FOLDER = "checkpoints"
 LATEST = "latest.json"

@@ -98,12 +98,15 @@ class NothingFits(BudgetTooSmall):
 def units(model: nn.Module) -> list[nn.Module]:
     """The pieces of ``model`` that ``last:N`` counts, in order: a chain's pieces with parameters, or an
     edgerev model's stages with parameters and its head."""
+    from edgerev.engine import engine_body
     from edgerev.memory.graph import ChainModel
+    from edgerev.models.handle import describe
 
     if isinstance(model, ChainModel):
         parts = model.chain
     else:
-        parts = [*model.body.stages, *([model.head] if hasattr(model, "head") else [])]
+        head = describe(model).head
+        parts = [*engine_body(model).stages, *([model.get_submodule(head)] if head is not None else [])]
     return [p for p in parts if any(True for _ in p.parameters())]
 
 

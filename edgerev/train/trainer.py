@@ -8,7 +8,7 @@
 - ``checkpoints/``: the latest step's weights and optimizer state (:mod:`edgerev.train.state`);
 - ``progress.json``: the latest progress report (:mod:`edgerev.train.progress`), for status readers;
 - at the end, ``model.safetensors`` + ``model.json`` (a model directory, see
-  :mod:`edgerev.train.checkpoint`), ``replay.safetensors`` when replay is on, ``summary.json`` (with the
+  :mod:`edgerev.models.directory`), ``replay.safetensors`` when replay is on, ``summary.json`` (with the
   final per-class accuracy and confusion matrix), ``curves.png`` and ``classes.png`` (the same as a picture).
 
 Given unlabelled images and ``semi.enabled``, each step also learns from some of them (FixMatch,
@@ -43,10 +43,10 @@ from torch import nn
 from edgerev.config import ConfigError, dump_yaml, from_dict, load_yaml, to_dict
 from edgerev.engine import plain
 from edgerev.errors import EdgerevError, NonFiniteError
-from edgerev.models.spec import check_size, model_spec
+from edgerev.models.directory import ModelInfo, load_handle, normalize, read_info, save_model, write_json
+from edgerev.models.handle import ModelHandle
 from edgerev.train.augment import Augment, StrongAugment
 from edgerev.train.cap import train_step
-from edgerev.train.checkpoint import ModelInfo, load_model, normalize, read_info, save_model, write_json
 from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import EvaluationStopped, evaluate
@@ -117,7 +117,7 @@ class MetricsLog:
 
 @dataclass
 class _Setup:
-    model: nn.Module
+    model: ModelHandle
     info: ModelInfo
     train: LabeledImages
     val: LabeledImages
@@ -128,7 +128,7 @@ class _Setup:
 
 
 def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, LabeledImages | None] | None,
-             given: nn.Module | None = None, stop: Callable[[], bool] | None = None) -> _Setup:
+             given: nn.Module | ModelHandle | None = None, stop: Callable[[], bool] | None = None) -> _Setup:
     """Data, the starting model (grown for new classes) and the teacher, from the recipe (or ``given``, a
     module object trained in place instead of ``model.arch``).
 
@@ -153,7 +153,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     torch.manual_seed(cfg.train.seed)
     teacher, start_eval, source_sha, replay = None, None, None, None
     if cfg.model.init is not None:
-        start, info0, source_sha = load_model(cfg.model.init, trust_factories=cfg.model.factories)
+        start, info0, source_sha = load_handle(cfg.model.init, trust_factories=cfg.model.factories)
         if given is None and not _same_arch(info0.arch, cfg.model.arch):
             raise RunError(f"model.init {cfg.model.init} holds a {info0.arch} model, "
                            f"but model.arch is {cfg.model.arch}")
@@ -166,10 +166,10 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
             replay = load_replay(cfg.model.init, old, read_info(cfg.model.init)[1].get("replay_sha256"))
         model = start
         if cfg.continual.distill > 0:
-            teacher = copy.deepcopy(start).to(device).eval()
+            teacher = copy.deepcopy(start.module).to(device).eval()
             for p in teacher.parameters():
                 p.requires_grad_(False)
-        start_eval = evaluate(start.to(device), val.restrict(old), info0, device, cfg.train.eval_batch, old=old,
+        start_eval = evaluate(start.module.to(device), val.restrict(old), info0, device, cfg.train.eval_batch, old=old,
                               stop=stop)
         grow_head(model, old, classes)
         info = replace(info0, classes=classes)
@@ -184,20 +184,28 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
                      else resolve_model(given, num_classes=len(classes)))
         except EdgerevError as e:
             raise RunError(f"model.arch: {e}") from None
-        spec = model_spec(model)
-        if spec.mean is not None and spec.std is not None:  # the normalization the model was trained with
-            mean, std = spec.mean, spec.std
+        if given is not None:  # a module object: its model directory must rebuild it, or the run is refused now
+            from edgerev.models.resolve import rebuild_error
+
+            why = rebuild_error(model)
+            if why is not None:
+                raise RunError(f"model: the {type(model.module).__name__} given cannot be rebuilt from its model "
+                               f"directory ({why}); name the function that builds it as a factory, e.g. "
+                               'fit("torchvision.models:resnet18", args={"num_classes": 10})')
+        if model.mean is not None and model.std is not None:  # the normalization the model was trained with
+            mean, std = model.mean, model.std
         else:
             pixels = train_new.images.float() / 255
             mean = pixels.mean(dim=(0, 2, 3)).tolist()
             std = pixels.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
-        info = ModelInfo(model.arch, classes, size, tuple(round(float(v), 4) for v in mean),
-                         tuple(round(float(v), 4) for v in std), dict(model.model_args))
-    check_size(model, size)
+        info = ModelInfo(model.arch or "", classes, size, tuple(round(float(v), 4) for v in mean),
+                         tuple(round(float(v), 4) for v in std), dict(model.args))
+    model.check_size(size)
     train = train_new.relabel(classes)
     if replay is not None:
         train = LabeledImages.concat([train, replay.relabel(classes)])
-    return _Setup(model.to(device), info, train, val.restrict(classes), old, teacher, start_eval, source_sha)
+    model.module.to(device)
+    return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha)
 
 
 def _same_arch(saved: str, arch: str) -> bool:
@@ -308,14 +316,14 @@ class _Reporter:
 
 def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | None, progress: bool | None,
            data: tuple[LabeledImages, LabeledImages | None] | None, report: Callable[[Progress], None] | None,
-           clock: Callable[[], float], given: nn.Module | None = None,
+           clock: Callable[[], float], given: nn.Module | ModelHandle | None = None,
            unlabeled: torch.Tensor | None = None) -> RunResult:
     device = _device(cfg.device)
     try:
         s = _prepare(cfg, device, data, given, stop)
     except EvaluationStopped:  # nothing written yet: a resume, or a new start, prepares again
         return RunResult("stopped", out, 0, 0, {"stopped_in": "the starting model's evaluation"})
-    model, info = s.model, s.info
+    model, info = s.model.module, s.info
     batch = min(cfg.train.batch, len(s.train))
     pool = _pool(unlabeled, cfg.data.size) if cfg.semi.enabled else None
     u = per_step(cfg.semi.ratio, batch, len(pool)) if pool is not None else 0  # unlabelled images per step
@@ -542,7 +550,8 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
         summary["start_old_acc"] = s.start_eval["acc"]
         if final["old_acc"] is not None and s.start_eval["acc"] is not None:
             summary["forgetting"] = s.start_eval["acc"] - final["old_acc"]
-    summary["weights_sha256"] = save_model(out, model.cpu(), info, extra)
+    model.cpu()
+    summary["weights_sha256"] = save_model(out, s.model, info, extra)
     write_json(out / SUMMARY, summary)
     try:
         from edgerev.train.plots import plot_classes, plot_run

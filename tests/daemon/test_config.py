@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgerev.config import ConfigError, to_dict
+from edgerev.config import ConfigError, byte_size, to_dict
 from edgerev.sizes import ByteSize
 from edgerev_daemon import config_from_dict, load_config, validate_paths
 
@@ -108,6 +108,19 @@ def test_a_bad_size_names_its_key_path(where, bad):
         config_from_dict(sized(section, key, bad))
     with pytest.raises(ConfigError, match=rf"^{key}: "):  # given in code, the section's own key
         replace(getattr(config_from_dict({"data_dir": "d"}), section), **{key: bad})
+
+
+@pytest.mark.parametrize("where", SIZE_KEYS)
+@pytest.mark.parametrize("bad", ["lots", "-1MiB", "0MiB", "9EiB", "1e18"])
+def test_a_bad_size_string_says_why_whatever_else_its_key_takes(where, bad):
+    """A size key that also takes 0 or null (``min_free_space``, ``max_bytes``) reports the size's own reason
+    for a string that is no size, as a key that takes only sizes does, not the union's list of types."""
+    section, key = where
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(sized(section, key, bad))
+    with pytest.raises(ConfigError) as only_sizes:
+        byte_size(bad, f"{section}.{key}")
+    assert str(e.value) == str(only_sizes.value)
 
 
 @pytest.mark.parametrize("zero", [0, "0"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edgerev.models import create_model
-from edgerev.train.checkpoint import ModelInfo, build_model, save_model
+from edgerev.models.directory import ModelInfo, build_model, save_model
 from edgerev.train.data import SyntheticImages
 
 CLASSES = ("cat", "dog", "owl")
@@ -28,7 +28,7 @@ def make_run(folder: Path, seed: int = 0, arch: str = "revnext", args: dict | No
     torch.manual_seed(seed)
     info = ModelInfo(arch=arch, classes=CLASSES, input_size=size, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3),
                      model_args=dict(args))
-    model = build_model(info)
+    model = build_model(info).module
     with torch.no_grad():  # a few training-mode forwards move the running statistics off their defaults
         for _ in range(3):
             model(torch.randn(4, 3, size, size) * 2 + 0.5)

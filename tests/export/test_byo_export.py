@@ -12,8 +12,8 @@ from edgerev.export.finetune import finetune_head
 from edgerev.export.onnx import export_onnx
 from edgerev.export.predict import Predictor
 from edgerev.models.designs import resnet18
+from edgerev.models.directory import ModelInfo, save_model
 from edgerev.models.onnx_import import load_onnx
-from edgerev.train.checkpoint import ModelInfo, save_model
 from edgerev.train.continual import grow_head
 
 SIZE = 32

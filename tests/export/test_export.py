@@ -18,8 +18,8 @@ from edgerev.export.metadata import ModelMeta, get_props
 from edgerev.export.onnx import MAX_IR, MAX_OPSET, export_onnx, verify_onnx, weights_sha256
 from edgerev.export.runtime import inference_session
 from edgerev.models import list_models
+from edgerev.models.directory import INFO, CheckpointError, ModelInfo, save_model
 from edgerev.torch_range import release
-from edgerev.train.checkpoint import INFO, CheckpointError, ModelInfo, save_model
 from tests.export.exporting import CLASSES, SIZE, make_run, tiny_model
 
 pytest.importorskip("onnxruntime")
@@ -263,7 +263,7 @@ def test_missing_onnxscript_is_one_clear_error(tmp_path, monkeypatch):
 
 
 def test_input_normalization_matches_the_trainer():
-    from edgerev.train.checkpoint import normalize as torch_normalize
+    from edgerev.models.directory import normalize as torch_normalize
 
     pixels = np.random.default_rng(0).integers(0, 256, (2, 3, 4, 4), dtype=np.uint8)
     info = ModelInfo(arch="revnext", classes=CLASSES, input_size=4, mean=(0.1, 0.2, 0.3), std=(0.3, 0.2, 0.1))

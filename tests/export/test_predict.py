@@ -19,7 +19,7 @@ from edgerev.export.images import decode
 from edgerev.export.metadata import ModelMeta, get_props, set_props
 from edgerev.export.onnx import export_onnx
 from edgerev.export.predict import Predictor, softmax
-from edgerev.train.checkpoint import normalize as torch_normalize
+from edgerev.models.directory import normalize as torch_normalize
 from edgerev.train.data import decode_image
 from tests.export.exporting import CLASSES, SIZE, make_run, run_without_torch, save_images, synthetic
 

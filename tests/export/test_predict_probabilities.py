@@ -12,8 +12,8 @@ from torch import nn
 from edgerev.export.onnx import export_onnx
 from edgerev.export.predict import Predictor, softmax
 from edgerev.models.designs import mobilenet_v2
+from edgerev.models.directory import ModelInfo, save_model
 from edgerev.models.onnx_import import load_onnx
-from edgerev.train.checkpoint import ModelInfo, save_model
 
 SIZE = 32
 

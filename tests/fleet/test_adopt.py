@@ -41,7 +41,7 @@ def device(tmp_path_factory):
 def _fleet_model(daemon, round_: str, rows) -> FleetModel:
     """The model in service as a fleet model of three classes (its batch-norm statistics travel with it, so
     the device's copy is exactly these weights): ``rows(head)`` gives the head's three rows from its own."""
-    from edgerev.train.checkpoint import load_model
+    from edgerev.models.directory import load_model
 
     model, info, _ = load_model(daemon.registry.current_path())
     state = model.state_dict()

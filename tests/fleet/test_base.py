@@ -13,7 +13,7 @@ from edgerev.config import ConfigError  # noqa: E402
 from edgerev.fleet.model import FleetError, FleetModel, check_shared, device_model, fleet_model, model_names  # noqa: E402
 from edgerev.fleet.server import initial_arrays  # noqa: E402
 from edgerev.fleet.settings import FleetSettings  # noqa: E402
-from edgerev.train.checkpoint import load_model  # noqa: E402
+from edgerev.models.directory import load_model  # noqa: E402
 from edgerev_daemon.learning.fleet import write_model  # noqa: E402
 from tests.fleet.devices import CLASSES, FakeDevice, run_fleet  # noqa: E402
 
@@ -93,7 +93,7 @@ def test_the_servers_first_parameters_and_a_devices_first_round_are_the_bases(ba
 def test_a_base_with_other_classes_keeps_its_body_and_every_device_draws_the_same_head(base):
     path, want = base
     fm = FleetModel("1/1", FACTORY, {}, 16, ("a", "b", "c", "d", "e"), {}, weights=str(path), seed=7)
-    one, two = fleet_model(fm).state_dict(), fleet_model(fm).state_dict()
+    one, two = fleet_model(fm).module.state_dict(), fleet_model(fm).module.state_dict()
     assert one["head.weight"].shape == (5, 4)
     for name in want:
         if name.startswith("head."):
@@ -103,8 +103,8 @@ def test_a_base_with_other_classes_keeps_its_body_and_every_device_draws_the_sam
 
 
 def test_without_weights_the_fleet_starts_from_its_seed():
-    one = fleet_model(FleetModel("1/1", FACTORY, {"width": 2}, 16, FLEET, {}, seed=3)).state_dict()
-    two = fleet_model(FleetModel("1/1", FACTORY, {"width": 2}, 16, FLEET, {}, seed=3)).state_dict()
+    one = fleet_model(FleetModel("1/1", FACTORY, {"width": 2}, 16, FLEET, {}, seed=3)).module.state_dict()
+    two = fleet_model(FleetModel("1/1", FACTORY, {"width": 2}, 16, FLEET, {}, seed=3)).module.state_dict()
     assert one["features.0.weight"].shape == (2, 3, 3, 3)
     assert all(torch.equal(one[k], two[k]) for k in one)
 
@@ -138,7 +138,7 @@ def test_a_classifier_of_any_name_travels_as_the_fleets_head(tmp_path):
     assert torch.equal(state["head.weight"], base.fc.weight)
     moved = {n: state[n] + 1 for n in names}  # what a round brings back
     model = device_model(FleetModel("1/2", fm.arch, {}, 16, FLEET, moved, sharing="all", weights=str(path)),
-                         state, None)
+                         state, None).module
     assert torch.equal(model.fc.weight, base.fc.weight + 1) and torch.equal(model.features[0].bias,
                                                                              base.features[0].bias + 1)
 

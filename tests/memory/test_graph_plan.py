@@ -274,6 +274,60 @@ def test_in_place_writes_are_rewritten_and_writes_into_views_refused():
         chain(IntoView(), SIZE)
 
 
+def test_an_in_place_dropout_into_a_view_nothing_reads_again_trains_out_of_place():
+    class Classifier(nn.Module):  # torchvision's EfficientNet: Dropout(inplace=True) on the flattened features
+        def __init__(self):
+            super().__init__()
+            self.conv, self.drop = nn.Conv2d(3, 4, 3, padding=1), nn.Dropout(0.2, inplace=True)
+            self.fc = nn.Linear(4, CLASSES)
+
+        def forward(self, x):
+            return self.fc(self.drop(torch.flatten(F.adaptive_avg_pool2d(F.relu(self.conv(x)), 1), 1)))
+
+    class ReadAgain(Classifier):
+        def forward(self, x):
+            h = F.adaptive_avg_pool2d(F.relu(self.conv(x)), 1)
+            return self.fc(self.drop(torch.flatten(h, 1))) + h.mean()  # the viewed tensor is read after the write
+
+    torch.manual_seed(0)
+    model = Classifier()
+    reference = copy.deepcopy(model)
+    cm = chain(model, SIZE)
+    x, y = batch()
+    apply_plan(cm, None, tuple(Segment(i, i + 1, "checkpoint") for i in range(len(cm.body.stages))))
+    got, want = grads(model, cm, x, y), grads(reference, reference, x, y)
+    assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    with pytest.raises(GraphError, match=r"writes in place into a view"):
+        chain(ReadAgain(), SIZE)
+
+
+def test_torch_exports_in_place_ops_run_out_of_place_under_checkpoints():
+    class ExportOnly(nn.Module):  # timm's MobileViT: traced by torch.export, its SiLU in place on a cut's tensor
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+            self.conv2, self.fc = nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, CLASSES)
+
+        def forward(self, x):
+            if x.shape[-1] > 2:  # torch.fx cannot follow it
+                x = self.conv1(x)
+            h = F.silu(self.bn1(x), inplace=True)
+            h = F.silu(self.conv2(h), inplace=True)
+            return self.fc(h.mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = ExportOnly()
+    reference = copy.deepcopy(model)
+    cm = chain(model, SIZE)
+    names = {getattr(n.target, "__name__", "") for m in cm.modules() if isinstance(m, torch.fx.GraphModule)
+             for n in m.graph.nodes}
+    assert "silu.default" in names and "silu_.default" not in names
+    x, y = batch()
+    apply_plan(cm, None, tuple(Segment(i, i + 1, "checkpoint") for i in range(len(cm.body.stages))))
+    got, want = grads(model, cm, x, y), grads(reference, reference, x, y)
+    assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+
+
 def test_a_forward_that_returns_no_single_tensor_is_refused_in_one_line():
     class Two(nn.Module):
         def __init__(self):

@@ -1,4 +1,4 @@
-"""A model directory's description read without torch (edgerev.models.info), and what reads it so: the classes
+"""A model directory's description read without torch (edgerev.models.directory), and what reads it so: the classes
 a daemon's schedule knows, the input size a daemon's image_size defaults to."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from edgerev.models.carried import carried_image_size
-from edgerev.models.info import CheckpointError, ModelInfo, model_classes, read_info
+from edgerev.models.directory import CheckpointError, ModelInfo, model_classes, read_info
 
 INFO = {"arch": "revnext", "classes": ["cat", "dog"], "input_size": 48, "mean": [0.5] * 3, "std": [0.25] * 3}
 

@@ -10,10 +10,10 @@ from edgerev.config import ConfigError, from_dict
 from edgerev.errors import EdgerevError, TrustError, UnknownModelError
 from edgerev.memory.measure.account import StepShape, account_step
 from edgerev.models import list_models
+from edgerev.models.directory import ModelInfo, load_model, save_model, save_tensors
 from edgerev.models.names import ARCHS, SourceKind, source_kind
 from edgerev.models.resolve import ModelSourceError, load_weights, resolve_model
 from edgerev.models.spec import SpecError, check_size, model_spec
-from edgerev.train.checkpoint import ModelInfo, load_model, save_model, save_tensors
 from edgerev.train.config import RunConfig
 from tests.resolve_factories import TinyNet
 
@@ -49,18 +49,18 @@ def test_registry_names_are_the_registry():
 def test_registry_name_builds_with_the_classes_asked():
     model = resolve_model("resnet18", args={"width": 8}, num_classes=3)
     spec = model_spec(model)
-    assert (spec.in_channels, spec.num_classes, model.arch, model.model_args) == (3, 3, "resnet18", {"width": 8})
+    assert (spec.in_channels, spec.num_classes, model.arch, model.args) == (3, 3, "resnet18", {"width": 8})
 
 
 def test_factory_that_takes_num_classes_is_built_with_it():
     model = resolve_model("tests.resolve_factories:tiny_with_classes", args={"width": 6}, num_classes=4)
-    assert model.classifier.out_features == 4 and model.classifier.in_features == 6
-    assert model.arch == "tests.resolve_factories:tiny_with_classes" and model.model_args == {"width": 6}
+    assert model.module.classifier.out_features == 4 and model.module.classifier.in_features == 6
+    assert model.arch == "tests.resolve_factories:tiny_with_classes" and model.args == {"width": 6}
 
 
 def test_factory_without_num_classes_gets_its_classifier_resized():
     model = resolve_model(TINY, num_classes=9)
-    assert isinstance(model, TinyNet) and model.classifier.out_features == 9
+    assert isinstance(model.module, TinyNet) and model.module.classifier.out_features == 9
     assert model_spec(model) == model_spec(model)  # frozen and comparable
     spec = model_spec(model)
     assert (spec.in_channels, spec.num_classes, spec.head, spec.image_size) == (3, 9, "classifier", None)
@@ -70,7 +70,7 @@ def test_spec_reads_attributes_first():
     model = TinyNet()
     model.in_channels, model.num_classes, model.image_size = 3, 5, 32
     model.mean, model.std = (0.4, 0.4, 0.4), (0.2, 0.2, 0.2)
-    spec = model_spec(model)
+    spec = model_spec(resolve_model(model))  # what the owner declares on a module is read where it is resolved
     assert spec.image_size == 32 and spec.mean == (0.4, 0.4, 0.4) and spec.std == (0.2, 0.2, 0.2)
 
 
@@ -101,7 +101,7 @@ def test_weights_load_from_safetensors_or_a_state_dict(tmp_path, fmt):
                    path)
     model = resolve_model(TINY, weights=path)
     for k, v in trained.state_dict().items():
-        assert torch.equal(model.state_dict()[k], v), k
+        assert torch.equal(model.module.state_dict()[k], v), k
 
 
 def test_safetensors_is_told_by_its_content_not_its_name(tmp_path):
@@ -115,17 +115,18 @@ def test_pretrained_weights_keep_their_classifier_then_it_is_remade_for_the_clas
     pretrained = TinyNet(classes=5)
     torch.save(pretrained.state_dict(), tmp_path / "w.pt")
     model = resolve_model(TINY, weights=tmp_path / "w.pt", num_classes=3)
-    assert model.classifier.out_features == 3
-    assert torch.equal(model.features[0].weight, pretrained.features[0].weight)  # the backbone is the file's
+    assert model.module.classifier.out_features == 3
+    assert torch.equal(model.module.features[0].weight, pretrained.features[0].weight)  # the backbone is the file's
 
 
 def test_weights_of_a_registry_model(tmp_path):
     torch.manual_seed(3)
     src = resolve_model("resnet18", args={"width": 8}, num_classes=4)
-    save_tensors(tmp_path / "r.safetensors", src.state_dict())
+    save_tensors(tmp_path / "r.safetensors", src.module.state_dict())
     model = resolve_model("resnet18", args={"width": 8}, weights=tmp_path / "r.safetensors", num_classes=6)
-    assert model_spec(model).num_classes == 6 and model.num_classes == 6
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in src.state_dict().items() if "head" not in k)
+    assert model_spec(model).num_classes == 6 and model.num_classes == 6 and model.module.num_classes == 6
+    assert all(torch.equal(model.module.state_dict()[k], v) for k, v in src.module.state_dict().items()
+               if "head" not in k)
 
 
 def test_weights_whose_names_do_not_match_name_the_first_few(tmp_path):
@@ -200,16 +201,16 @@ def test_model_directory_round_trip_through_the_resolver(tmp_path):
     """A factory model saved as a model directory rebuilds by its factory name, weights and all, when the
     caller allows that factory (the file alone names no code to run)."""
     model = resolve_model(TINY, args={"width": 6}, num_classes=3)
-    info = ModelInfo(model.arch, ("a", "b", "c"), 16, model_args=dict(model.model_args))
+    info = ModelInfo(model.arch, ("a", "b", "c"), 16, model_args=dict(model.args))
     save_model(tmp_path / "run", model, info)
     with pytest.raises(TrustError, match="model.json: arch: 'tests.resolve_factories:tiny' is a factory"):
         load_model(tmp_path / "run")
     back, info2, _ = load_model(tmp_path / "run", trust_factories=[TINY])
     assert info2.arch == TINY and info2.model_args == {"width": 6}
-    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.module.state_dict().items())
     again = resolve_model(str(tmp_path / "run"), num_classes=5, trust_factories=[TINY])  # a fresh classifier
     assert model_spec(again).num_classes == 5 and again.arch == TINY
-    assert torch.equal(again.features[0].weight, model.features[0].weight)
+    assert torch.equal(again.module.features[0].weight, model.module.features[0].weight)
 
 
 def test_a_path_that_is_no_model_directory_is_one_line(tmp_path):
@@ -222,9 +223,10 @@ def test_a_path_that_is_no_model_directory_is_one_line(tmp_path):
 
 def test_a_module_object_is_used_as_it_is():
     net = TinyNet()
-    assert resolve_model(net) is net
-    assert net.arch == "tests.resolve_factories:TinyNet" and net.model_args == {}
-    assert resolve_model(net, num_classes=2) is net and net.classifier.out_features == 2
+    handle = resolve_model(net)
+    assert handle.module is net
+    assert handle.arch == "tests.resolve_factories:TinyNet" and handle.args == {}
+    assert resolve_model(net, num_classes=2).module is net and net.classifier.out_features == 2
 
 
 @pytest.mark.parametrize("model, expected", [
@@ -246,7 +248,7 @@ def test_recipe_accepts_every_kind_of_source(arch):
 def test_the_step_accounting_takes_a_model_from_outside():
     """The issue's report: accounting read model.in_channels and model.num_classes, which only edgerev's models have."""
     model = resolve_model(TINY, num_classes=4)
-    a = account_step(model, StepShape(16, 4, momentum=True), 2, lambda m: None, real=True)
+    a = account_step(model.module, StepShape(16, 4, momentum=True), 2, lambda m: None, real=True)
     assert a.total > a.baseline > 0 and a.batch_input == 4 * 3 * 16 * 16 * 4
 
 
@@ -273,9 +275,9 @@ def test_an_onnx_file_resolves_trains_and_rebuilds_from_its_model_directory(tmp_
     spec = model_spec(model)
     assert (model.arch, spec.in_channels, spec.num_classes) == ("onnx", 3, 5)
     x = torch.randn(2, 3, 16, 16)
-    assert torch.allclose(model.eval()(x), original(x), atol=1e-5)
+    assert torch.allclose(model.module.eval()(x), original(x), atol=1e-5)
     grown = resolve_model(str(tmp_path / "m.onnx"), num_classes=3)
-    assert model_spec(grown).num_classes == 3 and grown(x).shape == (2, 3)
+    assert model_spec(grown).num_classes == 3 and grown.module(x).shape == (2, 3)
 
     from edgerev.train.config import SourceConfig
     from edgerev.train.labeled import load_source
@@ -293,8 +295,8 @@ def test_a_teachers_logits_are_counted_for_a_model_from_outside():
     from edgerev.train.memory import step_shape
 
     teacher = resolve_model(TINY, num_classes=6)
-    assert not hasattr(teacher, "num_classes")
-    assert step_shape(RunConfig(), teacher, teacher, 4).teacher_classes == 6
+    assert not hasattr(teacher.module, "num_classes")
+    assert step_shape(RunConfig(), teacher.module, teacher.module, 4).teacher_classes == 6
 
 
 def test_a_model_that_flattens_its_images_needs_its_size_to_count_channels():
@@ -303,4 +305,4 @@ def test_a_model_that_flattens_its_images_needs_its_size_to_count_channels():
     with pytest.raises(SpecError, match="flattens its images into a linear layer of 192 features"):
         model_spec(mlp)
     mlp.image_size = 8
-    assert (model_spec(mlp).in_channels, model_spec(mlp).num_classes) == (3, 4)
+    assert (model_spec(resolve_model(mlp)).in_channels, model_spec(resolve_model(mlp)).num_classes) == (3, 4)

@@ -15,9 +15,8 @@ import edgerev
 from edgerev.cli import main
 from edgerev.errors import EdgerevError, TrustError, UnsupportedModel
 from edgerev.exits import USAGE
-from edgerev.models.info import CheckpointError
+from edgerev.models.directory import CheckpointError, ModelInfo, load_model, save_model
 from edgerev.models.resolve import resolve_model
-from edgerev.train.checkpoint import ModelInfo, load_model, save_model
 from edgerev.train.config import ModelConfig
 from tests.models.model_files import VALID_INFO, classifier, model_directory, save_onnx, with_external_data
 from tests.resolve_factories import TinyNet, tiny
@@ -102,12 +101,12 @@ def test_the_owner_allows_a_factory_by_name_by_callable_or_through_the_config(tm
         load_model(folder)
     for trust in ([TINY], [tiny], (TINY, "other.mod:fn")):
         back, info, _ = load_model(folder, trust_factories=trust)
-        assert info.arch == TINY and back.classifier.weight.equal(model.classifier.weight)
+        assert info.arch == TINY and back.classifier.weight.equal(model.module.classifier.weight)
     with pytest.raises(TrustError):
         load_model(folder, trust_factories=[TinyNet])  # the class is another factory than the function
     cfg = ModelConfig(arch=str(folder), trust_factories=(TINY,))
     assert cfg.factories == (TINY,) and ModelConfig(arch=TINY).factories == (TINY,)
-    assert resolve_model(cfg.arch, trust_factories=cfg.factories).classifier.out_features == 2
+    assert resolve_model(cfg.arch, trust_factories=cfg.factories).module.classifier.out_features == 2
 
 
 def test_an_installed_packages_entry_point_allows_its_factory(tmp_path, monkeypatch):

@@ -15,11 +15,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edgerev.errors import TrustError, UnsupportedModel
-from edgerev.models.info import CheckpointError
+from edgerev.models.directory import CheckpointError, load_model
 from edgerev.models.names import ARCHS
 from edgerev.models.onnx_import import load_onnx
 from edgerev.models.onnx_import.read import read_onnx
-from edgerev.train.checkpoint import load_model
 from tests.models.model_files import VALID_INFO, classifier, model_directory, save_onnx, with_external_data
 
 TINY = "tests.resolve_factories:tiny"

@@ -109,6 +109,30 @@ CASES = {
                                             node("Concat", ["v", "f"], ["t"], axis=0), node("Reshape", ["X", "t"])],
                                            [init("a0", np.array([0], np.int64)), init("m1", np.array([-1], np.int64)),
                                             init("f", np.array([256], np.int64))]),
+    "layer_norm": lambda o: ([node("LayerNormalization", ["X", "s", "b"], epsilon=1e-3)],
+                             [init("s", w(8)), init("b", w(8))]),
+    "layer_norm_channels": lambda o: ([node("LayerNormalization", ["X", "s"], axis=1)], [init("s", w(4, 8, 8))]),
+    # timm's MobileViT from the TorchScript exporter: the batch times the channels as a Reshape target's first entry
+    "reshape_batch_times": lambda o: ([node("Shape", ["X"], ["sh"]), node("Gather", ["sh", "i"], ["b"], axis=0),
+                                       node("Mul", ["b", "k"], ["bk"]), node("Unsqueeze", ["bk", "ax"], ["bu"]),
+                                       node("Concat", ["bu", "m1"], ["t"], axis=0), node("Reshape", ["X", "t"])],
+                                      [init("i", np.array(0, np.int64)), init("k", np.array(4, np.int64)),
+                                       init("ax", np.array([0], np.int64)), init("m1", np.array([8, 8], np.int64))],
+                                      ["M", 8, 8]),
+    # torchvision's ShuffleNetV2 from the TorchScript exporter: a Slice's end is arithmetic on a shape, which onnx's
+    # shape inference does not follow; the channel shuffle's target divides the slice's channels
+    "reshape_of_unknown_sizes": lambda o: (
+        [node("Shape", ["X"], ["sh"]), node("Gather", ["sh", "one"], ["c"], axis=0), node("Add", ["c", "one"], ["c1"]),
+         node("Div", ["c1", "two"], ["half"]), node("Unsqueeze", ["half", "ax"], ["e"]),
+         node("Slice", ["X", "zero", "e", "ax1"], ["S"]), node("Shape", ["S"], ["ss"]),
+         node("Gather", ["ss", "zero0"], ["n"], axis=0), node("Gather", ["ss", "one"], ["sc"], axis=0),
+         node("Div", ["sc", "two"], ["g"]), node("Unsqueeze", ["n", "ax"], ["nu"]),
+         node("Unsqueeze", ["g", "ax"], ["gu"]), node("Concat", ["nu", "two1", "gu", "m1"], ["t"], axis=0),
+         node("Reshape", ["S", "t"])],
+        [init("one", np.array(1, np.int64)), init("two", np.array(2, np.int64)),
+         init("zero0", np.array(0, np.int64)), init("ax", np.array([0], np.int64)),
+         init("ax1", np.array([1], np.int64)), init("zero", np.array([0], np.int64)),
+         init("two1", np.array([2], np.int64)), init("m1", np.array([-1], np.int64))], ["N", 2, 1, 128]),
     "flatten": lambda o: ([node("Flatten", ["X"])], []),
     "flatten_axis2": lambda o: ([node("Flatten", ["X"], axis=2)], []),
     "transpose": lambda o: ([node("Transpose", ["X"], perm=[0, 2, 3, 1])], []),
@@ -177,8 +201,9 @@ CASES = {
 }
 
 
-#: cases whose op or form an opset introduced (HardSwish 14, Shape's start and end 15)
-SINCE = {"hard_swish": 14, "reshape_shape_slice": 15, "resize_sizes_from_shape": 15, "cast_like": 15,
+#: cases whose op or form an opset introduced (HardSwish 14, Shape's start and end 15, LayerNormalization 17)
+SINCE = {"hard_swish": 14, "layer_norm": 17, "layer_norm_channels": 17, "reshape_shape_slice": 15,
+          "resize_sizes_from_shape": 15, "cast_like": 15,
          "reshape_batch_from_shape": 15}
 #: cases onnx's reference evaluator computes wrongly or not at all (ONNX Runtime checks them up to opset 21)
 REFERENCE_LACKS = {"conv_transpose_asymmetric": "grouped ConvTranspose", "pad_crop": "negative pads"}

@@ -113,12 +113,21 @@ def test_cast_like_an_integer_at_run_time(tmp_path):
 
 
 def test_shape_that_is_not_constant(tmp_path):
-    # the batch doubled: shape arithmetic on a dynamic dimension that does not fold
+    # the batch plus one: shape arithmetic on a dynamic dimension that does not fold (a multiple of it does)
+    m = model([node("Shape", ["X"], ["s"]), node("Add", ["s", "one"], ["t"]), node("Reshape", ["X", "t"], ["r"]),
+               node("Relu", ["r"])], (1, 3, 8, 8), inits=[init("one", np.array([1, 0, 0, 0], np.int64))],
+              out_shape=[None, 3, 8, 8])
+    text = refused(save(m, tmp_path / "m.onnx"))
+    assert "(Reshape)" in text and "'t'" in text and PAGE in text
+
+
+def test_reshape_to_a_multiple_of_the_batch_that_does_not_hold_the_data(tmp_path):
+    # the batch doubled folds to 2*N, but [2N, 3, 8, 8] cannot hold [N, 3, 8, 8]: torch's -1 would have taken N
     m = model([node("Shape", ["X"], ["s"]), node("Mul", ["s", "two"], ["t"]), node("Reshape", ["X", "t"], ["r"]),
                node("Relu", ["r"])], (1, 3, 8, 8), inits=[init("two", np.array([2, 1, 1, 1], np.int64))],
               out_shape=[None, 3, 8, 8])
     text = refused(save(m, tmp_path / "m.onnx"))
-    assert "(Reshape)" in text and "'t'" in text and PAGE in text
+    assert "(Reshape)" in text and "192 elements per sample into [2*N, 3, 8, 8]" in text and PAGE in text
 
 
 def test_resize_to_a_computed_size(tmp_path):

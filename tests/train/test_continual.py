@@ -5,7 +5,7 @@ import torch
 
 from edgerev.config import from_dict
 from edgerev.models import create_model
-from edgerev.train.checkpoint import CheckpointError, load_model
+from edgerev.models.directory import CheckpointError, load_model
 from edgerev.train.config import RunConfig
 from edgerev.train.continual import ContinualLoss, distillation_loss, grow_head, load_replay
 from edgerev.train.data import DataError

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from edgerev.models.designs import DESIGNS
-from edgerev.train.checkpoint import CheckpointError
+from edgerev.models.directory import CheckpointError
 from edgerev.train.continual import ContinualLoss, grow_head, head_name
 
 HEADS = {"mobilenet_v2": "classifier.1", "resnet18": "fc", "efficientnet_b0": "classifier.1"}

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from edgerev.config import from_dict
 from edgerev.models import create_model
-from edgerev.train.checkpoint import load_model
+from edgerev.models.directory import load_model
 from edgerev.train.config import RunConfig
 from edgerev.train.norms import calibrate, norms
 from edgerev.train.trainer import train

@@ -15,7 +15,7 @@ import yaml
 from edgerev.config import ConfigError, from_dict
 from edgerev.errors import ShapeError
 from edgerev.memory.solve.costs import BudgetTooSmall
-from edgerev.train.checkpoint import CheckpointError, load_model
+from edgerev.models.directory import CheckpointError, load_model
 from edgerev.train.config import RunConfig
 from edgerev.train.data import DataError
 from edgerev.train.state import load_checkpoint

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev._torchapi import fake_copy, fake_mode
-from edgerev.engine import InvertibleSequence
+from edgerev.engine import engine_body
 from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models.spec import model_spec
@@ -171,8 +171,8 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
             targets += (torch.randn(batch, max(1, shape.teacher_classes)),)
         parts = split_batch(batch, math.ceil(batch / micro_batch))[:2]
         tracker = MemoryTracker(baseline=baseline)
-        body = getattr(run, "body", None)
-        if stage_peaks is not None and isinstance(body, InvertibleSequence):
+        body = engine_body(run)
+        if stage_peaks is not None and body is not None:
             body.set_execution(replace(body.execution, watch=tracker.enter))
         with tracker:
             if shape.unlabeled:

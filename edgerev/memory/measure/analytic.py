@@ -20,6 +20,7 @@ from torch import nn
 from edgerev.engine import InvertibleSequence, Mode
 from edgerev.layers import BatchPool, ChannelPool, Coupling, HybridBlock, InvSequential
 from edgerev.models.resnet import BasicBlock
+from edgerev.models.spec import model_spec
 
 
 @dataclass
@@ -116,7 +117,7 @@ def model_bytes_per_pixel(model: nn.Module, element_size: int | None = None) -> 
         raise ValueError(f"{type(model).__name__} has no InvertibleSequence to analyse")
     seq = seqs[0]
     e = element_size or next(model.parameters()).element_size()
-    in_channels = getattr(model, "in_channels", 3)
+    in_channels = model_spec(model).in_channels
     v = _Vol(in_channels, 1.0)
     rows = []
     for stage, mode in zip(seq.stages, seq.modes):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgerev._torchapi import fake_copy, fake_mode, storage_bytes
-from edgerev.engine import Execution, Mode, supported_modes
+from edgerev.engine import Execution, Mode, engine_body, supported_modes
 from edgerev.errors import ModeError
 from edgerev.memory.measure.account import StepShape, account_step
 from edgerev.memory.measure.tracker import CudaPeak, MemoryTracker
@@ -96,7 +96,7 @@ def apply_plan(model: nn.Module, modes: tuple[str, ...] | None, segments: tuple 
                                        slices=tuple(slices) if slices is not None else None))
 
 
-def set_modes(model: nn.Module, modes: str) -> None:
+def set_modes(model: nn.Module, modes: str, name: str | None = None) -> None:
     """Set engine modes from a command line's text: one mode for every stage that supports it (at least
     one must), or a comma-separated mode per stage (each must be one its stage supports).
 
@@ -104,9 +104,9 @@ def set_modes(model: nn.Module, modes: str) -> None:
         ModeError: an unknown mode, a stage that cannot run its mode (named, with the modes it supports),
             or a single mode no stage supports.
     """
-    body = getattr(model, "body", None)
+    body, name = engine_body(model), name or type(model).__name__
     if body is None:
-        raise ModeError(f"{getattr(model, 'arch', type(model).__name__)} is not one of edgerev's reversible models: "
+        raise ModeError(f"{name} is not one of edgerev's reversible models: "
                         "it trains through plain autograd; leave the mode out")
     if "," in modes:
         body.set_modes([m.strip() for m in modes.split(",")])
@@ -114,7 +114,7 @@ def set_modes(model: nn.Module, modes: str) -> None:
     body.set_modes(modes)
     if Mode(modes) not in body.modes:
         allowed = sorted({m.value for s in body.stages for m in supported_modes(s)})
-        raise ModeError(f"no stage of {getattr(model, 'arch', type(model).__name__)} can run in {modes} mode; "
+        raise ModeError(f"no stage of {name} can run in {modes} mode; "
                         f"its stages support {', '.join(allowed)}")
 
 
@@ -147,13 +147,13 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
     torch.manual_seed(seed)
     registry = source_kind(arch) is SourceKind.REGISTRY
     # a registry model is built on fake tensors directly; a source from outside loads real weights, then is copied
-    outside = None if registry else resolve_model(arch, args=overrides, trust_factories=trust_factories)
+    outside = None if registry else resolve_model(arch, args=overrides, trust_factories=trust_factories).module
     with _maybe_fake(fake) as mode:
         model = create_model(arch, **overrides) if registry else outside if not fake else fake_copy(outside, mode)
         if not fake:
             model = model.to(device)
         if modes is not None:
-            set_modes(model, modes)
+            set_modes(model, modes, arch)
         params = sum(p.numel() for p in model.parameters())
         first = step_peak(model, batch, size, device)
         second = step_peak(model, 2 * batch, size, device)
@@ -165,7 +165,7 @@ def measure(arch: str, batch: int = 32, size: int = 32, device: str = "cpu", fak
         "size": size,
         "device": device,
         "fake": fake,
-        "modes": sorted({str(m) for m in model.body.modes}) if hasattr(model, "body") else ["plain"],
+        "modes": sorted({str(m) for m in engine_body(model).modes}) if engine_body(model) is not None else ["plain"],
         "peak_bytes": first.peak_bytes,
         "peak_bytes_2x": second.peak_bytes,
         "bytes_per_pixel": (second.peak_bytes - first.peak_bytes) / pixels,

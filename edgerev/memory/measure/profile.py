@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgerev._torchapi import fake_copy, fake_mode, storage_key
-from edgerev.engine import Execution, InvertibleSequence, Mode, supported_modes
+from edgerev.engine import Execution, InvertibleSequence, Mode, engine_body, supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
 from edgerev.memory.measure.tracker import MemoryTracker
@@ -59,7 +59,7 @@ def model_key(model: nn.Module, size: int, device: str) -> str:
     the head does change, the weights' bytes, is the model's own (:func:`fixed_bytes`, set on every load).
     """
     body = "|".join(f"{name}={child!r}" for name, child in model.named_children() if name != "head")
-    text = f"{getattr(model, 'arch', type(model).__name__)}|{body}|{size}|{device}|{torch.__version__}"
+    text = f"{type(model).__name__}|{body}|{size}|{device}|{torch.__version__}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -72,8 +72,8 @@ def cache_dir() -> Path:
 
 
 def _body(model: nn.Module) -> InvertibleSequence:
-    body = getattr(model, "body", None)
-    if not isinstance(body, InvertibleSequence):
+    body = engine_body(model)
+    if body is None:
         raise EdgerevError(f"cannot analyse {type(model).__name__}: it has no engine body (an InvertibleSequence)")
     return body
 
@@ -229,7 +229,7 @@ def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: t
             names.append(type(stage).__name__)
     finally:
         model.load_state_dict(state)
-    return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
+    return Profile(type(model).__name__, size, device, model_key(model, size, device),
                    "measured", fixed_bytes(model), stages, names)
 
 
@@ -279,7 +279,7 @@ def estimate_profile(model: nn.Module, size: int, device: str = "cpu", exact: bo
                                          estimated_seconds(stage, m, shape, i == 0, device))
                        for m in supported_modes(stage) if not (exact and m.bits is not None)})
         names.append(type(stage).__name__)
-    return Profile(getattr(model, "arch", type(model).__name__), size, device, model_key(model, size, device),
+    return Profile(type(model).__name__, size, device, model_key(model, size, device),
                    "estimated exact" if exact else "estimated", fixed_bytes(model), stages, names)
 
 
@@ -362,7 +362,7 @@ def _cached(model: nn.Module, size: int, device: str, root: Path, estimate: bool
     """Where the profile of (model, size, device) is cached under ``root``, and the profile if one is there."""
     key = model_key(model, size, device)
     kind = ("estimated exact" if exact else "estimated") if estimate else "measured"
-    name = f"{getattr(model, 'arch', 'model')}-{size}-{device}-{key}"
+    name = f"{type(model).__name__}-{size}-{device}-{key}"
     path = root / (f"{name}-{kind.replace(' ', '-')}.json" if estimate else f"{name}.json")
     if path.exists():
         try:

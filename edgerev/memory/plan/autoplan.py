@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from edgerev.engine import Mode, supported_modes
+from edgerev.engine import Mode, engine_body, supported_modes
 from edgerev.layers.base import Invertible
 from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
@@ -414,7 +414,7 @@ def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[
     key = (profiles.model_key(model, step.size, "cpu"),
            tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in model.named_parameters()),
            tuple((n, tuple(t.shape), t.dtype) for n, t in model.named_buffers()),
-           tuple(str(m) for m in getattr(getattr(model, "body", None), "modes", None) or ()),  # a plan of None
+           tuple(str(m) for m in getattr(engine_body(model), "modes", ())),  # () for a model without an engine
            step, p.batch, p.modes, p.segments, p.slices, loss)
     if key not in _ACCOUNTS or (stage_peaks is not None and key not in _STAGE_PEAKS):
         peaks: dict[int, int] = {}

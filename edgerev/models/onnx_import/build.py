@@ -10,6 +10,7 @@ lists the supported ops.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from edgerev.models.onnx_import.model import ImportedModel
 from edgerev.models.onnx_import.ops import OPS
 from edgerev.models.onnx_import.read import OPS_PAGE, OnnxFile, check_classifier, initializers, read_io, read_onnx
 from edgerev.models.onnx_import.signature import OnnxIO
+
+#: the batches of the runs that read sizes shape inference left unknown (:meth:`Builder._probe`)
+PROBE_BATCHES = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Builder:
         self.fused: dict[str, fx.Node] = {}  # output of an Add folded into a Linear's bias -> that Linear's output
         self._names: set[str] = set()
         self._buffers: dict[int, fx.Node] = {}
+        self._probed: dict[fx.Node, list] = {}  # each node's values in the runs of :meth:`_probe`
         self._inits = {t.name for t in file.proto.graph.initializer}
         self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
         # a node by its first output (unique in SSA form; node names need not be, and protobuf wrappers change)
@@ -150,7 +155,54 @@ class Builder:
         self.links[key] = (self._index[node.output[0]], index, how)
 
     def shape(self, name: str) -> tuple | None:
-        return self.file.shapes.get(name)
+        """The inferred shape of ``name``; where inference left a size unknown that is not the batch (a Slice whose
+        end is arithmetic on a shape, which onnx's data propagation does not follow), the sizes it has when the
+        graph built so far runs (:meth:`_probe`)."""
+        shape = self.file.shapes.get(name)
+        if shape is not None and any(not (isinstance(d, int) and d > 0) and d != self.io.batch_name for d in shape):
+            probed = self._probe(name, shape)
+            if probed is not None:
+                self.file.shapes[name] = shape = probed
+        return shape
+
+    def _probe(self, name: str, inferred: tuple) -> tuple | None:
+        """``inferred`` with each unknown size read from two runs of the graph built so far, on zeros of batch 1
+        and 2: a size the same in both is fixed, one that follows the batch is the batch; None when ``name`` is
+        not computed from the input. The input's size is fixed, so every other size is too; the runs are kept
+        (:attr:`_probed`) so each node runs once whatever the number of probes."""
+        target = self.env.get(name)
+        if not isinstance(target, fx.Node):
+            return None
+        self.root.eval()  # batch norm on its running statistics: a probe changes nothing
+        with torch.no_grad():
+            for n in self.graph.nodes:
+                if n not in self._probed:
+                    self._probed[n] = [self._run(n, k) for k in range(len(PROBE_BATCHES))]
+        got = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in self._probed[target]]
+        if None in got or len({len(g) for g in got}) != 1 or len(got[0]) != len(inferred):
+            return None
+        out = []
+        for d, *sizes in zip(inferred, *got):
+            if isinstance(d, int) and d > 0 or d == self.io.batch_name:
+                out.append(d)
+            elif len(set(sizes)) == 1:
+                out.append(sizes[0])
+            else:
+                out.append(self.io.batch_name if list(sizes) == list(PROBE_BATCHES) else d)
+        return tuple(out)
+
+    def _run(self, n: fx.Node, k: int):
+        """Node ``n``'s value in probe run ``k``."""
+        if n.op == "placeholder":
+            return torch.zeros([PROBE_BATCHES[k] if d is None else d for d in self.io.input_shape])
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._probed[a][k])
+        if n.op == "get_attr":
+            return getattr(self.root, n.target)
+        if n.op == "call_module":
+            return self.root.get_submodule(n.target)(*args, **kwargs)
+        if n.op == "call_method":
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        return n.target(*args, **kwargs)
 
     def rank(self, name: str) -> int:
         shape = self.shape(name)
@@ -170,16 +222,21 @@ class Builder:
             return tuple(int(e) for e in entries)
         if data is not None and len(syms) == 1:
             dsyms = [e for e in data if isinstance(e, Sym)]
-            if len(dsyms) == 1 and dsyms[0].name == syms[0].name:
+            if len(dsyms) == 1 and dsyms[0].name == syms[0].name and dsyms[0].scale == 1:
                 known = math.prod(e for e in data if isinstance(e, int))
-                fixed = math.prod(e for e in entries if isinstance(e, int) and e != -1)
+                fixed = math.prod(e for e in entries if isinstance(e, int) and e != -1) * syms[0].scale
+                # per sample, the target must hold the data's elements: exactly, or with a whole -1 entry
+                if known % fixed if -1 in entries else known != fixed:
+                    self.refuse(node, f"reshapes {known} elements per sample into {_sizes(entries)}, "
+                                      "which does not hold them")
                 return tuple(-1 if isinstance(e, Sym) else (known // fixed if e == -1 else int(e)) for e in entries)
         out = []
         for e in entries:
             if isinstance(e, Sym):
                 if not isinstance(self.env.get(e.tensor), fx.Node):
                     self.refuse(node, f"needs the size of {e.tensor!r} at run time, which the import cannot read")
-                e = self.graph.call_method("size", (self.env[e.tensor], e.axis))
+                size = self.graph.call_method("size", (self.env[e.tensor], e.axis))
+                e = size if e.scale == 1 else self.graph.call_function(operator.mul, (size, e.scale))
             out.append(e)
         return tuple(out)
 
@@ -214,6 +271,7 @@ class Builder:
                 self.env[node.output[0]] = self.tensor(node.input[0])
             else:
                 self._convert(node)
+        self._probed.clear()
         result = self.env.get(output)
         if not isinstance(result, fx.Node):
             raise UnsupportedModel(f"{self.file.what}: output {output!r} does not depend on the input")
@@ -290,3 +348,9 @@ def _replace(io: OnnxIO, **changes) -> OnnxIO:
     from dataclasses import replace
 
     return replace(io, **changes)
+
+
+def _sizes(entries: list) -> str:
+    """A Reshape target as the refusal shows it: the batch's multiples by name."""
+    return "[" + ", ".join(e.name if isinstance(e, Sym) and e.scale == 1 else f"{e.scale}*{e.name}"
+                           if isinstance(e, Sym) else str(e) for e in entries) + "]"

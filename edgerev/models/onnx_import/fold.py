@@ -4,10 +4,10 @@ Exporters leave shape arithmetic in the graph: ``Shape -> Gather -> Unsqueeze ->
 ``x.view(x.size(0), -1)`` reads in ONNX. Nodes whose inputs are all constants are evaluated by onnx's own
 reference implementation (:class:`onnx.reference.ReferenceEvaluator`), whatever their op. Shapes are known
 statically except for dynamic dimensions (the batch), so ``Shape`` folds to a :class:`ShapeValue` whose entries
-are integers or :class:`Sym` (a named dynamic dimension); the few ops shape arithmetic uses on it (Gather,
-Slice, Concat, Squeeze, Unsqueeze, Cast, Identity) fold on those entries. What still depends on a dynamic
-dimension reaches the converter as a :class:`ShapeValue`, which a Reshape can use (the batch becomes ``-1``)
-and an op that needs a constant refuses.
+are integers or :class:`Sym` (a named dynamic dimension, or a constant multiple of one); the few ops shape
+arithmetic uses on it (Gather, Slice, Concat, Squeeze, Unsqueeze, Cast, Identity, Mul or Div by a constant) fold
+on those entries. What still depends on a dynamic dimension reaches the converter as a :class:`ShapeValue`,
+which a Reshape can use (the batch becomes ``-1``) and an op that needs a constant refuses.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ class Sym:
 
     Attributes:
         tensor, axis: one tensor and axis that has this size (read at run time when nothing else helps).
+        scale: the entry is ``scale`` times that size (``x.reshape(b * c, ...)``: the batch times the channels).
     """
 
     name: str
     tensor: str
     axis: int
+    scale: int = 1
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ def fold_shape_op(node: onnx.NodeProto, args: list, attrs: dict) -> ShapeValue |
     op = node.op_type
     if any(a is None for a in args[:1]):
         return None
+    if op in ("Mul", "Div") and len(args) == 2:
+        return _scaled(op, *args)
     x = args[0]
     if isinstance(x, np.ndarray):
         x = ShapeValue(tuple(int(v) for v in x.reshape(-1)), scalar=x.ndim == 0) if x.dtype.kind in "iu" else None
@@ -117,3 +121,23 @@ def fold_shape_op(node: onnx.NodeProto, args: list, attrs: dict) -> ShapeValue |
         e = max(min(e, n), -n - 1) if e < 0 else min(e, n)  # INT64_MAX ends are common
         return ShapeValue(x.entries[slice(s, e, st)])
     return None
+
+
+def _scaled(op: str, x, c) -> ShapeValue | None:
+    """``x * c`` or ``x / c`` of shape entries ``x`` and an integer constant ``c`` (a scalar, or one per entry)."""
+    if op == "Mul" and isinstance(x, np.ndarray):
+        x, c = c, x
+    if not (isinstance(x, ShapeValue) and isinstance(c, np.ndarray) and c.dtype.kind in "iu"
+            and c.size in (1, len(x.entries))):
+        return None
+    factors = [int(v) for v in np.broadcast_to(c.reshape(-1), (len(x.entries),))]
+    out = []
+    for e, f in zip(x.entries, factors):
+        if op == "Div" and (f <= 0 or (e.scale if isinstance(e, Sym) else e) % f):  # only exact, positive division
+            return None
+        if isinstance(e, Sym):
+            e = Sym(e.name, e.tensor, e.axis, e.scale * f if op == "Mul" else e.scale // f)
+        else:
+            e = e * f if op == "Mul" else e // f
+        out.append(e)
+    return ShapeValue(tuple(out), scalar=x.scalar and c.ndim == 0)

@@ -6,6 +6,7 @@ import copy
 
 import torch.fx as fx
 
+from edgerev.models.handle import Exporter, describes
 from edgerev.models.onnx_import.signature import OnnxIO
 
 #: attributes an ImportedModel carries besides its graph, modules and buffers
@@ -52,3 +53,14 @@ class ImportedModel(fx.GraphModule):
         for key in _EXTRA:
             object.__setattr__(res, key, copy.deepcopy(getattr(self, key), memo))
         return res
+
+
+def _imported_fields(model: ImportedModel) -> dict:
+    io = model.io
+    return {"arch": "onnx", "in_channels": io.in_channels, "image_size": io.image_size, "head": model.head_name,
+            "mean": tuple(io.mean) or None, "std": tuple(io.std) or None, "input_name": io.input_name,
+            "output_name": io.output_names[0], "onnx_source": model.onnx_source, "exporter": Exporter.IMPORTED,
+            "fixed_classes": int(io.output_shape[-1] or 0) or None, "classes": tuple(io.classes)}
+
+
+describes(ImportedModel, _imported_fields)

@@ -213,6 +213,34 @@ def batch_norm(b, node):
     return [b.call_module(name, b.tensor(node.input[0]))]
 
 
+def layer_norm(b, node):
+    """ONNX LayerNormalization: :func:`torch.nn.functional.layer_norm` over the axes from ``axis`` on, its scale and
+    bias the weights of an ``nn.LayerNorm`` (trained, and written back by the export)."""
+    a = b.attrs(node)
+    if any(o for o in node.output[1:]):
+        b.refuse(node, "returns its mean or inverse deviation; edgerev imports LayerNormalization without them")
+    scale = b.const(node, 1, "scale")
+    bias = b.const(node, 2, "bias") if len(node.input) > 2 and node.input[2] else None
+    shape = b.shape(node.input[0])
+    rank = b.rank(node.input[0])
+    axis = int(a.get("axis", -1))
+    axis = axis + rank if axis < 0 else axis
+    normalized = tuple(shape[axis:])
+    if not all(isinstance(d, int) and d > 0 for d in normalized):
+        b.refuse(node, f"normalizes axes {axis}.. whose sizes {list(normalized)} are not fixed")
+    m = nn.LayerNorm(normalized, eps=float(a.get("epsilon", 1e-5)), bias=bias is not None)
+    with torch.no_grad():
+        m.weight.copy_(_t(np.broadcast_to(scale, normalized)))
+        if bias is not None:
+            m.bias.copy_(_t(np.broadcast_to(bias, normalized)))
+    name = b.add_module(node, m)
+    # a scale or bias broadcast from fewer axes goes back at the normalized shape, which ONNX takes as well
+    b.link(f"{name}.weight", node, 1, "same")
+    if bias is not None:
+        b.link(f"{name}.bias", node, 2, "same")
+    return [b.call_module(name, b.tensor(node.input[0]))]
+
+
 def _unary(fn, **kwargs):
     def convert(b, node):
         return [b.call(fn, b.tensor(node.input[0]), **kwargs)]
@@ -537,7 +565,7 @@ def cast_like(b, node):
 
 #: op type -> converter; Constant and Shape are folded by the builder
 OPS = {
-    "Conv": conv, "ConvTranspose": conv_transpose, "BatchNormalization": batch_norm,
+    "Conv": conv, "ConvTranspose": conv_transpose, "BatchNormalization": batch_norm, "LayerNormalization": layer_norm,
     "Relu": _unary(F.relu), "Clip": clip, "LeakyRelu": leaky_relu, "PRelu": prelu, "Sigmoid": _unary(torch.sigmoid),
     "HardSigmoid": hard_sigmoid_op, "HardSwish": _unary(F.hardswish), "Tanh": _unary(torch.tanh),
     "Softmax": softmax(torch.softmax), "LogSoftmax": softmax(torch.log_softmax),

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from edgerev.models.directory import ModelInfo, save_model, save_tensors
 from edgerev.models.resolve import resolve_model
-from edgerev.train.checkpoint import ModelInfo, save_model, save_tensors
 from edgerev_daemon.config import config_from_dict
 from edgerev_daemon.service.daemon import Daemon
 from edgerev_daemon.service.demo import write_images

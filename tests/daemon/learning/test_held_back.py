@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from edgerev.config import ConfigError
-from edgerev.train.checkpoint import read_info
+from edgerev.models.directory import read_info
 from edgerev_daemon.config import config_from_dict
 from edgerev_daemon.learning.jobs import job_data
 from edgerev_daemon.service.daemon import Daemon

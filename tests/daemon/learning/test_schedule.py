@@ -82,13 +82,13 @@ def test_a_new_class_waits_for_the_held_out_samples_the_gate_judges_it_on(datadi
 
 
 def test_the_schedule_reads_the_classes_in_service_as_a_job_does(tmp_path):
-    """One reading of a version's classes (edgerev.models.info.model_classes, no torch): what the registry
+    """One reading of a version's classes (edgerev.models.directory.model_classes, no torch): what the registry
     gives the schedule is what the job trains from, and a description a job would refuse gives no classes."""
     import json
 
     import pytest
 
-    from edgerev.models.info import CheckpointError, model_classes
+    from edgerev.models.directory import CheckpointError, model_classes
     from edgerev_daemon.storage.registry import Registry
 
     registry = Registry(tmp_path)

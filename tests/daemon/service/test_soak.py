@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgerev.train.checkpoint import load_model
+from edgerev.models.directory import load_model
 from edgerev.train.config import SourceConfig
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages, load_source

@@ -172,8 +172,7 @@ def test_a_stop_while_scoring_the_held_out_samples_waits_one_batch(tmp_path, mon
     import torch
 
     import edgerev.train.evaluate as evaluation
-    from edgerev.models.directory import save_model
-    from edgerev.models.info import ModelInfo
+    from edgerev.models.directory import ModelInfo, save_model
     from edgerev.models.resolve import resolve_model
     from edgerev.train.labeled import LabeledImages
     from edgerev_daemon.learning.promote import HeldOut, score

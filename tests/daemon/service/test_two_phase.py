@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgerev.train.checkpoint import load_model
+from edgerev.models.directory import load_model
 from edgerev.train.data import SyntheticImages
 from edgerev.train.evaluate import predict_logits
 from edgerev.train.labeled import LabeledImages

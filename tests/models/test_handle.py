@@ -1,0 +1,149 @@
+"""The model handle: every kind of source makes one through its own handler, and nothing after the resolver
+probes a module for the attributes edgerev once stamped on it."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import edgerev
+from edgerev.models.handle import Exporter, ModelHandle
+from edgerev.models.names import SourceKind
+from edgerev.models.resolve import HANDLERS, rebuild_error, resolve_model
+from edgerev.train.config import SourceConfig
+from edgerev.train.labeled import load_source
+from edgerev.train.trainer import RunError
+from tests.resolve_factories import TinyNet
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = "tests.resolve_factories:tiny"
+#: what the resolver once stamped on a module, or what a consumer probed it for
+STAMPED = {"arch", "model_args", "mean", "std", "onnx_source", "body", "head", "head_name", "check_input",
+           "num_classes", "in_channels", "image_size", "io"}
+
+
+def _probes(path: Path) -> list[str]:
+    """``getattr(x, "name"...)`` and ``hasattr(x, "name")`` calls in ``path`` whose name is a stamped attribute."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in STAMPED):
+            found.append(f"{path.name}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_no_module_of_edgerev_or_the_daemon_probes_a_model_for_stamped_attributes():
+    files = sorted([*(ROOT / "edgerev").rglob("*.py"), *(ROOT / "daemon").rglob("*.py")])
+    assert len(files) > 50  # the walk found the packages
+    probes = [p for f in files for p in _probes(f)]
+    assert probes == [], "\n".join(probes)
+
+
+def test_the_probe_finder_finds_a_probe(tmp_path):
+    """The check above can fail: a file with the probes the issue counted is caught, each one."""
+    f = tmp_path / "sample.py"
+    f.write_text('def f(model):\n    return hasattr(model, "body") or getattr(model, "arch", None)\n')
+    assert [p.split(": ")[1] for p in _probes(f)] == ["hasattr(..., 'body')", "getattr(..., 'arch')"]
+
+
+def test_every_kind_of_source_has_one_handler():
+    assert set(HANDLERS) == set(SourceKind)
+
+
+def test_each_kind_of_source_resolves_to_a_frozen_handle(tmp_path):
+    registry = resolve_model("resnet18", args={"width": 8}, num_classes=3)
+    factory = resolve_model(TINY, num_classes=4)
+    module = resolve_model(TinyNet(classes=2))
+    for h in (registry, factory, module):
+        assert isinstance(h, ModelHandle) and h.exporter == Exporter.TRACED
+        assert (h.input_name, h.output_name) == ("pixels", "logits") and h.onnx_source is None
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            h.arch = "other"
+    assert registry.engine is not None and factory.engine is None  # the planning surface: engine stages or a graph
+    assert (registry.head, factory.head, module.head) == ("head", "classifier", "classifier")
+    assert (registry.num_classes, factory.num_classes, module.num_classes) == (3, 4, 2)
+    assert module.arch == "tests.resolve_factories:TinyNet" and module.mean is None
+    assert not hasattr(module.module, "arch") and not hasattr(factory.module, "arch")  # nothing stamped
+
+
+def test_the_head_the_handle_grows_is_what_it_counts():
+    h = resolve_model("revnext", args={"width": 4}, num_classes=3)
+    h.set_head_rows(5)
+    assert h.num_classes == 5 and h.module.head.out_features == 5 and h.module.num_classes == 5
+    assert resolve_model(h, num_classes=2) is h and h.num_classes == 2
+
+
+def _onnx_file(path: Path) -> Path:
+    """A small classifier as a user's server would write it (names of its own, a fixed 16x16 input)."""
+    import warnings
+
+    torch.manual_seed(3)
+    model = TinyNet(classes=3).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.zeros(1, 3, 16, 16),), str(path), input_names=["image"],
+                          output_names=["scores"], dynamic_axes={"image": {0: "n"}, "scores": {0: "n"}},
+                          opset_version=17, dynamo=False)
+    return path
+
+
+def test_an_onnx_handle_keeps_the_files_names_and_bytes(tmp_path):
+    pytest.importorskip("onnx")
+    path = _onnx_file(tmp_path / "m.onnx")
+    h = resolve_model(str(path))
+    assert (h.arch, h.input_name, h.output_name, h.exporter) == ("onnx", "image", "scores", Exporter.IMPORTED)
+    assert isinstance(h.onnx_source, bytes) and h.num_classes == 3 and h.engine is None
+
+
+def test_plan_verify_takes_an_onnx_file(tmp_path, capsys, monkeypatch):
+    """The issue's report: ``edgerev plan --arch model.onnx --verify`` failed on a probe for ``body``."""
+    pytest.importorskip("onnx")
+    from edgerev.cli import main
+
+    monkeypatch.setenv("EDGEREV_CACHE", str(tmp_path / "cache"))
+    path = _onnx_file(tmp_path / "m.onnx")
+    budget = 64 * 2**20
+    rc = main(["plan", "--arch", str(path), "--size", "16", "--budget", "64MiB", "--batch", "4", "--json",
+               "--verify"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["arch"] == str(path) and d["budget_bytes"] == budget
+    assert d["predicted_peak_bytes"] <= budget and d["measured_peak_bytes"] <= budget
+    assert d["samples_per_second"] > 0
+
+
+def test_fit_refuses_a_module_its_run_directory_cannot_rebuild(tmp_path):
+    """torchvision's ResNet needs block and layers: a run of ``fit(resnet18())`` could not be exported later."""
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(num_classes=3)
+    assert "block" in rebuild_error(resolve_model(model))
+    data = load_source(SourceConfig(kind="synthetic", samples=12, num_classes=3, seed=1), 16)
+    with pytest.raises(RunError) as e:
+        edgerev.fit(model, data, out=tmp_path / "run", size=16, epochs=1, batch=4)
+    message = str(e.value)
+    assert "\n" not in message and "ResNet" in message and 'fit("torchvision.models:resnet18"' in message
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_module_whose_class_rebuilds_it_is_accepted():
+    assert rebuild_error(resolve_model(TinyNet(classes=2))) is None
+    assert rebuild_error(resolve_model(TINY, num_classes=4)) is None
+
+
+@pytest.mark.slow  # a ResNet-18 step and its export: ~1 min CPU
+def test_a_factory_named_for_the_same_model_trains_and_exports(tmp_path):
+    """The way out the refusal names: the factory rebuilds what fit trained, and export --run loads it."""
+    pytest.importorskip("torchvision")
+    from edgerev.export.onnx import export_onnx
+
+    data = load_source(SourceConfig(kind="synthetic", samples=8, num_classes=2, seed=1), 32)
+    out = edgerev.fit("torchvision.models:resnet18", data, out=tmp_path / "run", size=32, epochs=1, batch=4,
+                      trust_factories=["torchvision.models:resnet18"])
+    done = export_onnx(out, tmp_path / "m.onnx", trust_factories=["torchvision.models:resnet18"])
+    assert done.path.is_file() and done.max_abs_diff < 1e-3
