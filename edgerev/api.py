@@ -34,6 +34,7 @@ from torch import nn
 from edgerev.config import ConfigError, byte_size, from_dict, load_yaml
 
 if TYPE_CHECKING:
+    from edgerev.memory.plan.progress import Progress
     from edgerev.train.config import RunConfig
     from edgerev.train.labeled import LabeledImages
 
@@ -84,7 +85,8 @@ def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int,
 def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: int | None = None,
          device: str = "cpu", momentum: bool = True, estimate: bool = False, verify: bool = False,
          trainable: str = "all", weights: str | Path | None = None, args: dict | None = None,
-         trust_factories: Iterable[str | Callable] = ()) -> PlanResult:
+         trust_factories: Iterable[str | Callable] = (), progress: Callable[[str], None] | Progress | None = None
+         ) -> PlanResult:
     """The micro-batch and per-stage modes (or checkpoint segments) that train ``model`` fastest under ``budget``.
 
     Args:
@@ -101,6 +103,8 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
         weights: pretrained weights for a registry name or a factory.
         args: a registry model's or factory's keyword arguments.
         trust_factories: the factories a model directory ``model`` may name (:mod:`edgerev.models.trust`).
+        progress: takes a line per phase once planning has taken a few seconds (``edgerev plan`` writes them to
+            stderr), or a :class:`~edgerev.memory.plan.progress.Progress` that says when to report.
 
     Raises:
         edgerev.memory.solve.costs.BudgetTooSmall: the budget is below the smallest step (named).
@@ -110,6 +114,7 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     from edgerev.memory.measure.account import account_step
     from edgerev.memory.plan.autoplan import plan_training
     from edgerev.memory.plan.autoplan import verify as verify_plan
+    from edgerev.memory.plan.progress import Progress
     from edgerev.models.resolve import resolve_model
     from edgerev.models.trust import owner_factories
     from edgerev.train.config import DataConfig, OptimConfig, RunConfig, TrainConfig
@@ -127,11 +132,14 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     step = step_shape(cfg, net, None, batch)
     if trainable != "all":
         net = _trainable_set(net, trainable, size, step, budget, loss_of(cfg))
-    tp = plan_training(net, size, budget, device, estimate=estimate, max_batch=batch, step=step, loss_fn=loss_of(cfg))
+    report = progress if isinstance(progress, Progress) else Progress(progress)
+    tp = plan_training(net, size, budget, device, estimate=estimate, max_batch=batch, step=step, loss_fn=loss_of(cfg),
+                       progress=report)
     arch = model if isinstance(model, (str, Path)) else handle.arch or type(net).__name__
     summary = {"arch": str(arch), "size": size, "device": device, "budget_bytes": budget, "step_batch": batch,
                **tp.summary}
     if verify:
+        report.phase("verifying: real training steps with the plan")
         # the steps run on what the plan is for: an edgerev model itself, any other as its chain (same weights)
         summary.update(verify_plan(planned(net, size), tp.modes, tp.batch, size, device, segments=tp.segments,
                                    slices=tp.slices))

@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = _device(args.device)
     p = plan(_source(args.arch), size=args.size, budget=args.budget, batch=args.batch, device=device,
              momentum=args.momentum, estimate=args.estimate, verify=args.verify, weights=args.weights,
-             trust_factories=args.trust_factory)
+             trust_factories=args.trust_factory, progress=lambda line: print(line, file=sys.stderr, flush=True))
     result, budget = p.summary, p.summary["budget_bytes"]
     if args.json:
         print(json.dumps(result, indent=2))
@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "second while the peak of the whole training step, as the trainer counts it, "
                                     "stays under the budget. A budget below the smallest step is refused at once, "
                                     "naming it. Stage costs are measured once per model, size and device and "
-                                    "cached.")
+                                    "cached. When planning takes more than a few seconds, each phase is named on "
+                                    "stderr as it begins.")
     pl.add_argument("--arch", required=True, help="the model: " + SOURCES)
     pl.add_argument("--weights", help="pretrained weights of a registry model or factory: safetensors or a state_dict")
     _trust_argument(pl)

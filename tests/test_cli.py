@@ -171,10 +171,17 @@ def test_plan_plain_model_json_verify(capsys, tmp_path, monkeypatch):
     assert abs(d["measured_peak_bytes"] - d["predicted_peak_bytes"]) <= 0.1 * d["measured_peak_bytes"]
 
 
-def test_plan_text(capsys, small_revnext):
+def test_plan_text(capsys, small_revnext, monkeypatch):
+    from edgerev.memory.plan import progress
+
+    monkeypatch.setattr(progress, "REPORT_AFTER", 0.0)  # as if it had taken a while: every phase is named
     rc, out, err = run(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "2MiB")
     assert rc == 0, err
     assert "budget 2,097,152 bytes" in out and "predicted peak" in out and "HybridBlock" in out
+    assert "planning:" not in out  # progress goes to stderr, the plan alone to stdout
+    phases = [line for line in err.splitlines() if line.startswith("planning: ")]
+    assert any("accounting the smallest step" in line for line in phases), err
+    assert any("solving for the fastest plan (round 1)" in line for line in phases), err
 
 
 @pytest.mark.slow

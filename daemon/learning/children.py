@@ -24,8 +24,13 @@ from edgerev_daemon.errors import Stopped
 POLL_SECONDS = 0.2  # how often the wait asks the stop flag
 
 
-def run(command: list[str], log: Path, stop: Callable[[], bool], what: str) -> int:
+def run(command: list[str], log: Path, stop: Callable[[], bool], what: str,
+        lines: Callable[[str], None] | None = None) -> int:
     """Run ``command`` with its standard error in ``log``; its exit status.
+
+    Args:
+        lines: given each whole line the child writes to its standard error, as it comes (the daemon logs a long
+            child's progress; None: the lines stay in ``log`` alone).
 
     Raises:
         Stopped: ``stop()`` said so before the child ended (``what`` names the phase); the child is killed.
@@ -34,11 +39,28 @@ def run(command: list[str], log: Path, stop: Callable[[], bool], what: str) -> i
         raise Stopped(what)
     with open(log, "wb") as err:
         child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+    seen = 0  # bytes of the log passed on to ``lines``
+
+    def relay() -> None:
+        nonlocal seen
+        if lines is None:
+            return
+        with open(log, "rb") as f:
+            f.seek(seen)
+            text = f.read()
+        whole = text[:text.rfind(b"\n") + 1]  # a line still being written waits for its end
+        seen += len(whole)
+        for line in whole.decode(errors="replace").splitlines():
+            lines(line)
+
     try:
         while True:
             try:
-                return child.wait(POLL_SECONDS)
+                code = child.wait(POLL_SECONDS)
+                relay()
+                return code
             except subprocess.TimeoutExpired:
+                relay()
                 if stop():
                     raise Stopped(what) from None
     finally:

@@ -5,7 +5,8 @@ keeps and costs in each mode, measured on this machine (or estimated) the first 
 (:func:`edgerev.memory.measure.profile.load_or_measure`). The measurement runs every stage in every mode: minutes
 on a small CPU (6.5 min for the CPU preset's model on this loaded 2-core machine), and nothing in it asks
 a stop flag. So the daemon measures it in a child process (:mod:`edgerev_daemon.learning.children`) that a stop
-kills, before the job's training, whenever the cache lacks it; the trainer's plan then finds it cached.
+kills, before the job's training, whenever the cache lacks it; the trainer's plan then finds it cached. The
+child names each stage as it begins, and the daemon logs those lines as they come: a long wait is not a silent one.
 A killed measurement writes nothing (the cache file is renamed into place) and runs again at the next job.
 """
 
@@ -23,6 +24,7 @@ from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.learning import children
 
 LOG = "profile.log"
+PROGRESS = "progress: "  # the child's lines that the daemon logs (the rest, an error's traceback, stays in LOG)
 log = logging.getLogger("edgerev.daemon.profiling")
 
 
@@ -71,12 +73,18 @@ def ensure_profile(config: DaemonConfig, folder: Path, stop: Callable[[], bool])
             "trust_factories": list(t.model.factories)}
     out = folder / LOG
     log.info("measuring the stage profile of %s on the %s (%s) before the job trains: once per model, size and "
-             "machine, cached for later jobs; minutes on a small CPU, nothing else is logged meanwhile",
+             "machine, cached for later jobs; on a small CPU it takes a while, each stage is logged as it begins",
              t.model.arch, device, "estimated" if estimate else "measured")
-    code = children.run(command(spec), out, stop, "the stage profile's measurement")
+    code = children.run(command(spec), out, stop, "the stage profile's measurement", lines=_progress)
     if code != 0:
         raise EdgerevError(f"the stage profile's measurement failed (exit status {code}): {children.tail(out)}")
     return True
+
+
+def _progress(line: str) -> None:
+    """Log a line of the child's progress (its other lines, an error's traceback, stay in its log file)."""
+    if line.startswith(PROGRESS):
+        log.info("stage profile: %s", line[len(PROGRESS):])
 
 
 def command(spec: dict) -> list[str]:
@@ -98,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(spec.get("threads") or default_threads())  # the trainer's: the profile times steps
     model = resolve_model(spec["arch"], weights=spec["weights"], args=spec["args"], num_classes=2,
                           trust_factories=spec.get("trust_factories", ())).module  # the daemon's config's, handed down
-    load_or_measure(model, spec["size"], spec["device"], estimate=spec["estimate"])
+    verb = "estimating" if spec["estimate"] else "measuring"
+    load_or_measure(model, spec["size"], spec["device"], estimate=spec["estimate"],
+                    progress=lambda i, n: print(f"{PROGRESS}{verb} stage {i + 1}/{n}", file=sys.stderr, flush=True))
     return 0
 
 

@@ -42,9 +42,9 @@ def in_child(children, what: str, park) -> None:
     """Park while the child process of ``what`` runs (the wait's second look at the stop flag)."""
     real = children.run
 
-    def run(command, log, stop, phase):
+    def run(command, log, stop, phase, **options):
         if phase != what:
-            return real(command, log, stop, phase)
+            return real(command, log, stop, phase, **options)
         asked = [0]
 
         def parked_stop() -> bool:
@@ -53,7 +53,7 @@ def in_child(children, what: str, park) -> None:
                 park()
             return stop()
 
-        return real(command, log, parked_stop, phase)
+        return real(command, log, parked_stop, phase, **options)
 
     children.run = run
 

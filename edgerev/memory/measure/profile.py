@@ -20,7 +20,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -146,8 +146,29 @@ def large_batches(shape: tuple[int, ...], element_size: int = 4) -> tuple[int, i
     return k, 2 * k
 
 
+def stage_key(stage: nn.Module, shape: tuple[int, ...], first: bool) -> tuple:
+    """What a stage's costs depend on: its structure, its input's shape per sample, whether it is the first (its
+    input a leaf), which of its weights train and their types, which of its modules are in training mode. Two stages
+    of one key cost the same bytes in every mode, and the same seconds but for the clock's noise."""
+    return (repr(stage), shape, first, tuple((p.requires_grad, p.dtype) for p in stage.parameters()),
+            tuple(m.training for m in stage.modules()))
+
+
+_BYTES: dict[tuple, tuple[Curve, Curve, Curve]] = {}  # (stage key, mode, lean slice) -> byte fits, this process
+_ESTIMATED_SECONDS: dict[tuple, Linear] = {}  # (stage key, mode, device type) -> estimated seconds, this process
+
+
 def _bytes_curves(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool) -> tuple[Curve, Curve, Curve]:
-    """Byte fits from fake-tensor runs at the lean slices: exact bytes, nothing allocated, any batch."""
+    """Byte fits from fake-tensor runs at the lean slices: exact bytes, nothing allocated, any batch. Remembered
+    for this process by :func:`stage_key`: the planner asks for the exact modes first and for all of them later,
+    a model repeats its blocks, and a daemon plans each job of the same model again."""
+    key = (stage_key(stage, shape, first), mode, LEAN_SLICE_BYTES)
+    if key not in _BYTES:
+        _BYTES[key] = _fit_bytes(stage, mode, shape, first)
+    return _BYTES[key]
+
+
+def _fit_bytes(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool) -> tuple[Curve, Curve, Curve]:
     fits = []
     large = large_batches(shape)
     # slices full from the second batch on (two slices at least): one fit serves both (a line through batches 2
@@ -179,22 +200,33 @@ def _measure_mode(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: b
 
 
 def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: tuple[int, int] = (16, 32),
-                    repeats: int = 5, modes: list[Mode] | None = None) -> Profile:
-    """Measure every stage in every mode it supports (or in ``modes``) on this machine."""
+                    repeats: int = 5, modes: list[Mode] | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> Profile:
+    """Measure every stage in every mode it supports (or in ``modes``) on this machine.
+
+    A stage of the same :func:`stage_key` as one measured before (RevNeXt's blocks within a level) takes its costs:
+    the same bytes, and seconds that differ only by the clock's noise. ``progress(i, n)``: stage ``i`` of ``n``
+    begins."""
     body = _body(model)
     shapes = stage_inputs(model, size, device)
     state = {k: v.clone() for k, v in model.state_dict().items()}  # profiling steps move BN statistics
     model.train()
     stages, names = [], []
+    seen: dict[tuple, dict[str, ModeCost]] = {}
     try:
         for i, (stage, shape) in enumerate(zip(body.stages, shapes)):
-            costs = {}
-            for m in supported_modes(stage):
-                if modes is None or m in modes:
-                    costs[m.value] = _measure_mode(stage, m, shape, i == 0, device, batches, repeats)
-            stages.append(_store_is_fastest(costs, batches))
+            if progress is not None:
+                progress(i, len(body.stages))
+            key = stage_key(stage, shape, i == 0)
+            if key not in seen:
+                costs = {}
+                for m in supported_modes(stage):
+                    if modes is None or m in modes:
+                        costs[m.value] = _measure_mode(stage, m, shape, i == 0, device, batches, repeats)
+                seen[key] = _store_is_fastest(costs, batches)
+                stage.zero_grad(set_to_none=True)
+            stages.append(dict(seen[key]))
             names.append(type(stage).__name__)
-            stage.zero_grad(set_to_none=True)
     finally:
         model.load_state_dict(state)
     return Profile(type(model).__name__, size, device, model_key(model, size, device),
@@ -228,25 +260,24 @@ def fixed_bytes(model: nn.Module) -> int:
     return 2 * params + buffers
 
 
-def estimate_profile(model: nn.Module, size: int, device: str = "cpu", exact: bool = False) -> Profile:
+def estimate_profile(model: nn.Module, size: int, device: str = "cpu", exact: bool = False,
+                     progress: Callable[[int, int], None] | None = None) -> Profile:
     """Bytes from fake-tensor runs of each stage, seconds from the FLOPs and kernel launches of a fake run at
-    nominal rates (:func:`estimated_seconds`). A stage of the same structure, input shape and trainable
-    weights as one already estimated (RevNeXt's blocks within a level) takes its costs. ``exact``: the exact modes
-    only (the planner's first question: ``store8``/``store4`` are asked for only where no exact plan fits)."""
+    nominal rates (:func:`estimated_seconds`). A stage of the same :func:`stage_key` as one already estimated
+    (RevNeXt's blocks within a level), in this profile or an earlier one of this process, takes its costs.
+    ``exact``: the exact modes only (the planner's first question: ``store8``/``store4`` are asked for only where no
+    exact plan fits, and then only they are estimated). ``progress(i, n)``: stage ``i`` of ``n`` begins."""
     body = _body(model)
     # the shapes from a forward where the model is (a CUDA model's forward on a CPU image fails); the rest
     # runs on fake CPU copies of its stages
     shapes = stage_inputs(model, size, next(model.parameters()).device)
     stages, names = [], []
-    seen: dict[tuple, dict[str, ModeCost]] = {}
     for i, (stage, shape) in enumerate(zip(body.stages, shapes)):
-        key = (repr(stage), shape, i == 0, tuple(p.requires_grad for p in stage.parameters()),
-               tuple(m.training for m in stage.modules()))
-        if key not in seen:
-            seen[key] = {m.value: ModeCost(*_bytes_curves(stage, m, shape, i == 0),
-                                           estimated_seconds(stage, m, shape, i == 0, device))
-                         for m in supported_modes(stage) if not (exact and m.bits is not None)}
-        stages.append(dict(seen[key]))
+        if progress is not None:
+            progress(i, len(body.stages))
+        stages.append({m.value: ModeCost(*_bytes_curves(stage, m, shape, i == 0),
+                                         estimated_seconds(stage, m, shape, i == 0, device))
+                       for m in supported_modes(stage) if not (exact and m.bits is not None)})
         names.append(type(stage).__name__)
     return Profile(type(model).__name__, size, device, model_key(model, size, device),
                    "estimated exact" if exact else "estimated", fixed_bytes(model), stages, names)
@@ -257,7 +288,14 @@ def estimated_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], firs
     """Seconds of a forward and backward of ``stage`` in ``mode`` as a line in the batch: its FLOPs and its kernel
     launches, counted on fake tensors at batches 1 and 2 with whole-batch slices (the planner widens a plan's
     slices as far as its budget allows, :func:`edgerev.memory.plan.autoplan.widen_slices`), at the nominal rates of a
-    ``device`` (:func:`nominal_seconds`)."""
+    ``device`` (:func:`nominal_seconds`). Remembered for this process by :func:`stage_key`."""
+    key = (stage_key(stage, shape, first), mode, torch.device(device).type)
+    if key not in _ESTIMATED_SECONDS:
+        _ESTIMATED_SECONDS[key] = _count_seconds(stage, mode, shape, first, device)
+    return _ESTIMATED_SECONDS[key]
+
+
+def _count_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str) -> Linear:
     seconds = {}
     for b in SMALL_BATCHES:
         counter = FlopCounter()
@@ -345,7 +383,8 @@ def cached_profile(model: nn.Module, size: int, device: str = "cpu", cache: Path
 
 
 def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
-                    estimate: bool = False, exact: bool = False) -> Profile:
+                    estimate: bool = False, exact: bool = False,
+                    progress: Callable[[int, int], None] | None = None) -> Profile:
     """The cached profile for (model, size, device), measuring it (or estimating it) the first time.
 
     Estimates are cached too (their own file, and in this process): an estimate depends only on the
@@ -360,7 +399,8 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
     root = cache or cache_dir()
     path, prof = _cached(model, size, device, root, estimate, exact)
     if prof is None:
-        prof = estimate_profile(model, size, device, exact=exact) if estimate else measure_profile(model, size, device)
+        prof = estimate_profile(model, size, device, exact=exact, progress=progress) if estimate else \
+            measure_profile(model, size, device, progress=progress)
         try:
             root.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -387,14 +427,18 @@ _ESTIMATES: dict[tuple[str, bool], Profile] = {}  # (model key, exact modes only
 # ---- plain models: per-stage statistics for checkpoint segments (edgerev.memory.solve.segments) ----
 
 
-def stage_stats(stages: Sequence[nn.Module], x: Tensor, repeats: int = 2) -> list[StageStats]:
-    """Measure each stage on ``x`` (batch ``B``) and on its first half: bytes per sample, seconds fitted."""
+def stage_stats(stages: Sequence[nn.Module], x: Tensor, repeats: int = 2,
+                progress: Callable[[int, int], None] | None = None) -> list[StageStats]:
+    """Measure each stage on ``x`` (batch ``B``) and on its first half: bytes per sample, seconds fitted.
+    ``progress(i, n)``: stage ``i`` of ``n`` begins."""
     b = x.shape[0]
     if b < 2:
         raise ValueError("stage_stats needs a batch of at least 2 (seconds are fitted over two batch sizes)")
     out: list[StageStats] = []
     h = x.detach()
-    for stage in stages:
+    for i, stage in enumerate(stages):
+        if progress is not None:
+            progress(i, len(stages))
         saved: dict[int, int] = {}
 
         def pack(t: Tensor, saved: dict[int, int] = saved) -> Tensor:

@@ -33,12 +33,13 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from edgerev.engine import engine_body, supported_modes
+from edgerev.engine import Mode, engine_body, supported_modes
 from edgerev.layers.base import Invertible
 from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
 from edgerev.memory.measure.account import StepAccount, StepShape, account_step, beyond_model
 from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
+from edgerev.memory.plan.progress import SILENT, Progress
 from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
 from edgerev.memory.solve.knapsack import default_batches, exact_only, plan, smallest_budget
 from edgerev.memory.solve.segments import plan_segments
@@ -65,15 +66,23 @@ class _ModesSolver:
 
     kind = "stage modes"
 
-    def __init__(self, model: nn.Module, size: int, device: str, profile: Profile | None, estimate: bool) -> None:
+    def __init__(self, model: nn.Module, size: int, device: str, profile: Profile | None, estimate: bool,
+                 progress: Progress = SILENT) -> None:
         self.model, self.size, self.device, self.estimate = model, size, device, estimate
         self.profile = profile
         self._full = profile  # with the approximate modes too; an estimate is first made without them
+        self.progress = progress
+
+    def _load(self, exact: bool, what: str) -> Profile:
+        verb = "estimating" if self.estimate else "measuring"
+        self.progress.phase(f"{verb} {what}")
+        return profiles.load_or_measure(self.model, self.size, self.device, estimate=self.estimate, exact=exact,
+                                        progress=lambda i, n: self.progress.step(f"{verb} stage", i, n))
 
     def full(self) -> Profile:
         """The profile with every mode (estimated when first needed: only where no exact plan fits)."""
         if self._full is None:
-            self._full = profiles.load_or_measure(self.model, self.size, self.device, estimate=self.estimate)
+            self._full = self._load(False, "the approximate modes' costs")
         return self._full
 
     def floors(self) -> list[Proposal]:
@@ -95,8 +104,7 @@ class _ModesSolver:
 
     def prepare(self) -> None:
         if self.profile is None:
-            self.profile = profiles.load_or_measure(self.model, self.size, self.device, estimate=self.estimate,
-                                                    exact=True)
+            self.profile = self._load(True, "stage costs")
             self._full = None if self.estimate else self.profile
 
     def solve(self, target: int, batches: list[int] | None) -> Proposal:
@@ -108,8 +116,18 @@ class _ModesSolver:
         return Proposal(p.batch, p.modes, None, p.predicted_peak_bytes, p.step_seconds)
 
     def floor_seconds(self, floor: Proposal) -> float:
-        prof = self.profile if all(m in self.profile.stages[i] for i, m in enumerate(floor.modes)) else self.full()
-        return sum(prof.stages[i][m].seconds.at(1) for i, m in enumerate(floor.modes))
+        """Seconds of the floor's step at batch 1. A mode the profile lacks (an estimate of the exact modes only) is
+        estimated for its stage alone: the figure is only reported, and the whole profile's approximate modes
+        would cost as much again as the exact ones."""
+        if self._full is not None or all(m in self.profile.stages[i] for i, m in enumerate(floor.modes)):
+            prof = self._full or self.profile
+            return sum(prof.stages[i][m].seconds.at(1) for i, m in enumerate(floor.modes))
+        stages = self.model.body.stages
+        missing = [i for i, m in enumerate(floor.modes) if m not in self.profile.stages[i]]
+        shapes = profiles.stage_inputs(self.model, self.size, next(self.model.parameters()).device) if missing else []
+        return sum(self.profile.stages[i][m].seconds.at(1) if i not in missing else
+                   profiles.estimated_seconds(stages[i], Mode(m), shapes[i], i == 0, self.device).at(1)
+                   for i, m in enumerate(floor.modes))
 
     @property
     def source(self) -> str:
@@ -122,9 +140,11 @@ class _SegmentsSolver:
     kind = "checkpoint segments"
     source = "checkpoint segments"
 
-    def __init__(self, model: nn.Module, size: int, device: str, stats: list[StageStats] | None = None) -> None:
+    def __init__(self, model: nn.Module, size: int, device: str, stats: list[StageStats] | None = None,
+                 progress: Progress = SILENT) -> None:
         self.model, self.size, self.device, self.stats = model, size, device, stats
         self._floor: Proposal | None = None
+        self.progress = progress
 
     def candidates(self) -> list[tuple[Segment, ...]]:
         n = len(self.model.body.stages)
@@ -147,7 +167,9 @@ class _SegmentsSolver:
             x = torch.randn(8, model_spec(self.model).in_channels, self.size, self.size, device=self.device)
             if hasattr(self.model, "body_input"):  # a captured graph: the body starts after its frozen prefix
                 x = self.model.body_input(x)
-            self.stats = profiles.stage_stats(self.model.body.stages, x)
+            self.progress.phase("measuring the chain's pieces")
+            self.stats = profiles.stage_stats(self.model.body.stages, x,
+                                              progress=lambda i, n: self.progress.step("measuring piece", i, n))
 
     def solve(self, target: int, batches: list[int] | None) -> Proposal:
         fixed = profiles.fixed_bytes(self.model)
@@ -206,7 +228,8 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
                   max_batch: int | None = None, step: StepShape | None = None,
                   loss_fn: Callable[..., Tensor] | None = None, profile: Profile | None = None,
                   stats: list[StageStats] | None = None, check: bool | None = None, rounds: int = 4,
-                  batches: list[int] | None = None, segments: bool | None = None, widen: bool = True) -> TrainingPlan:
+                  batches: list[int] | None = None, segments: bool | None = None, widen: bool = True,
+                  progress: Progress = SILENT) -> TrainingPlan:
     """The fastest plan for ``model`` at ``size`` whose whole step stays under ``budget`` bytes.
 
     ``model`` is an edgerev model or any classifier (``nn.Module``): one without an engine body is captured
@@ -225,17 +248,20 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
             model without an invertible stage.
         widen: give each stage the largest batch slices the budget allows (:func:`widen_slices`, accounted on
             fake tensors); False: the default slices (the lean setting the stage costs are profiled at).
+        progress: told each phase as it begins (:class:`~edgerev.memory.plan.progress.Progress`: reported once
+            planning has taken a few seconds).
 
     Raises:
         BudgetTooSmall: the budget is below the floor (named in the message), checked before anything
             is profiled.
     """
+    progress.phase("capturing the model's graph")
     model = planned(model, size)  # any nn.Module: a model without an engine body is captured as a chain
     step = step or StepShape(size)
     check = device == "cpu" if check is None else check
     segments = is_plain(model) if segments is None else segments
-    solver = _SegmentsSolver(model, size, device, stats) if segments else \
-        _ModesSolver(model, size, device, profile, estimate)
+    solver = _SegmentsSolver(model, size, device, stats, progress) if segments else \
+        _ModesSolver(model, size, device, profile, estimate, progress)
     batches = _batches(max_batch, batches)
 
     def exact(p: Proposal) -> StepAccount:
@@ -244,12 +270,14 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
     extra = beyond_model(model, step, 1)  # what the solvers' bare-step costs leave out
     floor, floor_account = None, None
     if check:  # before anything is profiled: a budget below the floor is refused in seconds
+        progress.phase("accounting the smallest step")
         floor, floor_account = _floor(solver, exact, step.batch)
         if budget < floor_account.total:
             raise BudgetTooSmall(budget, floor_account.total)
     solver.prepare()
     target, solve = budget, 0.0
-    for _ in range(rounds):
+    for r in range(rounds):
+        progress.phase(f"solving for the fastest plan (round {r + 1})")
         t0 = time.perf_counter()
         try:
             if target - extra <= 0:
@@ -273,6 +301,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
             if account.total <= budget:
                 return _result(solver, p, account, account.total, solve)
         target -= account.total - budget + max(1, budget // 200)  # the fit missed by a roughly constant amount
+    progress.phase("nothing faster fits: the smallest step")
     floor = replace(floor, step_seconds=solver.floor_seconds(floor), fitted_peak_bytes=floor_account.total)
     if widen and floor.modes is not None:
         wide, account = widen_slices(model, step, floor, budget, loss_fn)
@@ -297,12 +326,21 @@ def widen_slices(model: nn.Module, step: StepShape, p: Proposal, budget: int,
     alone); a stage keeps the first budget under which its peak fitted. The plan of those budgets is accounted
     once more; were it over (an effect between stages, or a peak outside the stages), the largest uniform budget
     that fitted whole.
+
+    The lean slices are accounted second, right after the whole batch: a step's bytes only grow with its slices,
+    so when the lean step is over the budget every wider one is too, and the proposal is refused in two accounts
+    instead of the ladder's ten (the planner's rounds under a tight budget refuse several).
     """
     n = len(model.body.stages)
     chosen: list[int | None] = [None] * n
     uniform: tuple[Proposal, StepAccount] | None = None
     last: tuple[Proposal, StepAccount] | None = None
-    for b in SLICE_LADDER:
+    for k, b in enumerate(SLICE_LADDER):
+        if k == 1:
+            lean = replace(p, slices=(SLICE_LADDER[-1],) * n)
+            lean_account = accounted(model, step, lean, loss_fn, {})
+            if lean_account.total > budget:
+                return lean, lean_account
         peaks: dict[int, int] = {}
         q = replace(p, slices=(b,) * n)
         last = (q, accounted(model, step, q, loss_fn, peaks))
