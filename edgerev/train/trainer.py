@@ -191,7 +191,8 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
             if why is not None:
                 raise RunError(f"model: the {type(model.module).__name__} given cannot be rebuilt from its model "
                                f"directory ({why}); name the function that builds it as a factory, e.g. "
-                               'fit("torchvision.models:resnet18", args={"num_classes": 10})')
+                               'fit("torchvision.models:resnet18", data, args={...}), or set arch and model_args on '
+                               "the module")
         if model.mean is not None and model.std is not None:  # the normalization the model was trained with
             mean, std = model.mean, model.std
         else:
