@@ -154,8 +154,10 @@ def fit(model: str | Path | nn.Module | None = None, data: str | Path | LabeledI
 
     Args:
         model: a model source, or an ``nn.Module`` object, which is trained in place (None: the
-            config's ``model``). Its model directory records its class as ``package.module:Class``
-            and its ``model_args`` attribute, if any, as the arguments that rebuild it.
+            config's ``model``). Its model directory records what rebuilds it: its ``arch`` and ``model_args``
+            attributes, if set; else for a timm or torchvision module the builder that makes it
+            (``timm:create_model`` with its ``model_name``, ``torchvision.models:resnet18``...); else its class
+            as ``package.module:Class``. One it would not rebuild is refused before anything is written.
         data: a folder of ``<class>/<image>`` files, a :class:`~edgerev.train.labeled.LabeledImages`,
             or a ``(train, val)`` pair of them (None: the config's sources).
         out: the run's folder; it becomes the model directory.

@@ -36,3 +36,26 @@ def not_a_module() -> list:
 
 
 NOT_CALLABLE = 3
+
+
+class NeedsLayers(nn.Module):
+    """A class its arguments shape, as torchvision's ResNet and timm's MobileNetV3 are: the class alone cannot build
+    it."""
+
+    def __init__(self, layers: list[int], classes: int = 5) -> None:
+        super().__init__()
+        widths = [3, *layers]
+        self.features = nn.Sequential(*(nn.Conv2d(a, b, 3, padding=1) for a, b in zip(widths, widths[1:])),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classifier = nn.Linear(widths[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def resnet18_twin(**kwargs):
+    """torchvision's resnet18 under a second name: two builders of one ResNet (imported only by the test that
+    registers it)."""
+    from torchvision.models import resnet18
+
+    return resnet18(**kwargs)

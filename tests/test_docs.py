@@ -324,7 +324,8 @@ CHECKS = {
                  r"example\.png: class\d ", r"predicted peak", r"^\d+ \d+$")),
     "docs/install.md": Check(printed=(r"^edgerev \S+$",)),
     "docs/guides/bring-your-own-model.md": Check(
-        files=("pretrained.onnx", "runs/v1/summary.json", "runs/v2/summary.json", "updated.onnx", "tuned.onnx"),
+        files=("pretrained.onnx", "runs/v1/summary.json", "runs/v2/summary.json", "updated.onnx", "tuned.onnx",
+               "runs/lcnet/summary.json", "lcnet.onnx", "lcnet-cli.onnx"),
         printed=(r"^updated\.onnx \[\('image', \['batch', 3, 32, 32\]\)\] \[\('scores', \['batch', 6\]\)\]$",
                  r"wrote updated\.onnx: ", r"images/class5/\S+\.png: class\d ", HEAD_TUNED,
                  r"wrote tuned\.onnx in ", r"^\d+ \d+$")),

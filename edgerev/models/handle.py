@@ -49,8 +49,9 @@ class ModelHandle:
     Attributes:
         module: the ``nn.Module`` that trains (its weights and its head change in place; nothing else is set on it).
         arch: what rebuilds it, as a model directory's ``model.json`` records it: a registry name, a factory
-            ``package.module:callable``, ``"onnx"``, or a module object's class ``package.module:Class``; None when
-            nothing names it (a class defined inside a function).
+            ``package.module:callable`` (a timm or torchvision module object's builder among them), ``"onnx"``, or
+            a module object's class ``package.module:Class``; None when nothing names it (a class defined inside a
+            function).
         args: the keyword arguments ``arch`` is built with (``num_classes`` excluded).
         in_channels: the image channels it takes.
         image_size: the one input size it was built for (None: any size its layers take).

@@ -8,7 +8,7 @@
 - an **ONNX file** (``*.onnx``), imported to a trainable graph by :mod:`edgerev.models.onnx_import`;
 - a **factory** ``package.module:callable`` returning an ``nn.Module`` (``torchvision.models:resnet18``,
   ``edgerev.models.designs:mobilenet_v2``, one's own), with ``args`` as its keyword arguments;
-- an ``nn.Module`` object (from Python: :func:`edgerev.fit`), used as it is.
+- an ``nn.Module`` object (from Python: :func:`edgerev.fit`), used as it is (recorded by what rebuilds it, below).
 
 ``weights`` (a registry name, a factory or a module) loads a safetensors file, or a ``state_dict``
 saved by ``torch.save``, read with ``torch.load(weights_only=True)``: a file never runs code.
@@ -28,8 +28,10 @@ it (input, normalization, classes and head, input and output names, what rebuild
 exporter). Each kind of source is one handler in :data:`HANDLERS`; nothing past them asks the module or where it
 came from. A module object's owner may declare on it, as attributes, what a class cannot say: ``mean`` and ``std``
 (the normalization its weights were trained with), ``arch`` and ``model_args`` (the factory and arguments that
-rebuild it; :func:`rebuild_error` says when its class alone cannot), and ``in_channels``, ``num_classes`` and
-``image_size`` where its layers cannot say them.
+rebuild it; :func:`rebuild_error` says when they cannot), and ``in_channels``, ``num_classes`` and ``image_size``
+where its layers cannot say them. Without ``arch``, a module of timm or torchvision is recorded by the builder
+that makes it (``timm:create_model`` with its ``model_name``, ``torchvision.models:resnet18``...;
+:mod:`edgerev.models.builders`), any other by its class.
 
 Bad input is refused in one line (:class:`ModelSourceError`) before anything is written: a module
 that does not import, a factory that raises or returns no module, a weights file that is missing,
@@ -47,6 +49,7 @@ import torch
 from torch import nn
 
 from edgerev.errors import EdgerevError
+from edgerev.models.builders import NoBuilder, package_builder, shapes_differ, weight_shapes
 from edgerev.models.directory import (
     INFO,
     ONNX_SOURCE,
@@ -119,10 +122,17 @@ def _from_module(model: nn.Module, args: dict, num_classes: int | None, trust) -
     except ModelSourceError:
         arch = None  # planning needs no name; a model directory does (fit refuses then: rebuild_error)
     model_args = declared.get("model_args")
-    return describe(model, arch=arch, args=dict(model_args) if isinstance(model_args, dict) else {},
-                    mean=_floats(declared.get("mean")), std=_floats(declared.get("std")),
-                    in_channels=_count(declared.get("in_channels")), image_size=_count(declared.get("image_size")),
-                    fixed_classes=_count(declared.get("num_classes")))
+    handle = describe(model, arch=arch, args=dict(model_args) if isinstance(model_args, dict) else {},
+                      mean=_floats(declared.get("mean")), std=_floats(declared.get("std")),
+                      in_channels=_count(declared.get("in_channels")), image_size=_count(declared.get("image_size")),
+                      fixed_classes=_count(declared.get("num_classes")))
+    if "arch" in declared or "model_args" in declared:
+        return handle  # the owner said what rebuilds it
+    try:
+        built = package_builder(model, handle.num_classes, handle.in_channels)
+    except NoBuilder:
+        return handle  # recorded by its class; fit refuses it with the reason (rebuild_error)
+    return handle if built is None else handle.replace(arch=built[0], args=built[1])
 
 
 def _count(value) -> int | None:
@@ -196,15 +206,25 @@ def rebuild_error(handle: ModelHandle) -> str | None:
         try:
             again = resolve_model(handle.arch, args=dict(handle.args), num_classes=handle.num_classes)
         except ModelSourceError as e:
-            return str(e)
+            return _no_builder(handle) or str(e)
     except EdgerevError as e:
         return str(e)
-    own = {k: tuple(v.shape) for k, v in handle.module.state_dict().items()}
-    built = {k: tuple(v.shape) for k, v in again.module.state_dict().items()}
-    differ = sorted(set(own) ^ set(built)) + sorted(k for k in own if k in built and own[k] != built[k])
+    differ = shapes_differ(weight_shapes(handle.module), weight_shapes(again.module))
     if differ:
         return (f"{handle.arch}{'(**' + _shown(dict(handle.args)) + ')' if handle.args else '()'} builds another "
                 f"model (its weights differ at {', '.join(differ[:3])})")
+    return None
+
+
+def _no_builder(handle: ModelHandle) -> str | None:
+    """Why no builder of a known package was found for a module recorded by its class (None: not such a module)."""
+    cls = type(handle.module)
+    if handle.arch != f"{cls.__module__}:{cls.__qualname__}" or handle.args:
+        return None
+    try:
+        package_builder(handle.module, handle.num_classes, handle.in_channels)
+    except NoBuilder as e:
+        return str(e)
     return None
 
 

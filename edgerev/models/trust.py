@@ -36,8 +36,13 @@ ENTRY_POINT_GROUP = "edgerev.models"
 #: what a model directory's ``arch`` is when its graph is the directory's own copy of an ONNX file
 ONNX_ARCH = "onnx"
 
-TRUST_HELP = (f"allow it, if you trust its module, with --trust-factory, a config's model.trust_factories, or an "
-              f"installed package's {ENTRY_POINT_GROUP!r} entry point")
+
+
+def trust_help(factory: str) -> str:
+    """How the owner allows ``factory``: every way, each with the name to give."""
+    return (f"allow it, if you trust its module, with --trust-factory {factory} (Python: trust_factories="
+            f"[{factory!r}]), a config's model.trust_factories, or an installed package's {ENTRY_POINT_GROUP!r} "
+            "entry point")
 
 
 def factory_name(factory: str | Callable) -> str:
@@ -107,7 +112,7 @@ def check_file_arch(arch: str, where: str, trust: Iterable[str | Callable] = ())
             return SourceKind.FACTORY
         module = arch.partition(":")[0]
         raise TrustError(f"{where}: {arch!r} is a factory (code in module {module}) that its owner has not allowed; "
-                         f"a file never names code to run: {TRUST_HELP}")
+                         f"a file never names code to run: {trust_help(arch)}")
     raise TrustError(f"{where}: {arch!r} is not what a model file may name: a registry name "
                      f"({', '.join(ARCHS)}), {ONNX_ARCH!r} (the directory's source.onnx) or a factory its owner allows")
 

@@ -197,7 +197,8 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
             if why is not None:
                 raise RunError(f"model: the {type(model.module).__name__} given cannot be rebuilt from its model "
                                f"directory ({why}); name the function that builds it as a factory, e.g. "
-                               'fit("torchvision.models:resnet18", args={"num_classes": 10})')
+                               'fit("torchvision.models:resnet18", data, args={...}), or set arch and model_args on '
+                               "the module")
         pretrained = _pretrained(cfg, model)
         mean, std = _normalization(cfg, model, train_new, pretrained)
         info = ModelInfo(model.arch or "", classes, size, tuple(round(float(v), 4) for v in mean),

@@ -119,16 +119,113 @@ def test_plan_verify_takes_an_onnx_file(tmp_path, capsys, monkeypatch):
 
 
 def test_fit_refuses_a_module_its_run_directory_cannot_rebuild(tmp_path):
-    """torchvision's ResNet needs block and layers: a run of ``fit(resnet18())`` could not be exported later."""
-    torchvision = pytest.importorskip("torchvision")
-    model = torchvision.models.resnet18(num_classes=3)
-    assert "block" in rebuild_error(resolve_model(model))
+    """A class that needs arguments, from no package whose builders edgerev knows: a run of it could not be exported
+    later, so fit refuses it before anything is written, in one line with the way out."""
+    from tests.resolve_factories import NeedsLayers
+
+    model = NeedsLayers([4, 8], classes=3)
+    assert "layers" in rebuild_error(resolve_model(model))
     data = load_source(SourceConfig(kind="synthetic", samples=12, num_classes=3, seed=1), 16)
     with pytest.raises(RunError) as e:
         edgerev.fit(model, data, out=tmp_path / "run", size=16, epochs=1, batch=4)
     message = str(e.value)
-    assert "\n" not in message and "ResNet" in message and 'fit("torchvision.models:resnet18"' in message
+    assert "\n" not in message and "NeedsLayers" in message and "missing 1 required positional argument" in message
+    assert 'fit("torchvision.models:resnet18"' in message and "model_args" in message  # the ways out
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def _fit_and_export(model: torch.nn.Module, factory: str, args: dict, tmp_path: Path, size: int = 32) -> None:
+    """``fit`` a module object of a known package, then export its run directory with the owner's trust: the
+    directory names ``factory``, is refused without that trust (naming it), and its ONNX file agrees with the
+    module fit trained."""
+    from edgerev.errors import TrustError
+    from edgerev.export.onnx import export_onnx
+    from edgerev.models.directory import read_info
+
+    pytest.importorskip("onnxruntime")
+    import numpy as np
+    import onnxruntime as ort
+
+    data = load_source(SourceConfig(kind="synthetic", samples=8, num_classes=3, seed=1), size)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = edgerev.fit(model, data, out=tmp_path / "run", size=size, epochs=1, batch=4, lr=0.01)
+    info = read_info(out)[0]
+    assert (info.arch, info.model_args) == (factory, args)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # fit trained this module
+    with pytest.raises(TrustError) as e:
+        export_onnx(out, tmp_path / "m.onnx")
+    assert "\n" not in str(e.value) and f"--trust-factory {factory}" in str(e.value)
+    done = export_onnx(out, tmp_path / "m.onnx", trust_factories=[factory])
+    session = ort.InferenceSession(str(done.path))
+    assert ([i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]) == (["pixels"], ["logits"])
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        expected = model.eval()(x).numpy()
+    got = session.run(None, {"pixels": x.numpy()})[0]
+    assert got.shape == (2, 3)
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.slow  # a ResNet-18 epoch at 32 px and its export: ~20 s CPU
+def test_a_torchvision_module_given_to_fit_comes_back_as_a_run_that_exports(tmp_path):
+    """torchvision's ResNet needs block and layers; its builder, found among torchvision's, rebuilds it."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    _fit_and_export(torchvision.models.resnet18(num_classes=3), "torchvision.models:resnet18", {}, tmp_path)
+
+
+@pytest.mark.slow  # an epoch of timm's smallest LCNet and its export
+def test_a_timm_module_given_to_fit_comes_back_as_a_run_that_exports(tmp_path):
+    """timm's MobileNetV3 needs block_args; timm.create_model with the name the model carries rebuilds it. At 64 px:
+    at 32 its last stage is 1x1, and the planner's capture runs batch norm in training mode on one example."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    _fit_and_export(timm.create_model("lcnet_050", num_classes=3), "timm:create_model", {"model_name": "lcnet_050"},
+                    tmp_path, size=64)
+
+
+def test_a_timm_module_of_other_input_channels_records_them():
+    timm = pytest.importorskip("timm")
+    h = resolve_model(timm.create_model("mobilenetv3_small_050", in_chans=1, num_classes=4))
+    assert (h.arch, dict(h.args), h.in_channels) == ("timm:create_model",
+                                                     {"model_name": "mobilenetv3_small_050", "in_chans": 1}, 1)
+    assert rebuild_error(h) is None
+
+
+def test_a_torchvision_module_no_builder_makes_is_refused_in_one_line():
+    """A ResNet of layers no registered builder uses: recorded by its class, and refused with the reason."""
+    torchvision = pytest.importorskip("torchvision")
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    h = resolve_model(ResNet(BasicBlock, [1, 1, 1, 1], num_classes=3))
+    assert h.arch == "torchvision.models.resnet:ResNet"
+    why = rebuild_error(h)
+    assert "\n" not in why and why.startswith("no torchvision builder makes a ResNet") and "resnet18" in why
+    assert torchvision.models.resnet18  # the package was the module's own
+
+
+def test_a_torchvision_module_two_builders_make_is_refused_in_one_line(monkeypatch):
+    """Two registered builders that make the same weights' names and shapes: which one built it is unknown."""
+    pytest.importorskip("torchvision")
+    from torchvision.models import _api, resnet18
+
+    from tests.resolve_factories import resnet18_twin
+
+    monkeypatch.setitem(_api.BUILTIN_MODELS, "resnet18_twin", resnet18_twin)
+    h = resolve_model(resnet18(num_classes=3))
+    assert h.arch == "torchvision.models.resnet:ResNet"
+    why = rebuild_error(h)
+    assert "\n" not in why and why.startswith("torchvision builders resnet18, resnet18_twin all build this ResNet")
+
+
+def test_an_owners_declared_arch_wins_over_the_builder_found():
+    pytest.importorskip("torchvision")
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=3)
+    model.arch, model.model_args = "torchvision.models:resnet18", {"zero_init_residual": True}
+    h = resolve_model(model)
+    assert (h.arch, dict(h.args)) == ("torchvision.models:resnet18", {"zero_init_residual": True})
 
 
 def test_a_module_whose_class_rebuilds_it_is_accepted():

@@ -1,0 +1,134 @@
+"""What rebuilds a module object of a package edgerev knows: timm's and torchvision's builders.
+
+A module handed to :func:`edgerev.fit` is recorded in its model directory by what rebuilds it. Its class alone
+rarely does for these two packages: timm's ``MobileNetV3`` takes its ``block_args``, torchvision's ``ResNet``
+its ``block`` and ``layers``; their builders (``timm.create_model("mobilenetv3_small_050")``,
+``torchvision.models.resnet18()``) are what make them. :func:`package_builder` finds that builder, one function
+per package in :data:`BUILDERS`, keyed by the top-level package the module's class comes from, so neither
+package is imported unless the module already comes from it (they are not edgerev's dependencies).
+
+- **timm** records its models' names: ``pretrained_cfg["architecture"]`` (``default_cfg`` in older releases).
+  The builder is ``timm:create_model`` (timm's public name for it) with ``model_name``, and ``in_chans`` when
+  the first convolution does not take 3 channels.
+- **torchvision** does not. Its registered builders (``torchvision.models.list_models()``) that return the
+  module's class are built on the meta device (nothing allocated), with the module's classifier rows, and
+  the one whose weights have the module's names and shapes is its builder; none, or two that differ, is
+  refused.
+
+``num_classes`` is never recorded: it comes from the data when the model directory is rebuilt. What comes
+back is checked the same way as any module object before a run starts
+(:func:`edgerev.models.resolve.rebuild_error`: names and shapes of the weights).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from edgerev.errors import EdgerevError
+
+
+class NoBuilder(EdgerevError):
+    """A module of a known package whose builder cannot be named: the message says why, in one line."""
+
+
+def weight_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of ``model``'s weights and buffers: what a model directory's weights must fit."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def shapes_differ(own: dict[str, tuple[int, ...]], built: dict[str, tuple[int, ...]]) -> list[str]:
+    """The names present in one of two :func:`weight_shapes` only, then those of another shape (sorted)."""
+    return sorted(set(own) ^ set(built)) + sorted(k for k in own if k in built and own[k] != built[k])
+
+
+def package_builder(model: nn.Module, num_classes: int, in_channels: int) -> tuple[str, dict] | None:
+    """The factory ``package.module:callable`` and keyword arguments (``num_classes`` left out) that rebuild
+    ``model``, when its class comes from a package in :data:`BUILDERS`; None when it comes from another.
+
+    Args:
+        num_classes: the rows of its classifier now.
+        in_channels: the image channels it takes.
+
+    Raises:
+        NoBuilder: the class is the package's, but no builder of it can be named (one line).
+    """
+    package = type(model).__module__.partition(".")[0]
+    find = BUILDERS.get(package)
+    return None if find is None else find(model, num_classes, in_channels)
+
+
+def _timm(model: nn.Module, num_classes: int, in_channels: int) -> tuple[str, dict]:
+    cfg = vars(model).get("pretrained_cfg") or vars(model).get("default_cfg") or {}
+    name = cfg.get("architecture") if isinstance(cfg, dict) else getattr(cfg, "architecture", None)
+    if not isinstance(name, str) or not name:
+        raise NoBuilder(f"timm's {type(model).__qualname__} carries no model name (pretrained_cfg['architecture']): "
+                        "it was not made by timm.create_model")
+    return "timm:create_model", {"model_name": name, **({} if in_channels == 3 else {"in_chans": in_channels})}
+
+
+def _torchvision(model: nn.Module, num_classes: int, in_channels: int) -> tuple[str, dict]:
+    from torchvision import models
+
+    cls = type(model)
+    own = weight_shapes(model)
+    found: dict[Callable, str] = {}  # builder -> its registered name (one builder may be registered twice)
+    tried = []
+    for name in models.list_models():
+        fn = models.get_model_builder(name)
+        returns = inspect.signature(fn).return_annotation
+        if returns not in (cls, cls.__name__, inspect.Signature.empty):
+            continue  # a builder of another class: its annotation says so without building it
+        tried.append(name)
+        built = _built_empty(fn, num_classes)
+        if type(built) is cls and not shapes_differ(own, weight_shapes(built)):
+            found.setdefault(fn, name)
+    if len(found) > 1:
+        raise NoBuilder(f"torchvision builders {', '.join(sorted(found.values()))} all build this "
+                        f"{cls.__qualname__}; name the one that built it as a factory")
+    if not found:
+        more = f" and {len(tried) - 5} more" if len(tried) > 5 else ""
+        which = f" (tried {', '.join(tried[:5])}{more})" if tried else ""
+        raise NoBuilder(f"no torchvision builder makes a {cls.__qualname__} with these weights' names and "
+                        f"shapes{which}")
+    (fn, name), = found.items()
+    public = f"torchvision.models:{name}" if getattr(models, name, None) is fn else f"{fn.__module__}:{fn.__qualname__}"
+    return public, {}
+
+
+def _built_empty(fn: Callable[..., nn.Module], num_classes: int) -> nn.Module | None:
+    """What ``fn(num_classes=...)`` builds, its weights without memory: on the meta device, or, for a builder that
+    computes its layout from tensors' values (torchvision's RegNet), with only ``torch.empty`` (what layers make their
+    weights with) on the meta device; None when it cannot build one of these rows."""
+    for where in (torch.device("meta"), _EmptyOnMeta()):
+        try:
+            with where, warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a builder's deprecation notes are not the owner's business
+                return fn(num_classes=num_classes)
+        except Exception:  # noqa: BLE001, S112  (a builder that cannot build this way does not build this module)
+            continue
+    return None
+
+
+class _EmptyOnMeta(TorchFunctionMode):
+    """``torch.empty`` on the meta device, every other function as it is (a thread's own mode, as torch's device
+    context is)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+#: the top-level package a module's class comes from, and the function that names its builder:
+#: ``find(module, num_classes, in_channels) -> (factory, args)``, raising :class:`NoBuilder`
+BUILDERS: dict[str, Callable[[nn.Module, int, int], tuple[str, dict]]] = {
+    "timm": _timm,
+    "torchvision": _torchvision,
+}
