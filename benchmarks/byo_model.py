@@ -41,23 +41,19 @@ records what is missing instead of failing the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import io
-import logging
 import platform
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import write_json
+from _common import quiet, write_json
 from torch import nn
 
 from edgerev._torchapi import storage_bytes
@@ -73,19 +69,6 @@ MiB = 2**20
 
 class Missing(Exception):
     """A library piece this part needs is not there yet: recorded, not raised."""
-
-
-@contextlib.contextmanager
-def quiet():
-    """Hide the exporters' and compilers' chatter (progress lines on stdout, warnings)."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        level = logging.root.manager.disable
-        logging.disable(logging.WARNING)
-        try:
-            yield
-        finally:
-            logging.disable(level)
 
 
 def build(name: str, num_classes: int, width: float, seed: int = 0) -> nn.Module:

@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
-import io
 import json
-import logging
 import math
 import platform
 import resource
@@ -50,10 +47,9 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 
-from _common import write_json
+from _common import quiet, write_json
 
 #: name -> library; the torchvision names are ``torchvision.models`` builders, the timm names ``timm.create_model``'s
 MODELS = {
@@ -78,19 +74,6 @@ class CheckFailed(Exception):
 
 class NoFile(Exception):
     """torch's own exporter could not write the file a route starts from."""
-
-
-@contextlib.contextmanager
-def quiet():
-    """Hide the exporters' chatter (progress lines on stdout, warnings)."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        level = logging.root.manager.disable
-        logging.disable(logging.WARNING)
-        try:
-            yield
-        finally:
-            logging.disable(level)
 
 
 def build(name: str, classes: int, size: int, seed: int = 0):
