@@ -3,13 +3,18 @@
 - ``untyped_storage()._cdata``: the identity of a tensor's storage (views and aliases share it). The
   public ``data_ptr()`` cannot tell two zero-sized or two fake storages apart.
 - ``torch._subclasses.fake_tensor``: tensors with shapes and no data, on which a whole training step
-  runs in well under a second and the live-bytes tracker counts exactly what it would allocate.
+  runs and the live-bytes tracker counts exactly what it would allocate. The accounting runs on the
+  public ``meta`` device instead (:func:`shadowed`: the same bytes, three to four times fewer seconds
+  per op, since a fake tensor's op runs the meta kernel and its own bookkeeping around it); fake tensors
+  remain for the ops that have no meta kernel.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +68,43 @@ def fake_copy(module: nn.Module, mode) -> nn.Module:
     return clone
 
 
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` on the meta device: its parameters (trainable as they were), buffers and tensor
+    attributes have shapes and no data, and no weight is copied on the way (a copy of a large model costs nothing)."""
+    memo: dict[int, object] = {}
+    for mod in module.modules():
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+        for b in mod._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = b.to("meta")
+        for value in vars(mod).values():  # a captured graph's constants are plain attributes
+            if isinstance(value, Tensor) and id(value) not in memo:
+                memo[id(value)] = value.detach().to("meta")
+    return copy.deepcopy(module, memo)
+
+
+T = TypeVar("T")
+
+
+def shadowed(module: nn.Module, fn: Callable[[nn.Module], T]) -> T:
+    """``fn(copy)`` on a copy of ``module`` whose tensors hold no data, with tensors made without a device made
+    the same way: where it runs, nothing is allocated and every op returns what it would (shapes, strides,
+    storages), so the live-bytes tracker counts a step's bytes exactly.
+
+    The copy is on the meta device; a step using an op with no meta kernel (PyTorch raises
+    ``NotImplementedError``) runs again on fake tensors, which have fallbacks for those ops. ``fn`` must make its
+    tensors without naming a device."""
+    try:
+        with torch.device("meta"):
+            return fn(meta_copy(module))
+    except NotImplementedError as e:
+        logging.getLogger(__name__).debug("no meta kernel (%s): accounting on fake tensors", e)
+    with fake_mode() as mode:
+        return fn(fake_copy(module, mode))
+
+
 def is_fake(t: Tensor) -> bool:
     """True for tensors without data (fake or meta)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -70,4 +112,4 @@ def is_fake(t: Tensor) -> bool:
     return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 
-__all__ = ["fake_copy", "fake_mode", "is_fake", "storage_bytes", "storage_key"]
+__all__ = ["fake_copy", "fake_mode", "is_fake", "meta_copy", "shadowed", "storage_bytes", "storage_key"]

@@ -11,9 +11,10 @@ daemon's start check and every "smallest budget" in an error come from :func:`ac
   images' strong views together, with a weight per sample;
 - allocated by the step (:attr:`StepAccount.step_bytes`): the weight gradients, and the
   activations, gradients and temporaries of the planned micro-batch, measured exactly by running
-  the trainer's own micro-batch loop (:func:`edgerev.memory.measure.microbatch.accumulate`) on fake tensors, and,
-  with FixMatch, the no-grad forward of a micro-batch of weak views that comes before it (its input is
-  counted as the batch's: it is made and dropped before the batch is).
+  the trainer's own micro-batch loop (:func:`edgerev.memory.measure.microbatch.accumulate`) on tensors
+  without data (meta tensors, :func:`edgerev._torchapi.shadowed`), and, with FixMatch, the no-grad forward
+  of a micro-batch of weak views that comes before it (its input is counted as the batch's: it is made and
+  dropped before the batch is).
 
 Not counted: what the CPU tracker cannot see and the CPU cap therefore does not guard (Python
 objects, the allocator's slack), and the teacher's and evaluation's no-grad forwards, which run
@@ -22,7 +23,6 @@ between steps (on CUDA they share the cap; on CPU they are outside the tracked s
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev._torchapi import fake_copy, fake_mode
+from edgerev._torchapi import shadowed
 from edgerev.engine import engine_body
 from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryTracker
@@ -142,12 +142,12 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         apply: sets the plan (modes or checkpoint segments) on the model that runs.
         loss_fn: the trainer's loss, called as ``loss_fn(logits, labels[, teacher_logits])``
             (default: cross-entropy).
-        real: run ``model`` itself on real tensors (CPU) and measure, instead of predicting on a fake
-            copy: the check of a prediction (``edgerev plan --verify``).
+        real: run ``model`` itself on real tensors (CPU) and measure, instead of predicting on a copy without
+            data: the check of a prediction (``edgerev plan --verify``).
         stage_peaks: filled with the step's peak while each stage of the engine body ran (its forward and its
             backward; baseline included), by stage index: what the stage's own batch slices decide.
 
-    The step runs through the trainer's own micro-batch loop, on fake tensors unless ``real``: nothing
+    The step runs through the trainer's own micro-batch loop, on tensors without data unless ``real``: nothing
     is allocated. Its first two micro-batches are run: the later ones repeat the second (gradients
     already allocated, the same or fewer samples). With unlabelled views, a micro-batch of weak views runs
     forward without gradient first (its batch norms' buffers put back, as the trainer does).
@@ -157,12 +157,12 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
     terms = held(model, shape, micro_batch)
     baseline = sum(terms.values())
     loss_fn = loss_fn or F.cross_entropy
-    with contextlib.nullcontext() if real else fake_mode() as mode:
-        run = model if real else fake_copy(model, mode)
+    spec = model_spec(model)
+
+    def run_step(run: nn.Module) -> MemoryTracker:
         apply(run)
         run.train()
         run.zero_grad(set_to_none=True)
-        spec = model_spec(model)
         x = torch.randn(batch, spec.in_channels, shape.size, shape.size)
         targets: tuple[Tensor, ...] = (torch.randint(0, spec.num_classes, (batch,)),)
         if shape.unlabeled:
@@ -180,6 +180,9 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
             accumulate(run, x, targets, parts, loss_fn)
         if real:
             run.zero_grad(set_to_none=True)
+        return tracker
+
+    tracker = run_step(model) if real else shadowed(model, run_step)
     if stage_peaks is not None:
         stage_peaks.update(tracker.section_peaks)
     trainable = [p for p in model.parameters() if p.requires_grad]

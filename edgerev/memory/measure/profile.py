@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from edgerev._torchapi import fake_copy, fake_mode, storage_key
+from edgerev._torchapi import shadowed, storage_key
 from edgerev.engine import Execution, InvertibleSequence, Mode, engine_body, supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
@@ -79,8 +80,8 @@ def _body(model: nn.Module) -> InvertibleSequence:
 
 
 def stage_inputs(model: nn.Module, size: int, device: str | torch.device = "cpu") -> list[tuple[int, ...]]:
-    """Input shape of every stage for a batch of one image (dim 0 is the batch multiplier): a forward of a fake copy,
-    shapes only (``device`` is where the model is; the copy runs nowhere)."""
+    """Input shape of every stage for a batch of one image (dim 0 is the batch multiplier): a forward of a copy
+    without data, shapes only (``device`` is where the model is; the copy runs nowhere)."""
     body = _body(model)
     shapes: dict[int, tuple[int, ...]] = {}
     def record(i: int):
@@ -89,14 +90,15 @@ def stage_inputs(model: nn.Module, size: int, device: str | torch.device = "cpu"
 
         return hook
 
-    with fake_mode() as mode:
-        fake = fake_copy(model, mode)
-        hooks = [s.register_forward_pre_hook(record(i)) for i, s in enumerate(_body(fake).stages)]
-        fake.eval()
+    def forward(copy: nn.Module) -> None:
+        hooks = [s.register_forward_pre_hook(record(i)) for i, s in enumerate(_body(copy).stages)]
+        copy.eval()
         with torch.no_grad():
-            fake(torch.zeros(1, model_spec(model).in_channels, size, size))
+            copy(torch.zeros(1, model_spec(model).in_channels, size, size))
         for h in hooks:
             h.remove()
+
+    shadowed(model, forward)
     return [shapes[i] for i in range(len(body.stages))]
 
 
@@ -104,9 +106,10 @@ def _nbytes(t: Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def _run(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first: bool, device: str,
+def _run(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first: bool, device: str | None,
          track: bool) -> tuple[float, float, float, float]:
-    """(kept, forward peak, backward peak, seconds) of one forward+backward of a one-stage sequence."""
+    """(kept, forward peak, backward peak, seconds) of one forward+backward of a one-stage sequence (``device``
+    None: the default device, the meta device under :func:`edgerev._torchapi.shadowed`)."""
     seq = InvertibleSequence([stage], modes=[mode], pool=None)
     seq.set_execution(Execution(owns_buffers=True))
     n = shape[0] * batch
@@ -175,10 +178,8 @@ def _fit_bytes(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool
     # and 4 lies above the bytes of batch 1, whose one slice is the whole batch)
     pairs = (large,) if large[0] == 2 else (SMALL_BATCHES, large)
     for b1, b2 in pairs:
-        with fake_mode() as mode_, chunk_budget(LEAN_SLICE_BYTES):
-            fake = fake_copy(stage, mode_)
-            r1 = _run(fake, mode, shape, b1, first, "cpu", True)
-            r2 = _run(fake, mode, shape, b2, first, "cpu", True)
+        with chunk_budget(LEAN_SLICE_BYTES):
+            r1, r2 = shadowed(stage, functools.partial(_runs, mode=mode, shape=shape, batches=(b1, b2), first=first))
         fits.append([Linear.fit(b1, r1[k], b2, r2[k]) for k in range(3)])
     # the stage's own weight gradients are counted once for the whole model (Profile.fixed_bytes)
     own = float(sum(p.numel() * p.element_size() for p in stage.parameters()))
@@ -186,6 +187,11 @@ def _fit_bytes(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool
         fit[2] = Linear(max(fit[2].intercept - own, 0.0), fit[2].slope)
     small, large = fits[0], fits[-1]
     return tuple(Curve(small[k], large[k]) for k in range(3))
+
+
+def _runs(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batches: tuple[int, ...], first: bool) -> list[tuple]:
+    """:func:`_run` tracked at each of ``batches``, on the default device (meta under ``shadowed``)."""
+    return [_run(stage, mode, shape, b, first, None, True) for b in batches]
 
 
 def _measure_mode(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str,
@@ -269,7 +275,7 @@ def estimate_profile(model: nn.Module, size: int, device: str = "cpu", exact: bo
     exact plan fits, and then only they are estimated). ``progress(i, n)``: stage ``i`` of ``n`` begins."""
     body = _body(model)
     # the shapes from a forward where the model is (a CUDA model's forward on a CPU image fails); the rest
-    # runs on fake CPU copies of its stages
+    # runs on copies of its stages without data (meta)
     shapes = stage_inputs(model, size, next(model.parameters()).device)
     stages, names = [], []
     for i, (stage, shape) in enumerate(zip(body.stages, shapes)):
@@ -295,14 +301,18 @@ def estimated_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], firs
     return _ESTIMATED_SECONDS[key]
 
 
+def _count(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first: bool) -> FlopCounter:
+    counter = FlopCounter()
+    with counter:
+        _run(stage, mode, shape, batch, first, None, False)
+    return counter
+
+
 def _count_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str) -> Linear:
     seconds = {}
     for b in SMALL_BATCHES:
-        counter = FlopCounter()
-        with fake_mode() as mode_, chunk_budget(0):
-            fake = fake_copy(stage, mode_)
-            with counter:
-                _run(fake, mode, shape, b, first, "cpu", False)
+        with chunk_budget(0):
+            counter = shadowed(stage, functools.partial(_count, mode=mode, shape=shape, batch=b, first=first))
         seconds[b] = nominal_seconds(counter.total, counter.kernels, device)
     b1, b2 = SMALL_BATCHES
     return Linear.fit(b1, seconds[b1], b2, seconds[b2])
