@@ -15,9 +15,11 @@ from edgerev.engine import supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers import HybridBlock
 from edgerev.memory.measure import profile as profile_mod
+from edgerev.memory.measure.account import StepShape, account_step
 from edgerev.memory.measure.peak import fake_step_peak
 from edgerev.memory.measure.profile import cache_dir, estimate_profile, fixed_bytes, load_or_measure
-from edgerev.memory.plan.autoplan import plan_model, verify
+from edgerev.memory.plan import autoplan
+from edgerev.memory.plan.autoplan import SLICE_LADDER, Proposal, plan_model, plan_training, verify, widen_slices
 from edgerev.memory.solve.costs import PROFILE_VERSION, BudgetTooSmall, Curve, Linear, ModeCost, Plan, Profile
 from edgerev.memory.solve.knapsack import Choice, choices_at, peak_of, plan, smallest_budget, solve
 from edgerev.models import EngineModel, create_model
@@ -584,3 +586,85 @@ def test_a_grown_head_keeps_its_bodys_profile_with_its_own_fixed_bytes(cache, mo
     monkeypatch.setattr(profile_mod, "measure_profile", again)
     load_or_measure(create_model(arch, **{**dict(overrides), "width": 4}, num_classes=2), 16)
     assert again.calls == 1
+
+
+# ---- the fallback: the least-memory modes at the largest micro-batch that fits ---------------------------------------
+
+
+class _Floors:
+    """A solver's floors: exact modes, and the same with a 4-bit copy of the first stage (a third less per sample)."""
+
+    def exact_floors(self):
+        from edgerev.memory.plan.autoplan import Proposal
+
+        return [Proposal(1, ("store", "invert"), None, 0, 0.0)]
+
+    def floors(self):
+        from edgerev.memory.plan.autoplan import Proposal
+
+        return [Proposal(1, ("store4", "invert"), None, 0, 0.0)]
+
+
+@pytest.mark.parametrize("budget", [50, 99, 100, 101, 333, 1000, 3100, 3200, 10**6])
+def test_the_fallback_takes_the_largest_micro_batch_that_fits_exact_modes_first(budget):
+    from edgerev.memory.measure.account import StepAccount
+    from edgerev.memory.plan.autoplan import Proposal, _largest_floor
+
+    def total(p):  # 100 bytes a sample in exact modes, 67 with the 4-bit copy
+        return p.batch * (67 if p.modes[0] == "store4" else 100)
+
+    asked = []
+
+    def exact(p):
+        asked.append(p)
+        return StepAccount(0, 0, 0, 0, 0, 0, 0, 0, 0, total(p), p.batch, p.batch)
+
+    batches = list(range(1, 33))
+    floor = Proposal(1, ("store4", "invert"), None, 0, 0.0)
+    p, account = _largest_floor(_Floors(), exact, floor, exact(floor), budget, batches)
+    asked = asked[1:]
+    fits = [(b, m) for m in ("store", "store4") for b in batches if b * (67 if m == "store4" else 100) <= budget]
+    if not fits:  # nothing fits at any micro-batch: the floor as it was
+        assert p == floor
+    else:
+        best_mode = fits[0][1]
+        best = max(b for b, m in fits if m == best_mode)
+        assert (p.batch, p.modes[0]) == (best, best_mode)
+    assert account.total == total(p)
+    assert len(asked) <= 2 * 2 * 6  # doubling then halving, per group: logarithmic in the micro-batches
+
+
+# ---- widening the slices, and plans under a cap where an exact one fits ----------------------------------------------
+
+
+def test_under_a_cap_an_exact_plan_fits_in_the_plan_is_exact_at_the_whole_batch():
+    """Under 1.10x the lean all-``invert`` step's peak, the planner must not give up on the whole batch nor take
+    4-bit copies: that step itself fits (it did both, a micro-batch of 1 with a ``store4`` stem)."""
+    model = small_model(SMALL_REVNEXT)
+    lean = account_step(model, StepShape(16), 32, lambda m: m.body.set_modes("invert")).total
+    plan = plan_training(model, 16, int(1.10 * lean), "cuda", estimate=True, max_batch=32, check=True, batches=[32])
+    assert plan.batch == 32
+    assert not {"store8", "store4"} & set(plan.modes)
+    assert plan.predicted_peak_bytes <= int(1.10 * lean)
+
+
+def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch):
+    """Accounting a step costs time in proportion to its kernels, which double with every halving of the slices:
+    where 2 MiB slices fit the budget, the planner never accounts the lean (1 MiB) step. The small RevNeXt at
+    128x128, micro-batch 16, all ``invert``: 29.0 MB whole-batch and at 4 MiB slices, 27.0 MB at 2 MiB, 25.9 MB lean."""
+    model = small_model(SMALL_REVNEXT)
+    n = len(model.body.stages)
+    modes = tuple("invert" if "invert" in {m.value for m in supported_modes(s)} else "store" for s in model.body.stages)
+    accounted = []
+    real = autoplan.accounted
+
+    def recording(model, step, p, *args, **kwargs):
+        accounted.append(p.slices)
+        return real(model, step, p, *args, **kwargs)
+
+    monkeypatch.setattr(autoplan, "accounted", recording)
+    p, account = widen_slices(model, StepShape(128), Proposal(16, modes, None, 0, 0.0), 27_500_000)
+    assert account.total <= 27_500_000
+    assert 2 * 1024 * 1024 in p.slices and 0 in p.slices  # only where the peak is
+    assert (SLICE_LADDER[-1],) * n not in accounted
+    assert len(accounted) <= 6  # the whole batch, 8, 4, 2 MiB, the mixed plan

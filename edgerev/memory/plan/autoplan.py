@@ -25,6 +25,7 @@ budget that trains, and the two kinds of model differ only in their solver.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -89,13 +90,20 @@ class _ModesSolver:
         """Batch 1 in the least-memory plans: per stage floor, else invert, else recompute, else a 4-bit copy;
         and the same without floor (whose batch slices of temporaries can outweigh the half-gradient copy it
         saves when a whole activation is smaller than a slice). The floor is the least of them, exactly."""
-        out = []
-        for order in (("floor", "invert", "recompute", "store4"), ("invert", "recompute", "store4")):
+        return self._least((("floor", "invert", "recompute", "store4"), ("invert", "recompute", "store4")))
+
+    def exact_floors(self) -> list[Proposal]:
+        """:meth:`floors` with ``store`` where they take a 4-bit copy: the least memory in exact modes."""
+        return self._least((("floor", "invert", "recompute", "store"), ("invert", "recompute", "store")))
+
+    def _least(self, orders: tuple[tuple[str, ...], ...]) -> list[Proposal]:
+        out: list[Proposal] = []
+        for order in orders:
             modes = []
             for stage in self.model.body.stages:
                 names = [m.value for m in supported_modes(stage)]
                 modes.append(next(m for m in order if m in names))
-            if not out or tuple(modes) != out[0].modes:
+            if all(tuple(modes) != p.modes for p in out):
                 out.append(Proposal(1, tuple(modes), None, 0, 0.0))
         return out
 
@@ -154,6 +162,10 @@ class _SegmentsSolver:
     def floors(self) -> list[Proposal]:
         """Batch 1 in each of the smallest segmentations (the floor is the least of them, exactly)."""
         return [Proposal(1, None, c, 0, 0.0) for c in self.candidates()]
+
+    def exact_floors(self) -> list[Proposal]:
+        """The smallest segmentation without 4-bit copies: every piece checkpointed."""
+        return [f for f in self.floors() if not _approximate(f)]
 
     def smallest(self) -> int:
         try:
@@ -301,7 +313,8 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
             if account.total <= budget:
                 return _result(solver, p, account, account.total, solve)
         target -= account.total - budget + max(1, budget // 200)  # the fit missed by a roughly constant amount
-    progress.phase("nothing faster fits: the smallest step")
+    progress.phase("nothing faster fits: the least-memory modes at the largest micro-batch")
+    floor, floor_account = _largest_floor(solver, exact, floor, floor_account, budget, batches or default_batches())
     floor = replace(floor, step_seconds=solver.floor_seconds(floor), fitted_peak_bytes=floor_account.total)
     if widen and floor.modes is not None:
         wide, account = widen_slices(model, step, floor, budget, loss_fn)
@@ -327,20 +340,18 @@ def widen_slices(model: nn.Module, step: StepShape, p: Proposal, budget: int,
     once more; were it over (an effect between stages, or a peak outside the stages), the largest uniform budget
     that fitted whole.
 
-    The lean slices are accounted second, right after the whole batch: a step's bytes only grow with its slices,
-    so when the lean step is over the budget every wider one is too, and the proposal is refused in two accounts
-    instead of the ladder's ten (the planner's rounds under a tight budget refuse several).
+    The ladder starts at the whole batch and goes on at the budgets that slice something, and only as far down as
+    some stage needs: an account costs time in proportion to the kernels
+    its step dispatches, which double with every halving of the slices, so the lean step (at 240x240 most of a
+    plan's accounting) is accounted only when a stage fits nowhere above it. A proposal that fits at no budget is
+    refused at the end of the ladder, in about twice the time of its lean account alone.
     """
     n = len(model.body.stages)
     chosen: list[int | None] = [None] * n
     uniform: tuple[Proposal, StepAccount] | None = None
     last: tuple[Proposal, StepAccount] | None = None
-    for k, b in enumerate(SLICE_LADDER):
-        if k == 1:
-            lean = replace(p, slices=(SLICE_LADDER[-1],) * n)
-            lean_account = accounted(model, step, lean, loss_fn, {})
-            if lean_account.total > budget:
-                return lean, lean_account
+    widest = _whole_slice(model, step.size, p.batch)
+    for b in (b for b in SLICE_LADDER if b < widest):  # the budgets that slice something, and 0
         peaks: dict[int, int] = {}
         q = replace(p, slices=(b,) * n)
         last = (q, accounted(model, step, q, loss_fn, peaks))
@@ -360,6 +371,15 @@ def widen_slices(model: nn.Module, step: StepShape, p: Proposal, budget: int,
     return (q, acc) if acc.total <= budget else (uniform or last)
 
 
+def _whole_slice(model: nn.Module, size: int, batch: int) -> int:
+    """A slice budget at or above which no stage slices anything at micro-batch ``batch``: twice the largest stage
+    input (the layers' temporaries are at most twice the tensor they slice). Budgets above it account the same step
+    as the whole batch (0)."""
+    shapes = profiles.stage_inputs(model, size)
+    element = max([4, *(p.element_size() for p in model.parameters())])
+    return 2 * batch * max(math.prod(s) for s in shapes) * element
+
+
 def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None = None) -> tuple[Proposal, StepAccount]:
     """The least of the solver's floors at micro-batch 1; and, when the step's whole ``batch`` in one micro-batch may
     hold less (its extra samples' activations below the gradients that accumulating micro-batches holds twice: a
@@ -371,6 +391,48 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
         whole = [(replace(f, batch=batch), exact(replace(f, batch=batch))) for f, _ in accounts]
         best = min([best, *whole], key=lambda a: a[1].total)
     return best
+
+
+def _approximate(p: Proposal) -> bool:
+    """Does ``p`` keep an 8- or 4-bit copy anywhere (approximate gradients)?"""
+    modes = p.modes or tuple(s.mode for s in p.segments or ())
+    return any(m in _APPROXIMATE for m in modes)
+
+
+_APPROXIMATE = frozenset(m.value for m in Mode if m.bits is not None)
+
+
+def _largest_floor(solver, exact: Callable[[Proposal], StepAccount], floor: Proposal, account: StepAccount,
+                   budget: int, batches: list[int]) -> tuple[Proposal, StepAccount]:
+    """The least-memory modes at the largest micro-batch of ``batches`` under ``budget`` (fewest micro-batches, fewest
+    launches per sample), exact modes first: ``store8``/``store4`` only where no exact floor fits at any micro-batch.
+    ``floor`` (micro-batch 1, or the whole batch) where nothing larger fits.
+
+    A step's peak grows with its micro-batch, so the largest that fits is searched by doubling then halving: few
+    accounts, the dearest (the largest micro-batches) only where smaller ones fitted."""
+    sizes = sorted({b for b in batches if b >= floor.batch} | {floor.batch})
+
+    def least(group: list[Proposal], b: int) -> tuple[Proposal, StepAccount]:
+        return min(((f, exact(f)) for f in (replace(g, batch=b) for g in group)), key=lambda fa: fa[1].total)
+
+    for group in (solver.exact_floors(), solver.floors()):
+        best, lo, hi, k = None, 0, len(sizes), 0  # sizes[:lo] fit, sizes[hi:] do not
+        while k < hi:  # doubling: 0, 1, 3, 7, ...
+            fa = least(group, sizes[k])
+            if fa[1].total > budget:
+                hi = k
+                break
+            best, lo, k = fa, k + 1, 2 * k + 1
+        while lo < hi:  # halving between the last that fitted and the first that did not
+            mid = (lo + hi) // 2
+            fa = least(group, sizes[mid])
+            if fa[1].total <= budget:
+                best, lo = fa, mid + 1
+            else:
+                hi = mid
+        if best is not None:
+            return best
+    return floor, account
 
 
 def floor_plan(model: nn.Module, step: StepShape,
