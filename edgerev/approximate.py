@@ -61,8 +61,8 @@ class _Entry(torch.autograd.Function):
 class _Saver:
     """Saved-tensor hooks that keep a quantized copy of every activation, one copy per tensor."""
 
-    def __init__(self, bits: int, exact: set[int]) -> None:
-        self.bits, self.exact = bits, exact
+    def __init__(self, bits: int, exact: set[int], slice_bytes: int | None = None) -> None:
+        self.bits, self.exact, self.slice_bytes = bits, exact, slice_bytes
         # id -> (weak reference to the tensor, its copy): a live reference proves the id still names it
         self.copies: dict[int, tuple[weakref.ref, Quantized]] = {}
 
@@ -72,7 +72,7 @@ class _Saver:
         seen = self.copies.get(id(t))
         if seen is not None and seen[0]() is t:
             return seen[1]
-        q = quantize(t.detach(), self.bits)
+        q = quantize(t.detach(), self.bits, slice_bytes=self.slice_bytes)
         self.copies[id(t)] = (weakref.ref(t), q)
         return q
 
@@ -104,15 +104,17 @@ def exact_storages(tensors: Iterable[Tensor]) -> set[int]:
 
 
 @contextlib.contextmanager
-def saving(bits: int, modules: Iterable[nn.Module] = (), exact: Iterable[int] = ()) -> Iterator[None]:
+def saving(bits: int, modules: Iterable[nn.Module] = (), exact: Iterable[int] = (),
+           slice_bytes: int | None = None) -> Iterator[None]:
     """Inside the block, autograd keeps a ``bits``-bit copy of every activation it saves.
 
-    The parameters and buffers of ``modules`` and the storages ``exact`` are saved as they are.
+    The parameters and buffers of ``modules`` and the storages ``exact`` are saved as they are. The copies are made
+    and read in batch slices of ``slice_bytes`` (:func:`edgerev.quantize.quantize`).
     """
     keep = set(exact)
     for m in modules:
         keep |= exact_storages(m.parameters()) | exact_storages(m.buffers())
-    saver = _Saver(bits, keep)
+    saver = _Saver(bits, keep, slice_bytes)
     try:
         with saved_tensors_hooks(saver.pack, saver.unpack):
             yield
@@ -123,14 +125,15 @@ def saving(bits: int, modules: Iterable[nn.Module] = (), exact: Iterable[int] = 
 
 
 def forward(stage: nn.Module, x: Tensor, bits: int, input_grad: bool,
-            exact: Iterable[int] = ()) -> tuple[Tensor, Kept]:
+            exact: Iterable[int] = (), slice_bytes: int | None = None) -> tuple[Tensor, Kept]:
     """Run ``stage`` on ``x`` exactly, keeping a ``bits``-bit copy of each saved activation.
 
     Returns the output (detached) and what the backward needs (:func:`backward`). ``exact`` names
-    storages saved as they are (besides the stage's parameters and buffers).
+    storages saved as they are (besides the stage's parameters and buffers); ``slice_bytes`` is the stage's
+    batch-slice budget, which the copies are made and read in (None: the default).
     """
     params = [p for p in stage.parameters() if p.requires_grad]
-    with torch.enable_grad(), saving(bits, [stage], exact):
+    with torch.enable_grad(), saving(bits, [stage], exact, slice_bytes):
         if input_grad:
             xin = _Entry.apply(x.detach(), torch.empty(0, device=x.device, requires_grad=True))
             inp = get_gradient_edge(xin)

@@ -334,7 +334,8 @@ class _Engine(torch.autograd.Function):
             elif mode.bits is not None:
                 # the image (a first stage's input that needs no gradient) is held by the caller: kept exact
                 exact = {storage_key(x)} if i == 0 and not x.requires_grad else set()
-                out, kept = approximate.forward(stage, h, mode.bits, i > 0 or ctx.needs_input_grad[0], exact)
+                out, kept = approximate.forward(stage, h, mode.bits, i > 0 or ctx.needs_input_grad[0], exact,
+                                                tape.slice_bytes)
                 if back[i] and isinstance(stage, Invertible):
                     _record_stats(stage, tape)  # the backward inverts the stage to hand its input back
                 elif back[i]:

@@ -35,6 +35,7 @@ class Quantized:
     bits: int
     shape: torch.Size
     dtype: torch.dtype
+    slice_bytes: int | None = None  # the batch-slice budget of its temporaries, for dequantize too (None: the default)
 
     @property
     def pos(self) -> Tensor:
@@ -87,8 +88,11 @@ def split_codes(hi: Tensor, lo: Tensor, bits: int) -> Tensor:
 # ``store8``/``store4`` launch on a GPU beside autograd's own.
 
 
-def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None) -> Quantized:
-    """Sign-preserving ``bits``-bit copy of ``x`` (``bits`` is 8 or 4); ``x`` is left untouched."""
+def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None,
+             slice_bytes: int | None = None) -> Quantized:
+    """Sign-preserving ``bits``-bit copy of ``x`` (``bits`` is 8 or 4); ``x`` is left untouched. Its element-wise
+    temporaries are made in batch slices of ``slice_bytes`` (the stage's planned budget; None: the default of
+    :func:`edgerev.layers.chunk_budget`; 0: the whole batch at once), and so are :func:`dequantize`'s."""
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     if x.dim() < 2:
@@ -112,7 +116,7 @@ def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None) -> 
     below = _view(counts[1] - 1, dim)  # the code of the smallest magnitude <= 0
     tiny = torch.finfo(x.dtype).tiny
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    for sl in batch_slices(x):
+    for sl in batch_slices(x, budget=slice_bytes):
         xs = x[sl]
         # t = x / step of x's sign, from the two signed parts (a select by the sign is several times slower on
         # a CPU than these element-wise ops)
@@ -127,7 +131,7 @@ def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None) -> 
         if flat.numel() % 2:
             flat = torch.cat([flat, flat.new_zeros(1)])
         codes = flat[0::2] | (flat[1::2] << 4)
-    return Quantized(codes, table, bits, x.shape, x.dtype)
+    return Quantized(codes, table, bits, x.shape, x.dtype, slice_bytes)
 
 
 def dequantize(q: Quantized) -> Tensor:
@@ -142,7 +146,7 @@ def dequantize(q: Quantized) -> Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=codes.device)
     dim = len(q.shape)
     step_pos, step_neg, zero = (_view(q.table[i], dim) for i in (2, 3, 4))
-    for sl in batch_slices(out):
+    for sl in batch_slices(out, budget=q.slice_bytes):
         v = torch.sub(codes[sl], zero, out=out[sl])  # bins from the boundary: positive for positive values
         positive = v.clamp_min(0)
         v.clamp_max_(0).mul_(step_neg).addcmul_(positive, step_pos)

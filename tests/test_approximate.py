@@ -225,3 +225,29 @@ def test_a_mode_a_stage_cannot_run_names_the_stage_and_the_choices():
     with pytest.raises(ModeError, match=r"stage 3 \(BasicBlock\) cannot run in mode 'store2'; it supports store, "
                                         r"store8, store4"):
         model.set_modes(modes)
+
+
+@pytest.mark.parametrize("mode", ["store8", "store4"])
+def test_the_copies_are_made_in_the_slices_the_plan_gives_the_stage(mode):
+    """A planned slice budget decides the quantizer's slices too, not the default: a plan that runs every stage
+    whole-batch launches what the whole-batch default launches, and fewer kernels than the lean slices."""
+    from edgerev.engine import Execution
+    from edgerev.layers import chunk_budget
+    from edgerev.memory.measure.profile import FlopCounter
+
+    def kernels(slices: int | None, default: int) -> int:
+        torch.manual_seed(0)
+        model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1)).to("meta").train()
+        model.body.set_modes(mode)
+        if slices is not None:
+            model.body.set_execution(Execution(slices=(slices,) * len(model.body.stages)))
+        counter = FlopCounter()
+        with chunk_budget(default), counter:
+            x = torch.randn(16, 3, 64, 64, device="meta")
+            F.cross_entropy(model(x), torch.zeros(16, dtype=torch.long, device="meta")).backward()
+        return counter.kernels
+
+    lean = 1024 * 1024
+    whole = kernels(0, lean)
+    assert whole == kernels(None, 0)
+    assert whole < kernels(lean, 0) == kernels(None, lean)
