@@ -54,6 +54,7 @@ from edgerev import approximate
 from edgerev._torchapi import storage_key
 from edgerev.enums import TextEnum
 from edgerev.errors import ModeError, NonFiniteError
+from edgerev.layers import norm
 from edgerev.layers.base import Grads, Invertible, Tape, add_grads, is_fake, replaying
 from edgerev.layers.coupling import Coupling, forward_per_sample
 from edgerev.layers.norm import InvBatchNorm2d
@@ -303,6 +304,7 @@ class _Engine(torch.autograd.Function):
     def forward(ctx, x: Tensor, seq: InvertibleSequence, samples: int, *params: nn.Parameter) -> Tensor:
         run = seq.execution
         tape = Tape(probe=run.probe)
+        norm.prepare(seq.modules(), tape)
         default_slices = tape.slice_bytes
         stored: dict[int, object] = {}
         back = _hands_back(seq)

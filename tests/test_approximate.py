@@ -154,8 +154,8 @@ def test_the_copies_are_all_that_is_kept_and_the_prediction_is_exact(arch, monke
     """Kept bytes are the codes plus their per-channel ranges, and fake tensors predict a whole step to the byte."""
     copies: list = []
 
-    def spy(t, bits, rng=None):
-        copies.append(quantize(t, bits, rng))
+    def spy(t, bits, rng=None, slice_bytes=None):
+        copies.append(quantize(t, bits, rng, slice_bytes))
         return copies[-1]
 
     monkeypatch.setattr(approximate, "quantize", spy)

@@ -98,6 +98,8 @@ class Tape:
 
     Attributes:
         stats: per-module values (batch-norm mean and inverse standard deviation) recorded by the forward.
+        scales: per-module values of the weights alone that the forward needs (a batch norm's bounded scale),
+            computed for all modules at once when the step begins (:func:`edgerev.layers.norm.prepare`).
         coefficients: per-module values derived from ``stats`` and the weights (a batch norm's scale and
             shift, forward and inverse), computed once per step where the backward first needs them: the
             weights do not change inside a step.
@@ -112,6 +114,7 @@ class Tape:
     def __init__(self, probe: Callable[[nn.Module, Tensor], None] | None = None,
                  slice_bytes: int | None = None) -> None:
         self.stats: dict[nn.Module, tuple[Tensor, ...]] = {}
+        self.scales: dict[nn.Module, Tensor] = {}
         self.coefficients: dict[nn.Module, tuple[Tensor, ...]] = {}
         self.replay = False
         self.probe = probe

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +77,10 @@ class InvBatchNorm2d(Invertible):
             # the training forward: one fused pass measures the batch, normalizes and updates the
             # running statistics (once per step; never while the engine replays)
             update = not self._replay
+            scale = tape.scales.get(self)
+            scale = self.scale().detach() if scale is None else scale
             y, mean, invstd = torch.ops.aten.native_batch_norm(
-                x, self.scale().detach(), self.bias.detach(), self.running_mean if update else None,
+                x, scale, self.bias.detach(), self.running_mean if update else None,
                 self.running_var if update else None, True, self.momentum, self.eps,
             )
             tape.stats[self] = (mean, invstd, x.numel() // x.shape[1])
@@ -190,6 +193,16 @@ class InvBatchNorm2d(Invertible):
         return self.inverse_(y, tape), gy
 
 
+def prepare(modules: Iterable[nn.Module], tape: Tape) -> None:
+    """Put the bounded scale of every training-mode :class:`InvBatchNorm2d` among ``modules`` on ``tape``, in two
+    multi-tensor kernels for all of them: the weights do not change inside a step, and the forward of each batch
+    norm would otherwise launch two small kernels of its own."""
+    norms = [m for m in modules if isinstance(m, InvBatchNorm2d) and m.training and m not in tape.scales]
+    if norms:
+        scales = _foreach("add", _foreach("abs", [m.weight.detach() for m in norms]), [m.eps_i for m in norms])
+        tape.scales.update(zip(norms, scales))
+
+
 def _view(v: Tensor) -> Tensor:
     return v.view(1, -1, 1, 1)
 
@@ -237,7 +250,9 @@ def _coefficients(norms: list[InvBatchNorm2d], tape: Tape) -> list[Coefficients]
     counts = [float(max(st[2], 1)) for st in stats]
     weights = [m.weight.detach() for m in norms]
     betas = [m.bias.detach() for m in norms]
-    scales = _foreach("add", _foreach("abs", weights), [m.eps_i for m in norms])
+    known = [tape.scales.get(m) for m in norms]  # the forward's (:func:`prepare`), when it put them all on the tape
+    scales = known if all(s is not None for s in known) else _foreach("add", _foreach("abs", weights),
+                                                                      [m.eps_i for m in norms])
     inv_s = _foreach("reciprocal", scales)
     a = _foreach("mul", scales, invstds)
     inverse_a = _foreach("reciprocal", a)
