@@ -244,8 +244,8 @@ def test_store4_keeps_less_than_store8_less_than_store(monkeypatch):
     x = torch.randn(batch, 3, size, size)
     copies: list = []
 
-    def spy(t, bits, rng=None):
-        copies.append(quantize(t, bits, rng))
+    def spy(t, bits, rng=None, slice_bytes=None):
+        copies.append(quantize(t, bits, rng, slice_bytes))
         return copies[-1]
 
     monkeypatch.setattr(approximate, "quantize", spy)
