@@ -101,35 +101,26 @@ class InvConv2d(Invertible):
         wf, wg = self.weight_f, self.weight_g
         want_gw = grads is not None
         g1, g2 = halves(gy)
-        dw: list[Tensor | None] | None = None  # g's and f's weight gradients, summed over the slices
+        dwf = dwg = None
         # live per slice: a contiguous copy of one half's slice and the input gradient of one half's slice
         for sl in tape.slices(gy, 1.0):
             # one contiguous copy of each input serves both the convolution and its backward
             inp = y1[sl].contiguous()
             if rebuild:
                 x2[sl].sub_(self._conv(inp, wg.detach()))
-            gin, gwg = self._conv_backward(g2[sl], inp, wg, want_gw)
+            gin, gw = self._conv_backward(g2[sl], inp, wg, want_gw)
             g1[sl].add_(gin)
             del gin  # before the next convolution's: one input gradient of a slice at a time
+            dwg = gw if dwg is None or gw is None else dwg.add_(gw)
             inp = x2[sl].contiguous()
             if rebuild:
                 y1[sl].sub_(self._conv(inp, wf.detach()))
-            gin, gwf = self._conv_backward(g1[sl], inp, wf, want_gw)
+            gin, gw = self._conv_backward(g1[sl], inp, wf, want_gw)
             g2[sl].add_(gin)
+            dwf = gw if dwf is None or gw is None else dwf.add_(gw)
             del inp, gin
-            dw = _sum_into(dw, [gwg, gwf])
-        for w, g in zip((self.weight_g, self.weight_f), dw or ()):
-            if g is not None:
-                add_grad(grads, w, g)
+        if dwf is not None:
+            add_grad(grads, self.weight_f, dwf)
+        if dwg is not None:
+            add_grad(grads, self.weight_g, dwg)
         return gy
-
-
-def _sum_into(acc: list[Tensor | None] | None, gs: list[Tensor | None]) -> list[Tensor | None]:
-    """``acc + gs`` element by element, in place, ``None`` meaning no gradient: one multi-tensor kernel per slice for
-    both weights (on a GPU every op is a launch), where two adds were."""
-    if acc is None:
-        return gs
-    pairs = [(a, g) for a, g in zip(acc, gs) if a is not None and g is not None]
-    if pairs:
-        torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
-    return acc
