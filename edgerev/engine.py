@@ -249,6 +249,7 @@ def _hands_back(seq: InvertibleSequence) -> list[bool]:
 
 
 _REBUILDS = (Mode.INVERT, Mode.FLOOR, Mode.RECOMPUTE)
+_AUTOGRAD_FORWARD = (Mode.STORE, Mode.STORE8, Mode.STORE4)  # the stage's forward runs through autograd
 
 
 def _restorable(seq: InvertibleSequence) -> dict[int, int]:
@@ -304,7 +305,9 @@ class _Engine(torch.autograd.Function):
     def forward(ctx, x: Tensor, seq: InvertibleSequence, samples: int, *params: nn.Parameter) -> Tensor:
         run = seq.execution
         tape = Tape(probe=run.probe)
-        norm.prepare(seq.modules(), tape)
+        # the batch norms the engine runs itself (an autograd forward computes its own scales)
+        norm.prepare((m for stage, mode in zip(seq.stages, seq._modes) if mode not in _AUTOGRAD_FORWARD
+                      for m in stage.modules()), tape)
         default_slices = tape.slice_bytes
         stored: dict[int, object] = {}
         back = _hands_back(seq)
