@@ -44,7 +44,8 @@ def fake_mode():
 
 
 def fake_copy(module: nn.Module, mode) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are fake tensors of ``mode``, on the CPU.
+    """A deep copy of ``module`` whose parameters, buffers and tensor attributes are fake tensors of ``mode``, on the
+    CPU.
 
     On the CPU whatever device ``module`` is on: the callers make their fake inputs there, and the bytes
     of a step do not depend on the device (a copy on CUDA made every fake step of a CUDA model fail on
@@ -57,31 +58,29 @@ def fake_copy(module: nn.Module, mode) -> nn.Module:
         return mode.from_tensor(t if t.device.type == "cpu" else torch.empty_like(t, device="cpu"))
 
     with unset_fake_temporarily():
-        clone = copy.deepcopy(module)
-        for mod in clone.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is not None:
-                    mod._parameters[name] = nn.Parameter(fake(p.detach()), requires_grad=p.requires_grad)
-            for name, b in list(mod._buffers.items()):
-                if b is not None:
-                    mod._buffers[name] = fake(b)
-    return clone
+        return _copy_as(module, fake)
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` on the meta device: its parameters (trainable as they were), buffers and tensor
-    attributes have shapes and no data, and no weight is copied on the way (a copy of a large model costs nothing)."""
+    """A deep copy of ``module`` on the meta device: its parameters, buffers and tensor attributes have shapes and no
+    data."""
+    return _copy_as(module, lambda t: t.to("meta"))
+
+
+def _copy_as(module: nn.Module, convert: Callable[[Tensor], Tensor]) -> nn.Module:
+    """A deep copy of ``module`` with ``convert`` applied to each of its tensors (parameters stay parameters, trainable
+    as they were): each is converted *before* the copy, so no weight's data is copied on the way."""
     memo: dict[int, object] = {}
     for mod in module.modules():
         for p in mod._parameters.values():
             if p is not None and id(p) not in memo:
-                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+                memo[id(p)] = nn.Parameter(convert(p.detach()), requires_grad=p.requires_grad)
         for b in mod._buffers.values():
             if b is not None and id(b) not in memo:
-                memo[id(b)] = b.to("meta")
+                memo[id(b)] = convert(b)
         for value in vars(mod).values():  # a captured graph's constants are plain attributes
             if isinstance(value, Tensor) and id(value) not in memo:
-                memo[id(value)] = value.detach().to("meta")
+                memo[id(value)] = convert(value.detach())
     return copy.deepcopy(module, memo)
 
 

@@ -99,7 +99,7 @@ class Tape:
     Attributes:
         stats: per-module values (batch-norm mean and inverse standard deviation) recorded by the forward.
         scales: per-module values of the weights alone that the forward needs (a batch norm's bounded scale),
-            computed for all modules at once when the step begins (:func:`edgerev.layers.norm.prepare`).
+            computed once a step for many modules at once (:func:`edgerev.layers.norm.prepare`).
         coefficients: per-module values derived from ``stats`` and the weights (a batch norm's scale and
             shift, forward and inverse), computed once per step where the backward first needs them: the
             weights do not change inside a step.

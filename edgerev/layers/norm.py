@@ -194,10 +194,11 @@ class InvBatchNorm2d(Invertible):
 
 
 def prepare(modules: Iterable[nn.Module], tape: Tape) -> None:
-    """Put the bounded scale of every training-mode :class:`InvBatchNorm2d` among ``modules`` on ``tape``, in two
-    multi-tensor kernels for all of them: the weights do not change inside a step, and the forward of each batch
-    norm would otherwise launch two small kernels of its own."""
-    norms = [m for m in modules if isinstance(m, InvBatchNorm2d) and m.training and m not in tape.scales]
+    """Put the bounded scale of every :class:`InvBatchNorm2d` among ``modules`` that the tape lacks on ``tape``, in
+    two multi-tensor kernels for all of them: the weights do not change inside a step, and the forward of each batch
+    norm would otherwise launch two small kernels of its own (the engine calls it as a step begins, the coefficients
+    for what the forward did not run)."""
+    norms = [m for m in modules if isinstance(m, InvBatchNorm2d) and m not in tape.scales]
     if norms:
         scales = _foreach("add", _foreach("abs", [m.weight.detach() for m in norms]), [m.eps_i for m in norms])
         tape.scales.update(zip(norms, scales))
@@ -250,9 +251,8 @@ def _coefficients(norms: list[InvBatchNorm2d], tape: Tape) -> list[Coefficients]
     counts = [float(max(st[2], 1)) for st in stats]
     weights = [m.weight.detach() for m in norms]
     betas = [m.bias.detach() for m in norms]
-    known = [tape.scales.get(m) for m in norms]  # the forward's (:func:`prepare`), when it put them all on the tape
-    scales = known if all(s is not None for s in known) else _foreach("add", _foreach("abs", weights),
-                                                                      [m.eps_i for m in norms])
+    prepare(norms, tape)  # the scales the forward did not put on the tape
+    scales = [tape.scales[m] for m in norms]
     inv_s = _foreach("reciprocal", scales)
     a = _foreach("mul", scales, invstds)
     inverse_a = _foreach("reciprocal", a)

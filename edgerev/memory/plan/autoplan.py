@@ -42,7 +42,7 @@ from edgerev.memory.measure.account import StepAccount, StepShape, account_step,
 from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
 from edgerev.memory.plan.progress import SILENT, Progress
 from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
-from edgerev.memory.solve.knapsack import default_batches, exact_only, plan, smallest_budget
+from edgerev.memory.solve.knapsack import APPROXIMATE, default_batches, exact_only, plan, smallest_budget
 from edgerev.memory.solve.segments import plan_segments
 from edgerev.models.spec import model_spec
 
@@ -396,10 +396,7 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
 def _approximate(p: Proposal) -> bool:
     """Does ``p`` keep an 8- or 4-bit copy anywhere (approximate gradients)?"""
     modes = p.modes or tuple(s.mode for s in p.segments or ())
-    return any(m in _APPROXIMATE for m in modes)
-
-
-_APPROXIMATE = frozenset(m.value for m in Mode if m.bits is not None)
+    return any(m in APPROXIMATE for m in modes)
 
 
 def _largest_floor(solver, exact: Callable[[Proposal], StepAccount], floor: Proposal, account: StepAccount,
