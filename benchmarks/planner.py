@@ -46,7 +46,7 @@ def sweep(arch: str, size: int, budgets_mb: list[float]) -> list[dict]:
         plan_ = p.plan
         modes = None if is_plain(model) else plan_.modes
         segments = plan_.segments if is_plain(model) else None
-        v = verify(model, modes, plan_.batch, size, segments=segments)
+        v = verify(model, modes, plan_.batch, size, segments=segments, slices=getattr(p, "slices", None))
         rows.append({
             "budget_bytes": budget, "batch": plan_.batch, "predicted_peak_bytes": plan_.predicted_peak_bytes,
             "fitted_peak_bytes": p.fitted_peak_bytes, "measured_peak_bytes": v["measured_peak_bytes"],

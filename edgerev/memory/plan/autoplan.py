@@ -508,6 +508,7 @@ class ModelPlan:
     profile: Profile
     fitted_peak_bytes: int  # the knapsack's own prediction
     solve_seconds: float
+    slices: tuple[int, ...] | None = None  # per stage, the batch-slice budget the peak was accounted at
 
     def stages(self, model: nn.Module) -> list[dict]:
         return [{"name": n, "type": type(s).__name__, "mode": m}
@@ -531,7 +532,7 @@ def plan_model(model: nn.Module, size: int, budget: int, device: str = "cpu", pr
     tp = plan_training(model, size, budget, device, profile=profile, check=check, rounds=rounds, batches=batches,
                        segments=False)
     return ModelPlan(Plan(tp.batch, tp.modes, tp.predicted_peak_bytes, tp.step_seconds), tp.profile,
-                     tp.fitted_peak_bytes, tp.solve_seconds)
+                     tp.fitted_peak_bytes, tp.solve_seconds, tp.slices)
 
 
 def plan_plain(model: nn.Module, size: int, budget: int, device: str = "cpu", stats=None, check: bool = True,
