@@ -1,7 +1,11 @@
 """A real deployment on loopback: ``flower-superlink``, two ``flower-supernode`` processes (``--insecure``),
-the fleet submitted with ``flwr run deploy/fleet-app``; each device's daemon promotes the fleet model. Run
-twice: with the updates averaged in clear, and by secure aggregation (SecAgg+: four more messages to each
-device, whose ClientApp keeps the update in its context between them, as the SuperNode carries it).
+the fleet submitted with ``flwr run deploy/fleet-app``; each device's daemon promotes the fleet model. The
+updates are summed by secure aggregation (SecAgg+: four more messages to each device, whose ClientApp keeps the
+update in its context between them, as the SuperNode carries it), the deployment's longest path. The same
+deployment averaging in clear is not run a second time here (a minute and a half of a suite's worker): the
+processes, the link to a stopped and to a running daemon and the promotion are this test's; the clear average
+through the same ServerApp and ClientApp, messages serialized as on the wire, is
+tests/fleet/test_simulate.py's (real daemons, two rounds) and tests/fleet/test_secagg.py's (clear against secure).
 
 Each SuperNode names its device's daemon config in its node config; every message starts a
 ``flwr-clientapp`` process. Device 1's daemon is not running: the ClientApp opens its data directory, runs
@@ -116,8 +120,7 @@ def _device(root: Path, name: str, classes: list[int], start: int) -> Path:
 
 
 @pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None, reason="Flower's commands not installed")
-@pytest.mark.parametrize("secagg", [False, True], ids=["clear", "secagg"])
-def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model(tmp_path, secagg):
+def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model_under_secagg(tmp_path):
     deadline = time.monotonic() + DEADLINE
     configs = [_device(tmp_path / "devices", "d1", [0, 1], 0), _device(tmp_path / "devices", "d2", [1, 2], 5000)]
     home = tmp_path / "flwr"
@@ -149,8 +152,7 @@ def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model(tmp_path,
         for node in nodes:
             node.wait_for(r"SuperNode ID", deadline)
         run = subprocess.run([str(BIN / "flwr"), "run", str(APP), "local", "--format", "json", "--run-config",
-                              "rounds=1 image-size=16 min-devices=2 local-epochs=1 timeout=600.0"
-                              + (" secagg=true" if secagg else "")],
+                              "rounds=1 image-size=16 min-devices=2 local-epochs=1 timeout=600.0 secagg=true"],
                              env=env, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
         assert run.returncode == 0, run.stdout + run.stderr
         run_id = json.loads(run.stdout[run.stdout.index("{"):])["run-id"]
@@ -158,7 +160,7 @@ def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model(tmp_path,
         log = subprocess.run([str(BIN / "flwr"), "log", str(run_id), "local", "--stream"], env=env,
                              capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
         (tmp_path / "run.log").write_text(log.stdout + log.stderr)
-        # the round averaged both devices' updates (under SecAgg+: the protocol finished with both vectors)
+        # the round averaged both devices' updates: the SecAgg+ protocol finished with both vectors
         assert re.search(r"Aggregated MetricRecord: \{'num-examples': \d+, 'devices': 2\}", log.stdout), log.stdout
         listed = subprocess.run([str(BIN / "flwr"), "ls", "local", "--format", "json"], env=env, capture_output=True,
                                 text=True, timeout=60)
@@ -187,4 +189,4 @@ def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model(tmp_path,
             assert v.metrics["fleet_round"] == f"{run_id}/1" and v.promoted, v.reason
             assert v.metrics["classes"] == ["class0", "class1", "class2"]
             assert (daemon.registry.path(current) / "model.onnx").is_file()
-    print(f"deployment{' with SecAgg+' if secagg else ''}: 1 round, 2 devices in {seconds:.0f} s")
+    print(f"deployment with SecAgg+: 1 round, 2 devices in {seconds:.0f} s")
