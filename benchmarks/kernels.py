@@ -4,7 +4,9 @@ For every registry model, every engine mode its stages support and plain autogra
 
 * ``ops``: the ATen ops one training step (forward, cross-entropy, backward) dispatches, each one a kernel
   launch on a GPU; views and allocations are left out (``edgerev.memory.measure.profile.NO_KERNEL``), host reads
-  of a tensor (``_local_scalar_dense``) are ``host_syncs``, counted apart;
+  of a tensor (``_local_scalar_dense``) are ``host_syncs``, counted apart; ``store8``/``store4``'s quantizer is
+  counted as CUDA runs it, fused, each fused operator at its launches (``edgerev.quantize.LAUNCHES``;
+  ``--eager-quantizer``: the eager kernels a CPU runs);
 * ``flops``: the step's FLOPs by ``torch.utils.flop_counter``'s formulas (convolutions, matrix products);
 * ``peak_bytes``: the step's predicted peak (``edgerev.memory.measure.account.account_step`` on fake tensors, the one
   accounting the planner and the trainer use);
@@ -120,10 +122,26 @@ def engine_modes(model: torch.nn.Module) -> list[str]:
     return [m.value for m in Mode if m in have]
 
 
+def quantizer(device: str):
+    """The ``store8``/``store4`` quantizer as CUDA runs it: on the meta device its fused operators (counted at
+    their launches, ``edgerev.quantize.LAUNCHES``) unless ``EAGER_QUANTIZER``; elsewhere the library's choice. A
+    source tree without the fused path counts its eager kernels."""
+    import contextlib
+
+    q = importlib.import_module("edgerev.quantize")
+    if device != "meta" or not hasattr(q, "fusing"):
+        return contextlib.nullcontext()
+    return q.fusing(not EAGER_QUANTIZER)
+
+
+EAGER_QUANTIZER = False  # --eager-quantizer: count the eager quantizer's kernels on meta (what a CPU runs)
+
+
 def count_step(model: torch.nn.Module, batch: int, size: int, device: str = "meta") -> KernelCounter:
     """The ops of one training step of ``model`` as it is set up (modes, plan), on ``device``.
 
-    ``model`` is moved to ``device`` (the meta device by default: ops dispatch, nothing computes)."""
+    ``model`` is moved to ``device`` (the meta device by default: ops dispatch, nothing computes; the quantizer
+    as CUDA runs it, :func:`quantizer`)."""
     from edgerev.models.spec import model_spec
 
     spec = model_spec(model)
@@ -132,7 +150,7 @@ def count_step(model: torch.nn.Module, batch: int, size: int, device: str = "met
     x = torch.randn(batch, spec.in_channels, size, size, device=device)
     y = torch.randint(0, spec.num_classes, (batch,), device=device)
     counter = KernelCounter()
-    with counter:
+    with counter, quantizer(device):
         logits = model(x)
         counter.phase = "loss"
         loss = F.cross_entropy(logits, y)
@@ -261,12 +279,17 @@ def _set_cpu_limit(seconds: float) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
-def _child(kind: str, kwargs: dict, chunk: int | None, out: str, limits: tuple[float | None, float | None]) -> None:
+def _child(kind: str, kwargs: dict, chunk: int | None, out: str, limits: tuple[float | None, float | None],
+           eager: bool = False) -> None:
     """Run one task and write its result to ``out``. ``limits``: its CPU seconds, and for a plan task the CPU
-    seconds of what follows the planning (its step's peak and count: the planner's own limit is the first)."""
+    seconds of what follows the planning (its step's peak and count: the planner's own limit is the first);
+    ``eager``: :data:`EAGER_QUANTIZER`."""
     import contextlib
 
     from edgerev import layers
+
+    global EAGER_QUANTIZER
+    EAGER_QUANTIZER = eager
 
     if limits[0] is not None:
         _set_cpu_limit(limits[0])
@@ -298,7 +321,7 @@ def _limit_cpu() -> bool:
 
 
 def run_tasks(tasks: list[Task], jobs: int, chunk: int | None,
-              log: Callable[[str], None] = lambda s: None) -> dict[tuple, dict]:
+              log: Callable[[str], None] = lambda s: None, eager: bool = False) -> dict[tuple, dict]:
     """Run ``tasks`` in child processes, ``jobs`` at a time, the dearest first; ``jobs=0``: here, one by one
     (no limit). Returns each task's result by key. A task stops at its ``cpu_seconds`` (the kernel sends it
     ``SIGXCPU``); as a backstop, or where the platform has no CPU limit, it is killed after three times as
@@ -326,7 +349,7 @@ def run_tasks(tasks: list[Task], jobs: int, chunk: int | None,
             args = start_args(t)
             if args is not None:
                 with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                    _child(t.kind, args, chunk, f.name, (None, None))
+                    _child(t.kind, args, chunk, f.name, (None, None), eager)
                     results[t.key] = json.loads(Path(f.name).read_text())
             log(f"{t.key}: done")
         return results
@@ -343,7 +366,7 @@ def run_tasks(tasks: list[Task], jobs: int, chunk: int | None,
                 if args is None:
                     continue
                 out = str(Path(tmp) / f"{len(results) + len(running)}-{os.getpid()}-{time.monotonic_ns()}.json")
-                proc = ctx.Process(target=_child, args=(t.kind, args, chunk, out, t.limits))
+                proc = ctx.Process(target=_child, args=(t.kind, args, chunk, out, t.limits, eager))
                 proc.start()
                 running[t.key] = (proc, out, time.monotonic(), t.limits)
             if not running:  # nothing ready and nothing running: a reference never came
@@ -510,6 +533,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan-cpu-seconds", type=float, default=180,
                    help="CPU seconds the planner may take (default 180; the target is 30); its step's peak and "
                         "count then get --cpu-seconds")
+    p.add_argument("--eager-quantizer", action="store_true",
+                   help="count store8/store4's eager quantizer (what a CPU runs), not the fused one CUDA runs")
     if hasattr(layers, "chunk_budget"):  # the engine's default slice budget, where it still has one
         p.add_argument("--chunk-bytes", type=int, default=None,
                        help="slice budget of steps given none (default: the library's lean default)")
@@ -537,7 +562,8 @@ def main(argv: list[str] | None = None) -> dict:
     for t in tasks:
         t.limits = (a.plan_cpu_seconds, a.cpu_seconds) if t.kind == "plan" else (a.cpu_seconds, None)
     results = run_tasks(tasks, a.jobs, a.chunk_bytes,
-                        log=lambda s: print(f"[{time.perf_counter() - t0:6.1f} s] {s}", file=sys.stderr, flush=True))
+                        log=lambda s: print(f"[{time.perf_counter() - t0:6.1f} s] {s}", file=sys.stderr, flush=True),
+                        eager=a.eager_quantizer)
     rows, planned = assemble(a, results)
     from edgerev.layers import base
 
@@ -547,6 +573,8 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__, "python": platform.python_version(), "counted_on": "meta",
         "edgerev": state,
         "slice_bytes": a.chunk_bytes if a.chunk_bytes is not None else default_slice,
+        "quantizer": "eager" if a.eager_quantizer or not hasattr(importlib.import_module("edgerev.quantize"), "fusing")
+        else "fused (each operator counted at edgerev.quantize.LAUNCHES)",
         "what": "ops: ATen ops of one training step (forward, cross-entropy, backward), views and allocations "
                 f"({', '.join(sorted(NOT_KERNELS))}) left out; host_syncs: _local_scalar_dense/item on a real CPU "
                 "step (host_syncs_at: batch, size), since meta tensors skip the engine's value checks; flops: "

@@ -10,10 +10,23 @@ and one code for its zeros; a centred batch-norm output about half the codes per
 paper's uniform grid aligned on zero. Ranges are per channel: the batch's largest value of each sign,
 or a given range (values beyond it are clipped to its end bins). Four-bit codes are packed two per
 byte, so the kept copy is an eighth of the float32 tensor.
+
+Two paths give the same codes, bit for bit. The eager one runs a few ATen kernels per batch slice (ten to
+quantize, five to read back) and per channel; on a GPU those launches, not the arithmetic, are what
+``store8``/``store4`` cost. The fused one (:func:`fusing`; on by default for float32 CUDA tensors) is two
+operators, ``edgerev::encode`` and ``edgerev::decode``, whose bodies ``torch.compile`` turns into a range
+reduction and one element-wise kernel, and one kernel to read back: the whole tensor at once, with no float
+temporary, so it needs no slices. Where the compiler is missing or fails (a device without Triton), the first
+call says so in one warning and the eager path takes over for the rest of the process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import types
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +110,10 @@ def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None,
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     if x.dim() < 2:
         raise ValueError(f"quantize needs a [batch, channels, ...] tensor, got shape {tuple(x.shape)}")
+    if _fused(x):
+        fused = _fused_encode(x, bits, rng, slice_bytes)
+        if fused is not None:
+            return fused
     total, dim = 2**bits, x.dim()
     table = x.new_empty(5, x.shape[1])
     ranges = table[:2]
@@ -136,6 +153,10 @@ def quantize(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None = None,
 
 def dequantize(q: Quantized) -> Tensor:
     """Float tensor of the original shape: each code at the middle of its bin, with its sign."""
+    if _fused(q.codes, q.dtype):
+        out = _fused_decode(q)
+        if out is not None:
+            return out
     codes = q.codes
     if q.bits == 4:
         pairs = codes.new_empty(codes.numel(), 2)
@@ -151,3 +172,148 @@ def dequantize(q: Quantized) -> Tensor:
         positive = v.clamp_min(0)
         v.clamp_max_(0).mul_(step_neg).addcmul_(positive, step_pos)
     return out
+
+
+# ---- the fused path ------------------------------------------------------------------------------------------------
+
+# Kernels one call of each fused operator launches on a GPU, as inductor schedules its body: the range reduction
+# (which it splits in two over a large batch) with the per-channel table as its epilogue, then the codes, packed in
+# the same kernel; reading back is one element-wise kernel. :class:`edgerev.memory.measure.profile.FlopCounter`
+# counts a fused operator as this many launches (an upper bound; the CUDA campaign times the real ones).
+LAUNCHES = {"encode": 3, "decode": 1}
+
+_fusion: contextvars.ContextVar[bool | None] = contextvars.ContextVar("edgerev_fusion", default=None)
+_broken: list[str] = []  # why the compiler failed, once it has: the eager path for the rest of the process
+
+
+@contextlib.contextmanager
+def fusing(on: bool | None) -> Iterator[None]:
+    """Inside the block, :func:`quantize` and :func:`dequantize` run the fused operators (True: on any device,
+    the meta device included, where the kernel counter sees them), the eager kernels (False), or choose by the
+    tensor (None, the default: fused for float32 tensors on CUDA, where launches are dear). Other dtypes always
+    run eagerly."""
+    token = _fusion.set(on)
+    try:
+        yield
+    finally:
+        _fusion.reset(token)
+
+
+def _fused(x: Tensor, dtype: torch.dtype | None = None) -> bool:
+    if (dtype or x.dtype) != torch.float32 or _broken:
+        return False
+    on = _fusion.get()
+    return x.is_cuda if on is None else on
+
+
+def _encode_body(x: Tensor, rng: Tensor | None, bits: int, pack: bool) -> tuple[Tensor, Tensor]:
+    """Codes and table of ``x`` seen as ``[N, C, L]``: the eager path's arithmetic, operation for operation, on the
+    whole tensor (each sum below has one zero term, so a fused multiply-add rounds it alike)."""
+    total = 2**bits
+    eps, tiny = torch.finfo(x.dtype).eps, torch.finfo(x.dtype).tiny
+    if rng is None:
+        hi, lo = x.amax((0, 2)), x.amin((0, 2)).neg()
+    else:
+        hi, lo = rng[0], rng[1]
+    hi, lo = hi.clamp_min(eps), lo.clamp_min(eps)
+    npos = (hi * total).div(hi + lo).round().clamp(1, total - 1)
+    nneg = total - npos
+    step_pos, step_neg = hi / npos, lo / nneg
+    table = torch.stack([hi, lo, step_pos, step_neg, nneg - 0.5])
+    t = x.clamp_max(0).div(step_neg[:, None]) + x.clamp_min(0).div(step_pos[:, None])
+    t = (t + torch.sign(x) * tiny).ceil().add((nneg - 1)[:, None]).clamp(0, total - 1)
+    codes = t.to(torch.uint8)
+    if pack:
+        flat = codes.reshape(-1)
+        codes = flat[0::2] | (flat[1::2] << 4)
+    return codes, table
+
+
+def _decode_body(codes: Tensor, table: Tensor, shape: list[int], bits: int) -> Tensor:
+    """The float ``[N, C, L]`` tensor of ``codes``: each at the middle of its bin, as the eager path computes it."""
+    if bits == 4:
+        codes = torch.stack([codes & 0x0F, codes >> 4], 1).reshape(-1)[:shape[0] * shape[1] * shape[2]]
+    v = codes.view(shape).to(table.dtype) - table[4][:, None]
+    return v.clamp_max(0) * table[3][:, None] + v.clamp_min(0) * table[2][:, None]
+
+
+_compiled: dict[tuple, object] = {}
+
+
+def _compile(body, *variant):
+    """``body`` compiled for one variant of its arguments (the flags, and which sizes are 1: the compiler
+    specializes those, so that one compiled function would recompile for each and stop at its limit): a copy of
+    its code object per variant, each of which compiles once, with symbolic sizes."""
+    key = (body.__name__, *variant)
+    if key not in _compiled:
+        code = body.__code__.replace(co_name=f"{body.__name__}_{len(_compiled)}")
+        fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
+        _compiled[key] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _compiled[key]
+
+
+def _ones(shape) -> tuple[bool, ...]:
+    return tuple(n == 1 for n in shape)
+
+
+@torch.library.custom_op("edgerev::encode", mutates_args=(),
+                         schema="(Tensor x, Tensor? rng, int bits, bool pack) -> (Tensor, Tensor)")
+def _encode_op(x: Tensor, rng: Tensor | None, bits: int, pack: bool) -> tuple[Tensor, Tensor]:
+    return _compile(_encode_body, x.device.type, rng is None, bits, pack, _ones(x.shape))(x, rng, bits, pack)
+
+
+@_encode_op.register_fake
+def _(x: Tensor, rng: Tensor | None, bits: int, pack: bool) -> tuple[Tensor, Tensor]:
+    codes = x.new_empty((x.numel() // 2,) if pack else x.shape, dtype=torch.uint8)
+    return codes, x.new_empty(5, x.shape[1])
+
+
+@torch.library.custom_op("edgerev::decode", mutates_args=(),
+                         schema="(Tensor codes, Tensor table, SymInt[] shape, int bits) -> Tensor")
+def _decode_op(codes: Tensor, table: Tensor, shape: list[int], bits: int) -> Tensor:
+    return _compile(_decode_body, codes.device.type, bits, _ones(shape))(codes, table, shape, bits)
+
+
+@_decode_op.register_fake
+def _(codes: Tensor, table: Tensor, shape: list[int], bits: int) -> Tensor:
+    return table.new_empty(shape)
+
+
+def _give_up(error: Exception) -> None:
+    if not _broken:
+        _broken.append(f"{type(error).__name__}: {error}".splitlines()[0])
+        warnings.warn(f"edgerev: the fused quantizer did not compile ({_broken[0]}); store8/store4 run the eager "
+                      "kernels from now on (same codes, more launches)", RuntimeWarning, stacklevel=3)
+
+
+def _as_3d(shape: torch.Size) -> list[int]:
+    return [shape[0], shape[1], shape[2:].numel()]
+
+
+def _fused_encode(x: Tensor, bits: int, rng: tuple[Tensor, Tensor] | None, slice_bytes: int | None) -> Quantized | None:
+    """:func:`quantize` by the fused operator; None where it failed to compile (the caller runs the eager path)."""
+    pack = bits == 4 and x.numel() % 2 == 0
+    try:
+        codes, table = _encode_op(x.reshape(_as_3d(x.shape)), None if rng is None else torch.stack(rng), bits, pack)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a device without a working compiler (no Triton, no C++ compiler): eager from now on
+        _give_up(e)
+        return None
+    if bits == 4 and not pack:  # an odd count: pad the codes to whole bytes as the eager path does
+        flat = torch.cat([codes.view(-1), codes.new_zeros(1)])
+        codes = flat[0::2] | (flat[1::2] << 4)
+    elif not pack:
+        codes = codes.view(x.shape)
+    return Quantized(codes, table, bits, x.shape, x.dtype, slice_bytes)
+
+
+def _fused_decode(q: Quantized) -> Tensor | None:
+    """:func:`dequantize` by the fused operator; None where it failed to compile."""
+    try:
+        return _decode_op(q.codes, q.table, _as_3d(q.shape), q.bits).view(q.shape)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        _give_up(e)
+        return None

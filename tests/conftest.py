@@ -30,6 +30,9 @@ torch.set_num_threads(1)
 # ran 4.7x slower in wall time (6x the CPU time) on a loaded 2-core machine: that, not the sleeps, is what
 # stretched the suite from minutes to half an hour under load.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch.compile (the fused quantizer's tests) compiles in a pool of worker processes by default: on two cores
+# beside the other xdist worker, starting that pool cost more than it saved (86 s against 52 s, cold cache)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

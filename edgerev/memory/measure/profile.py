@@ -36,6 +36,7 @@ from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
 from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.memory.solve.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats
 from edgerev.models.spec import model_spec
+from edgerev.quantize import LAUNCHES, fusing
 
 # seconds per FLOP used by estimates, per device type (a measured profile replaces them): about 20 GFLOP/s on a
 # small CPU, 2 TFLOP/s on a small GPU (a GTX 750 peaks at 1.1, a Jetson Orin's at several)
@@ -310,8 +311,9 @@ def _count(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, fir
 
 def _count_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str) -> Linear:
     seconds = {}
+    # the quantizer as the device runs it: fused on CUDA (a few launches a tensor), eager elsewhere
     for b in SMALL_BATCHES:
-        with chunk_budget(0):
+        with chunk_budget(0), fusing(torch.device(device).type == "cuda"):
             counter = shadowed(stage, functools.partial(_count, mode=mode, shape=shape, batch=b, first=first))
         seconds[b] = nominal_seconds(counter.total, counter.kernels, device)
     b1, b2 = SMALL_BATCHES
@@ -327,6 +329,14 @@ def launches_kernel(func) -> bool:
     """Does this ATen op launch a kernel on a device? Everything but views, allocations and aliases (and reading a
     scalar back, which is a host synchronisation rather than a kernel: :class:`FlopCounter` counts it apart)."""
     return func.namespace == "aten" and not func.is_view and func._overloadpacket.__name__ not in NO_KERNEL
+
+
+def launches(func) -> int:
+    """Kernels an op launches on a device: one for an ATen op that launches any (:func:`launches_kernel`), what
+    :data:`edgerev.quantize.LAUNCHES` says for a fused edgerev operator, none for the rest."""
+    if func.namespace == "edgerev":
+        return LAUNCHES.get(func._overloadpacket.__name__, 1)
+    return int(launches_kernel(func))
 
 
 class FlopCounter(TorchDispatchMode):
@@ -361,9 +371,11 @@ class FlopCounter(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if name == "_local_scalar_dense":
             self.syncs += 1
-        elif launches_kernel(func):
-            self.kernels += 1
-            self.by_op[name] = self.by_op.get(name, 0) + 1
+        else:
+            n = launches(func)
+            if n:
+                self.kernels += n
+                self.by_op[name] = self.by_op.get(name, 0) + n
         return out
 
 

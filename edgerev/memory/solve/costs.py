@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 from edgerev.errors import EdgerevError
 
-PROFILE_VERSION = 3  # 3: estimated seconds count kernel launches; byte fits at adaptive large batches
+# 3: estimated seconds count kernel launches; byte fits at adaptive large batches; 4: CUDA's count the fused quantizer
+PROFILE_VERSION = 4
 
 
 class BudgetTooSmall(EdgerevError):
