@@ -302,8 +302,9 @@ def test_cli_train(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.longest  # collected sixth from last: started there, it ran alone at the end of a run
 def test_cpu_demo_preset_reaches_its_stated_accuracy(tmp_path):
-    """configs/cpu-demo.yaml: at least 95 % on the generated data set (the README states it)."""
+    """configs/cpu-demo.yaml: at least 95 % on the generated data set (configs/README.md states it)."""
     from pathlib import Path
 
     from edgerev.train.config import load_config
