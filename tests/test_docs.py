@@ -303,6 +303,28 @@ SMALL_TEXT = {
 }
 
 
+#: per page, the page that runs some of its blocks as they are: those blocks run there, not a second time here.
+#: The README's "Training under a memory cap" quickstart is the training guide's first two blocks (a minute of
+#: CPU in each page's run, the capped recipe's measured profile most of it); a README block whose commands
+#: differ from every block of the guide's (comments and spacing aside, after SMALL_TEXT) runs in the README.
+RUN_BY = {"README.md": "docs/guides/training.md"}
+COMMENT = re.compile(r"(^|\s+)#.*$")
+
+
+def _commands(block: Block) -> tuple[str, ...]:
+    """A block's commands without comments and spacing: what two pages run alike."""
+    return tuple(" ".join(c.split()) for c in (COMMENT.sub("", line) for line in block.code.splitlines()) if c.strip())
+
+
+def _run_elsewhere(page: Path) -> set[tuple[str, ...]]:
+    """The commands of the page that runs some of ``page``'s blocks (RUN_BY), each runnable block's."""
+    other = RUN_BY.get(str(page.relative_to(ROOT)))
+    if other is None:
+        return set()
+    return {_commands(b) for b in _small(ROOT / other, blocks(ROOT / other))
+            if b.marker is None and b.lang in ("sh", "python")}
+
+
 @dataclass(frozen=True)
 class Check:
     """What a page's run must leave behind: files in its scratch folder, and lines its commands print (regular
@@ -316,12 +338,12 @@ DEMO_PRINTS = (r"ingest: \d+ stored", r"ONNX model: \S+\.onnx", r"prediction wit
 HEAD_TUNED = r"trained the head \(numpy [\d.]+\) on \d+ images"
 TRAIN_DONE = r"done: \d+ steps, validation accuracy \d\.\d{4}"
 CHECKS = {
-    "README.md": Check(
-        files=("runs/daemon-demo/current/model.onnx", "runs/demo/summary.json", "runs/demo/model.safetensors",
-               "runs/capped/summary.json", "runs/new/summary.json", "new.onnx"),
+    "README.md": Check(  # runs/demo, runs/capped and the plan's "predicted peak": the training guide's (RUN_BY)
+        files=("runs/daemon-demo/current/model.onnx", "runs/old/summary.json", "runs/old/model.safetensors",
+               "runs/new/summary.json", "new.onnx"),
         printed=(*DEMO_PRINTS, r"demo run 2: ", TRAIN_DONE, r"old classes \d\.\d{4}, new classes \d\.\d{4}",
                  r"wrote new\.onnx: [\d,]+ bytes", r"ONNX Runtime against PyTorch: max abs difference",
-                 r"example\.png: class\d ", r"predicted peak", r"^\d+ \d+$")),
+                 r"example\.png: class\d ", r"^\d+ \d+$")),
     "docs/install.md": Check(printed=(r"^edgerev \S+$",)),
     "docs/guides/bring-your-own-model.md": Check(
         files=("pretrained.onnx", "runs/v1/summary.json", "runs/v2/summary.json", "updated.onnx", "tuned.onnx",
@@ -345,8 +367,8 @@ CHECKS = {
         files=("runs/daemon-demo/current/model.onnx",),
         printed=(*DEMO_PRINTS, r"questions")),
     "docs/guides/training.md": Check(
-        files=("runs/demo/summary.json", "runs/capped/summary.json"),
-        printed=(TRAIN_DONE, r"predicted peak")),
+        files=("runs/demo/summary.json", "runs/demo/model.safetensors", "runs/capped/summary.json"),
+        printed=(TRAIN_DONE, r"done: 2 steps, validation accuracy", r"predicted peak")),
     "docs/reference/commands.md": Check(printed=(r"usage: edgerev ", r"usage: edgerev daemon ")),
 }
 
@@ -397,8 +419,11 @@ def test_page_runs(page, tmp_path, tmp_path_factory):
     env = _env(home, _profiles(tmp_path_factory))
     todo = _small(page, (_readme_setup(page) if page == README else []) + blocks(page))
     printed = []
+    elsewhere = _run_elsewhere(page)
     for block in todo:
         where = f"{page.relative_to(ROOT)}:{block.line}"
+        if _commands(block) in elsewhere:
+            continue
         if block.marker == "forever":
             _run_forever(block, work, env)
             continue
@@ -418,6 +443,19 @@ def test_page_runs(page, tmp_path, tmp_path_factory):
     out = "".join(printed)
     for pattern in CHECKS[name].printed:
         assert re.search(pattern, out, re.M), f"{name}: nothing printed matches {pattern!r}:\n{out[-4000:]}"
+
+
+def test_the_readmes_training_quickstart_runs_in_the_training_guide():
+    """The README blocks RUN_BY leaves to the training guide: its memory, plan and train commands and the capped
+    recipe, which the guide runs alike (an edit that makes them differ runs them in the README again)."""
+    elsewhere = _run_elsewhere(README)
+    skipped = [b for b in _small(README, blocks(README)) if _commands(b) in elsewhere]
+    assert [c for b in skipped for c in _commands(b) if c.startswith("edgerev ")] == [
+        "edgerev memory --arch revnext --batch 8 --size 64 --fake",
+        "edgerev plan --arch revnext --size 32 --budget 64MiB --estimate",
+        "edgerev train --config configs/cpu-demo.yaml --out runs/demo",
+        "edgerev train --config capped.yaml --out runs/capped"]
+    assert all(b.marker is None for b in skipped)
 
 
 def test_every_page_that_runs_has_checks():
