@@ -209,7 +209,7 @@ def _fused(x: Tensor, dtype: torch.dtype | None = None) -> bool:
 def _encode_body(x: Tensor, rng: Tensor | None, bits: int, pack: bool) -> tuple[Tensor, Tensor]:
     """Codes and table of ``x`` seen as ``[N, C, L]``: the eager path's arithmetic, operation for operation, on the
     whole tensor (each sum below has one zero term, so a fused multiply-add rounds it alike)."""
-    total = 2**bits
+    total = 256 if bits == 8 else 16  # a constant of the compiled body (``2**bits`` of a traced int is symbolic)
     eps, tiny = torch.finfo(x.dtype).eps, torch.finfo(x.dtype).tiny
     if rng is None:
         hi, lo = x.amax((0, 2)), x.amin((0, 2)).neg()
