@@ -211,13 +211,38 @@ def _first_channels(model: nn.Module, image_size: int | None) -> int:
     return first.in_features // (image_size * image_size)
 
 
+def _output_width(model: nn.Module, in_channels: int, image_size: int | None) -> int:
+    """The classes of a model with no linear layer (SqueezeNet's last layer is a 1x1 convolution): the width of
+    the logits of a forward of a copy without data, two images of ``image_size`` (224 where none is known)."""
+    from edgerev._torchapi import shadowed
+
+    size = image_size or 224
+
+    def width(copy: nn.Module):
+        copy.eval()
+        with torch.no_grad():
+            return copy(torch.empty(2, in_channels, size, size)).shape
+
+    name = type(model).__name__
+    try:
+        shape = shadowed(model, width)
+    except Exception as e:  # noqa: BLE001 (any failure of the user's forward is the one line below)
+        raise SpecError(f"{name} has no linear layer to count its classes from, and its forward at {size}x{size} "
+                        f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if len(shape) != 2:
+        raise SpecError(f"{name} has no linear layer to count its classes from, and returns a tensor of shape "
+                        f"{tuple(shape)} for two images, not [batch, classes]")
+    return int(shape[1])
+
+
 def describe(model: nn.Module | ModelHandle, **known) -> ModelHandle:
     """The handle of ``model``: itself when it is one; else what its class registered (:func:`describes`) and
     ``known`` (the resolver's: ``arch``, ``args``, ``mean``, ``std``...), the rest read from its layers.
 
     Raises:
         SpecError: the model has no convolution or linear layer to read its input channels from, or no linear
-            layer and no known output width to count its classes (one line naming its type).
+            layer, no known output width and no forward that returns ``[batch, classes]`` to count its classes
+            from (one line naming its type).
     """
     if isinstance(model, ModelHandle):
         return model.replace(**known) if known else model
@@ -232,6 +257,6 @@ def describe(model: nn.Module | ModelHandle, **known) -> ModelHandle:
     if "in_channels" not in fields:
         fields["in_channels"] = _first_channels(model, fields.get("image_size"))
     if fields["head"] is None and fields.get("fixed_classes") is None:
-        raise SpecError(f"{type(model).__name__} has no linear layer to count its classes from")
+        fields["fixed_classes"] = _output_width(model, fields["in_channels"], fields.get("image_size"))
     fields.setdefault("arch", None)
     return ModelHandle(module=model, **fields)

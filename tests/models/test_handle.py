@@ -244,3 +244,25 @@ def test_a_factory_named_for_the_same_model_trains_and_exports(tmp_path):
                       trust_factories=["torchvision.models:resnet18"])
     done = export_onnx(out, tmp_path / "m.onnx", trust_factories=["torchvision.models:resnet18"])
     assert done.path.is_file() and done.max_abs_diff < 1e-3
+
+
+def test_a_model_without_a_linear_layer_counts_its_classes_by_a_forward_without_data():
+    """SqueezeNet's classifier is a 1x1 convolution: the width of its logits is read from a forward on the meta
+    device (nothing computed, the module itself untouched); a model whose output is no ``[batch, classes]`` is
+    refused in one line."""
+    from edgerev.models.handle import SpecError, describe
+
+    conv_head = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 7, 1),
+                                    torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    conv_head.train()
+    handle = describe(conv_head)
+    assert handle.head is None and handle.num_classes == 7 and handle.in_channels == 3
+    assert conv_head.training and all(p.device.type == "cpu" for p in conv_head.parameters())
+    maps = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    with pytest.raises(SpecError, match=r"^Sequential has no linear layer to count its classes from, and returns a "
+                                        r"tensor of shape \(2, 4, 222, 222\) for two images, not \[batch, classes\]$"):
+        describe(maps)
+    small = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 3))
+    with pytest.raises(SpecError, match=r"^Sequential has no linear layer to count its classes from, and its forward "
+                                        r"at 4x4 failed \(RuntimeError: "):
+        describe(small, image_size=4)
