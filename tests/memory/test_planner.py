@@ -668,3 +668,65 @@ def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch)
     assert 2 * 1024 * 1024 in p.slices and 0 in p.slices  # only where the peak is
     assert (SLICE_LADDER[-1],) * n not in accounted
     assert len(accounted) <= 6  # the whole batch, 8, 4, 2 MiB, the mixed plan
+
+
+class _GroupSolver:
+    """A solver whose proposal at each group of micro-batches is given: what ``_solve`` asks, and with what."""
+
+    def __init__(self, accumulation: int, proposals: dict[int, Proposal]) -> None:
+        self.accumulation, self.proposals, self.asked = accumulation, proposals, []
+
+    def accumulation_bytes(self) -> int:
+        return self.accumulation
+
+    def solve(self, target, batches):
+        self.asked.append((target, tuple(batches)))
+        fits = [p for b, p in self.proposals.items() if b in batches and p.fitted_peak_bytes <= target]
+        if not fits:
+            raise BudgetTooSmall(target, 1)
+        return max(fits, key=lambda p: p.batch / p.step_seconds)
+
+
+def test_solving_apart_the_micro_batches_that_accumulate():
+    """Below the step's batch a micro-batch holds what accumulating costs beside a bare step: it is solved under
+    that much less, its proposal says so, and the faster of the two groups wins."""
+    whole, part = Proposal(8, ("invert",), None, 50, 8.0), Proposal(2, ("store",), None, 40, 1.0)
+    s = _GroupSolver(30, {8: whole, 2: part})
+    assert autoplan._solve(s, 100, [1, 2, 4, 8], 8) == dataclasses.replace(part, fitted_peak_bytes=70)
+    assert s.asked == [(100, (8,)), (70, (1, 2, 4))]
+    assert autoplan._solve(_GroupSolver(30, {8: whole, 2: part}), 69, [1, 2, 4, 8], 8) == whole  # 40 + 30 > 69
+    with pytest.raises(BudgetTooSmall):
+        autoplan._solve(_GroupSolver(30, {8: whole, 2: part}), 45, [1, 2, 4, 8], 8)
+    s = _GroupSolver(0, {8: whole, 2: part})  # nothing to pay (checkpoint segments): one question, as before
+    assert autoplan._solve(s, 100, [1, 2, 4, 8], 8) == part and s.asked == [(100, (1, 2, 4, 8))]
+
+
+def test_the_first_proposal_fits_where_accumulating_gradients_decides(cache, monkeypatch):
+    """The engine hands back every gradient of its body at once: a micro-batch below the step's batch holds them
+    beside the accumulated ones. Priced, the first proposal fits; unpriced (as before), the solver proposed a
+    micro-batch whose account was over the cap, then planned again."""
+    model = small_model(SMALL_REVNEXT)
+    shape = StepShape(32, batch=8, momentum=True)
+    budget = int(account_step(model, shape, 8, lambda m: m.body.set_modes("invert")).total * 1.02)
+    body_grads = sum(p.numel() * 4 for p in model.body.parameters())
+
+    def proposals(priced: bool) -> tuple[list, object]:
+        accounts = []
+        real = autoplan.widen_slices
+
+        def spy(m, step, p, cap, loss_fn):
+            wide, account = real(m, step, p, cap, loss_fn)
+            accounts.append((p.batch, account.total <= cap))
+            return wide, account
+        with monkeypatch.context() as mp:
+            mp.setattr(autoplan, "widen_slices", spy)
+            if not priced:
+                mp.setattr(autoplan._ModesSolver, "accumulation_bytes", lambda self: 0)
+            tp = plan_training(model, 32, budget, "cpu", estimate=True, max_batch=8, step=shape, check=True)
+        return accounts, tp
+
+    assert autoplan._ModesSolver(model, 32, "cpu", None, True).accumulation_bytes() == body_grads
+    accounts, tp = proposals(True)
+    assert accounts == [(tp.batch, True)] and tp.predicted_peak_bytes <= budget
+    unpriced, _ = proposals(False)
+    assert not unpriced[0][1], unpriced  # the old question: a micro-batch that did not fit, asked first

@@ -115,6 +115,12 @@ class _ModesSolver:
             self.profile = self._load(True, "stage costs")
             self._full = None if self.estimate else self.profile
 
+    def accumulation_bytes(self) -> int:
+        """What a micro-batch after a step's first holds besides a bare step: the engine's one backward hands back
+        the gradients of every parameter of the body at once, beside the ones accumulated so far, until autograd
+        adds them in."""
+        return sum(p.numel() * p.element_size() for p in self.model.body.parameters() if p.requires_grad)
+
     def solve(self, target: int, batches: list[int] | None) -> Proposal:
         """The fastest plan in exact modes; approximate ones (``store8``, ``store4``) only where no exact plan fits."""
         try:
@@ -191,6 +197,10 @@ class _SegmentsSolver:
     def floor_seconds(self, floor: Proposal) -> float:
         return sum(s.forward_seconds.at(1) * 2 + s.backward_seconds.at(1) for s in self.stats)
 
+    def accumulation_bytes(self) -> int:
+        """Nothing beyond a bare step: autograd adds each parameter's gradient in as it comes."""
+        return 0
+
 
 def is_plain(model: nn.Module) -> bool:
     """True when no stage of the model's body is invertible: it is planned with checkpoint segments."""
@@ -234,6 +244,33 @@ def _batches(max_batch: int | None, batches: list[int] | None) -> list[int] | No
     if max_batch is None:
         return batches
     return sorted({b for b in (batches or default_batches()) if b <= max_batch} | {max_batch})
+
+
+def _solve(solver, target: int, batches: list[int] | None, step_batch: int | None) -> Proposal:
+    """The solver's fastest proposal under ``target``, where a micro-batch below the step's batch also pays for
+    what accumulating its gradients holds (``solver.accumulation_bytes()``; the profiles price a bare step): the
+    micro-batches that make the whole step and those that accumulate are solved apart, the faster one kept (on a
+    tie, the larger micro-batch).
+
+    Raises:
+        BudgetTooSmall: neither fits.
+    """
+    extra = solver.accumulation_bytes() if step_batch else 0
+    if not extra:
+        return solver.solve(target, batches)
+    every = batches or default_batches()
+    found = []
+    for group, cap in (([b for b in every if b >= step_batch], target), ([b for b in every if b < step_batch],
+                                                                          target - extra)):
+        if group and cap > 0:
+            try:
+                p = solver.solve(cap, group)
+            except BudgetTooSmall:
+                continue
+            found.append(p if p.batch >= step_batch else replace(p, fitted_peak_bytes=p.fitted_peak_bytes + extra))
+    if not found:
+        raise BudgetTooSmall(target, 1)
+    return max(found, key=lambda p: (p.batch / p.step_seconds if p.step_seconds > 0 else math.inf, p.batch))
 
 
 def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu", estimate: bool = False,
@@ -294,7 +331,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
         try:
             if target - extra <= 0:
                 raise BudgetTooSmall(target, 1)
-            p = solver.solve(target - extra, batches)
+            p = _solve(solver, target - extra, batches, step.batch)
         except BudgetTooSmall:
             if check:
                 break
