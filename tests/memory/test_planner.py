@@ -730,3 +730,30 @@ def test_the_first_proposal_fits_where_accumulating_gradients_decides(cache, mon
     assert accounts == [(tp.batch, True)] and tp.predicted_peak_bytes <= budget
     unpriced, _ = proposals(False)
     assert not unpriced[0][1], unpriced  # the old question: a micro-batch that did not fit, asked first
+
+
+def test_the_floor_check_accounts_no_approximate_floor_where_an_exact_one_fits():
+    """Whether a budget is below the floor needs the approximate floors only where no exact one fits under it."""
+    from types import SimpleNamespace
+
+    exact_floor, approx = Proposal(1, ("invert",), None, 0, 0.0), Proposal(1, ("store4",), None, 0, 0.0)
+    totals = {exact_floor: 100, approx: 80}
+
+    class Floors:
+        def exact_floors(self):
+            return [exact_floor]
+
+        def floors(self):
+            return [approx]
+
+    asked = []
+
+    def account(p):
+        asked.append(p)
+        return SimpleNamespace(total=totals[p], gradients=0, step_bytes=0)
+
+    assert autoplan._floor(Floors(), account, None, 120)[0] == exact_floor and asked == [exact_floor]
+    asked.clear()
+    assert autoplan._floor(Floors(), account, None, 90)[0] == approx and asked == [exact_floor, approx]
+    asked.clear()
+    assert autoplan._floor(Floors(), account, None)[0] == approx and asked == [approx]  # the floor itself: all

@@ -320,7 +320,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
     floor, floor_account = None, None
     if check:  # before anything is profiled: a budget below the floor is refused in seconds
         progress.phase("accounting the smallest step")
-        floor, floor_account = _floor(solver, exact, step.batch)
+        floor, floor_account = _floor(solver, exact, step.batch, budget)
         if budget < floor_account.total:
             raise BudgetTooSmall(budget, floor_account.total)
     solver.prepare()
@@ -417,16 +417,23 @@ def _whole_slice(model: nn.Module, size: int, batch: int) -> int:
     return 2 * batch * max(math.prod(s) for s in shapes) * element
 
 
-def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None = None) -> tuple[Proposal, StepAccount]:
+def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None = None,
+           budget: int | None = None) -> tuple[Proposal, StepAccount]:
     """The least of the solver's floors at micro-batch 1; and, when the step's whole ``batch`` in one micro-batch may
     hold less (its extra samples' activations below the gradients that accumulating micro-batches holds twice: a
-    small model), the same modes at that batch."""
-    accounts = [(f, exact(f)) for f in solver.floors()]
-    best = min(accounts, key=lambda a: a[1].total)
-    one = best[1]
-    if batch and batch > 1 and one.gradients >= max(0, one.step_bytes - 2 * one.gradients) * (batch - 1):
-        whole = [(replace(f, batch=batch), exact(replace(f, batch=batch))) for f, _ in accounts]
-        best = min([best, *whole], key=lambda a: a[1].total)
+    small model), the same modes at that batch.
+
+    With a ``budget``, the exact floors are accounted first: where one fits, the budget is above the floor either
+    way, and that exact floor is returned without accounting the approximate ones (two to four accounts saved)."""
+    for floors in ((solver.exact_floors(), solver.floors()) if budget is not None else (solver.floors(),)):
+        accounts = [(f, exact(f)) for f in floors]
+        best = min(accounts, key=lambda a: a[1].total)
+        one = best[1]
+        if batch and batch > 1 and one.gradients >= max(0, one.step_bytes - 2 * one.gradients) * (batch - 1):
+            whole = [(replace(f, batch=batch), exact(replace(f, batch=batch))) for f, _ in accounts]
+            best = min([best, *whole], key=lambda a: a[1].total)
+        if budget is None or best[1].total <= budget:
+            break
     return best
 
 
