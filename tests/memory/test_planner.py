@@ -732,16 +732,18 @@ def test_the_first_proposal_fits_where_accumulating_gradients_decides(cache, mon
     assert not unpriced[0][1], unpriced  # the old question: a micro-batch that did not fit, asked first
 
 
-def test_the_floor_check_accounts_no_approximate_floor_where_an_exact_one_fits():
-    """Whether a budget is below the floor needs the approximate floors only where no exact one fits under it."""
+def test_the_floor_check_accounts_no_more_floors_than_it_needs():
+    """Whether a budget is below the floor needs only the first floor that fits under it, exact ones first; where
+    none fits, all of them (the least is the smallest budget the refusal names)."""
     from types import SimpleNamespace
 
-    exact_floor, approx = Proposal(1, ("invert",), None, 0, 0.0), Proposal(1, ("store4",), None, 0, 0.0)
-    totals = {exact_floor: 100, approx: 80}
+    first, second = Proposal(1, ("floor",), None, 0, 0.0), Proposal(1, ("invert",), None, 0, 0.0)
+    approx = Proposal(1, ("store4",), None, 0, 0.0)
+    totals = {first: 100, second: 95, approx: 80}
 
     class Floors:
         def exact_floors(self):
-            return [exact_floor]
+            return [first, second]
 
         def floors(self):
             return [approx]
@@ -752,8 +754,10 @@ def test_the_floor_check_accounts_no_approximate_floor_where_an_exact_one_fits()
         asked.append(p)
         return SimpleNamespace(total=totals[p], gradients=0, step_bytes=0)
 
-    assert autoplan._floor(Floors(), account, None, 120)[0] == exact_floor and asked == [exact_floor]
+    assert autoplan._floor(Floors(), account, None, 120)[0] == first and asked == [first]
     asked.clear()
-    assert autoplan._floor(Floors(), account, None, 90)[0] == approx and asked == [exact_floor, approx]
+    assert autoplan._floor(Floors(), account, None, 90)[0] == approx and asked == [first, second, approx]
     asked.clear()
-    assert autoplan._floor(Floors(), account, None)[0] == approx and asked == [approx]  # the floor itself: all
+    assert autoplan._floor(Floors(), account, None, 50)[0] == approx and asked[-1] == approx  # none fits: the least
+    asked.clear()
+    assert autoplan._floor(Floors(), account, None)[0] == approx and asked == [approx]  # the floor itself

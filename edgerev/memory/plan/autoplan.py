@@ -93,8 +93,10 @@ class _ModesSolver:
         return self._least((("floor", "invert", "recompute", "store4"), ("invert", "recompute", "store4")))
 
     def exact_floors(self) -> list[Proposal]:
-        """:meth:`floors` with ``store`` where they take a 4-bit copy: the least memory in exact modes."""
-        return self._least((("floor", "invert", "recompute", "store"), ("invert", "recompute", "store")))
+        """:meth:`floors` with ``store`` where they take a 4-bit copy: the least memory in exact modes. The one
+        without floor first: a budget above it needs no other account (:func:`_floor`), and floor's step, accounted
+        at the lean slices, runs several times the kernels."""
+        return self._least((("invert", "recompute", "store"), ("floor", "invert", "recompute", "store")))
 
     def _least(self, orders: tuple[tuple[str, ...], ...]) -> list[Proposal]:
         out: list[Proposal] = []
@@ -423,17 +425,20 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
     hold less (its extra samples' activations below the gradients that accumulating micro-batches holds twice: a
     small model), the same modes at that batch.
 
-    With a ``budget``, the exact floors are accounted first: where one fits, the budget is above the floor either
-    way, and that exact floor is returned without accounting the approximate ones (two to four accounts saved)."""
-    for floors in ((solver.exact_floors(), solver.floors()) if budget is not None else (solver.floors(),)):
-        accounts = [(f, exact(f)) for f in floors]
-        best = min(accounts, key=lambda a: a[1].total)
-        one = best[1]
-        if batch and batch > 1 and one.gradients >= max(0, one.step_bytes - 2 * one.gradients) * (batch - 1):
-            whole = [(replace(f, batch=batch), exact(replace(f, batch=batch))) for f, _ in accounts]
-            best = min([best, *whole], key=lambda a: a[1].total)
-        if budget is None or best[1].total <= budget:
-            break
+    With a ``budget``, the first floor that fits under it, exact ones first: the budget is above the floor either way,
+    and the other floors (a 4-bit stem for RevNeXt, every 4-bit segmentation of a chain) need no account. Where none
+    fits, the least, as without a budget."""
+    if budget is not None:
+        for f in (*solver.exact_floors(), *solver.floors()):
+            account = exact(f)
+            if account.total <= budget:
+                return f, account
+    accounts = [(f, exact(f)) for f in solver.floors()]
+    best = min(accounts, key=lambda a: a[1].total)
+    one = best[1]
+    if batch and batch > 1 and one.gradients >= max(0, one.step_bytes - 2 * one.gradients) * (batch - 1):
+        whole = [(replace(f, batch=batch), exact(replace(f, batch=batch))) for f, _ in accounts]
+        best = min([best, *whole], key=lambda a: a[1].total)
     return best
 
 
