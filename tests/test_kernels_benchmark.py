@@ -60,3 +60,20 @@ def test_the_json_has_a_row_per_mode_with_its_ratios_to_plain_autograd(tmp_path)
     assert rows["plain"]["ops_vs_plain"] == rows["plain"]["flops_vs_plain"] == 1.0
     assert rows["invert"]["ops_vs_plain"] > 1 and rows["invert"]["flops_vs_plain"] > 1
     assert rows["invert"]["peak_bytes_vs_plain"] < 1  # what invert is for
+
+
+@pytest.mark.slow
+def test_the_quantizer_is_counted_fused_as_cuda_runs_it_and_eager_on_request(tmp_path):
+    """store8's rows count the fused quantizer (each operator at its launches) unless ``--eager-quantizer``, which
+    counts the CPU's eager kernels: more of them, for the same FLOPs; the JSON says which it counted."""
+    def store8(*extra):
+        result = kernels.main(["--models", "revnext", "--modes", "store8", "--width", "4", "--batch", "2",
+                               "--sizes", "16", "--plan-sizes", "", "--jobs", "0", *extra,
+                               "--out", str(tmp_path / "k.json")])
+        return result, next(r for r in result["rows"] if r["mode"] == "store8")
+
+    fused_json, fused = store8()
+    eager_json, eager = store8("--eager-quantizer")
+    assert fused_json["quantizer"].startswith("fused") and eager_json["quantizer"] == "eager"
+    assert {"encode", "decode"} <= set(fused["top_ops"]) and "encode" not in eager["top_ops"]
+    assert fused["ops"] < eager["ops"] and fused["flops"] == eager["flops"]
