@@ -670,35 +670,33 @@ def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch)
     assert len(accounted) <= 6  # the whole batch, 8, 4, 2 MiB, the mixed plan
 
 
-class _GroupSolver:
-    """A solver whose proposal at each group of micro-batches is given: what ``_solve`` asks, and with what."""
-
-    def __init__(self, accumulation: int, proposals: dict[int, Proposal]) -> None:
-        self.accumulation, self.proposals, self.asked = accumulation, proposals, []
-
-    def accumulation_bytes(self) -> int:
-        return self.accumulation
-
-    def solve(self, target, batches):
-        self.asked.append((target, tuple(batches)))
-        fits = [p for b, p in self.proposals.items() if b in batches and p.fitted_peak_bytes <= target]
-        if not fits:
-            raise BudgetTooSmall(target, 1)
-        return max(fits, key=lambda p: p.batch / p.step_seconds)
-
-
-def test_solving_apart_the_micro_batches_that_accumulate():
+@pytest.mark.parametrize("seed", range(40))
+def test_solving_apart_the_micro_batches_that_accumulate(seed):
     """Below the step's batch a micro-batch holds what accumulating costs beside a bare step: it is solved under
-    that much less, its proposal says so, and the faster of the two groups wins."""
-    whole, part = Proposal(8, ("invert",), None, 50, 8.0), Proposal(2, ("store",), None, 40, 1.0)
-    s = _GroupSolver(30, {8: whole, 2: part})
-    assert autoplan._solve(s, 100, [1, 2, 4, 8], 8) == dataclasses.replace(part, fitted_peak_bytes=70)
-    assert s.asked == [(100, (8,)), (70, (1, 2, 4))]
-    assert autoplan._solve(_GroupSolver(30, {8: whole, 2: part}), 69, [1, 2, 4, 8], 8) == whole  # 40 + 30 > 69
-    with pytest.raises(BudgetTooSmall):
-        autoplan._solve(_GroupSolver(30, {8: whole, 2: part}), 45, [1, 2, 4, 8], 8)
-    s = _GroupSolver(0, {8: whole, 2: part})  # nothing to pay (checkpoint segments): one question, as before
-    assert autoplan._solve(s, 100, [1, 2, 4, 8], 8) == part and s.asked == [(100, (1, 2, 4, 8))]
+    that much less, its plan's peak says so, and the faster of the two groups of micro-batches wins (on a tie, the
+    larger micro-batch)."""
+    prof = synthetic_profile(seed)
+    r = random.Random(seed)
+    batches, step_batch, extra = [1, 2, 4, 8], 8, r.choice([0, 20_000, 100_000])
+    budget = prof.fixed_bytes + r.randint(20_000, 400_000)
+
+    def best(cap, group):
+        try:
+            return plan(prof, cap, batches=group)
+        except BudgetTooSmall:
+            return None
+    whole, part = best(budget, [8]), best(budget - extra, [1, 2, 4]) if budget > extra else None
+    if part is not None:
+        part = dataclasses.replace(part, predicted_peak_bytes=part.predicted_peak_bytes + extra)
+    found = [p for p in (part, whole) if p is not None]
+    if not found:
+        with pytest.raises(BudgetTooSmall):
+            plan(prof, budget, batches=batches, accumulation=(step_batch, extra))
+        return
+    expected = max(found, key=lambda p: (p.samples_per_second, p.batch))
+    got = plan(prof, budget, batches=batches, accumulation=(step_batch, extra))
+    assert (got.batch, got.modes) == (expected.batch, expected.modes)
+    assert abs(got.predicted_peak_bytes - expected.predicted_peak_bytes) <= 1 and got.predicted_peak_bytes <= budget
 
 
 def test_the_first_proposal_fits_where_accumulating_gradients_decides(cache, monkeypatch):

@@ -123,12 +123,14 @@ class _ModesSolver:
         adds them in."""
         return sum(p.numel() * p.element_size() for p in self.model.body.parameters() if p.requires_grad)
 
-    def solve(self, target: int, batches: list[int] | None) -> Proposal:
-        """The fastest plan in exact modes; approximate ones (``store8``, ``store4``) only where no exact plan fits."""
+    def solve(self, target: int, batches: list[int] | None, step_batch: int | None = None) -> Proposal:
+        """The fastest plan in exact modes; approximate ones (``store8``, ``store4``) only where no exact plan fits. A
+        micro-batch below ``step_batch`` also pays for :meth:`accumulation_bytes` (the profile prices a bare step)."""
+        accumulation = (step_batch, self.accumulation_bytes()) if step_batch else None
         try:
-            p = plan(exact_only(self.profile), target, batches=batches)
+            p = plan(exact_only(self.profile), target, batches=batches, accumulation=accumulation)
         except BudgetTooSmall:
-            p = plan(self.full(), target, batches=batches)
+            p = plan(self.full(), target, batches=batches, accumulation=accumulation)
         return Proposal(p.batch, p.modes, None, p.predicted_peak_bytes, p.step_seconds)
 
     def floor_seconds(self, floor: Proposal) -> float:
@@ -191,17 +193,15 @@ class _SegmentsSolver:
             self.stats = profiles.stage_stats(self.model.body.stages, x,
                                               progress=lambda i, n: self.progress.step("measuring piece", i, n))
 
-    def solve(self, target: int, batches: list[int] | None) -> Proposal:
+    def solve(self, target: int, batches: list[int] | None, step_batch: int | None = None) -> Proposal:
+        """The fastest segments (autograd adds each parameter's gradient in as it comes: accumulating micro-batches
+        hold nothing beyond a bare step, whatever ``step_batch``)."""
         fixed = profiles.fixed_bytes(self.model)
         p = plan_segments(self.stats, target, fixed, **({"batches": batches} if batches else {}))
         return Proposal(p.batch, None, p.segments, p.predicted_peak_bytes, p.step_seconds)
 
     def floor_seconds(self, floor: Proposal) -> float:
         return sum(s.forward_seconds.at(1) * 2 + s.backward_seconds.at(1) for s in self.stats)
-
-    def accumulation_bytes(self) -> int:
-        """Nothing beyond a bare step: autograd adds each parameter's gradient in as it comes."""
-        return 0
 
 
 def is_plain(model: nn.Module) -> bool:
@@ -246,33 +246,6 @@ def _batches(max_batch: int | None, batches: list[int] | None) -> list[int] | No
     if max_batch is None:
         return batches
     return sorted({b for b in (batches or default_batches()) if b <= max_batch} | {max_batch})
-
-
-def _solve(solver, target: int, batches: list[int] | None, step_batch: int | None) -> Proposal:
-    """The solver's fastest proposal under ``target``, where a micro-batch below the step's batch also pays for
-    what accumulating its gradients holds (``solver.accumulation_bytes()``; the profiles price a bare step): the
-    micro-batches that make the whole step and those that accumulate are solved apart, the faster one kept (on a
-    tie, the larger micro-batch).
-
-    Raises:
-        BudgetTooSmall: neither fits.
-    """
-    extra = solver.accumulation_bytes() if step_batch else 0
-    if not extra:
-        return solver.solve(target, batches)
-    every = batches or default_batches()
-    found = []
-    for group, cap in (([b for b in every if b >= step_batch], target), ([b for b in every if b < step_batch],
-                                                                          target - extra)):
-        if group and cap > 0:
-            try:
-                p = solver.solve(cap, group)
-            except BudgetTooSmall:
-                continue
-            found.append(p if p.batch >= step_batch else replace(p, fitted_peak_bytes=p.fitted_peak_bytes + extra))
-    if not found:
-        raise BudgetTooSmall(target, 1)
-    return max(found, key=lambda p: (p.batch / p.step_seconds if p.step_seconds > 0 else math.inf, p.batch))
 
 
 def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu", estimate: bool = False,
@@ -333,7 +306,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
         try:
             if target - extra <= 0:
                 raise BudgetTooSmall(target, 1)
-            p = _solve(solver, target - extra, batches, step.batch)
+            p = solver.solve(target - extra, batches, step.batch)
         except BudgetTooSmall:
             if check:
                 break

@@ -85,15 +85,21 @@ def solve(groups: Sequence[Sequence[Choice]], cap: float, granule: float) -> tup
 
 
 def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, granules: int = 4096,
-         head_bytes_per_sample: float = 0.0, _raise: bool = True) -> Plan:
-    """Best plan for ``budget`` bytes over ``batches`` (default: 1, 2, 3, 4, 6, 8, ... up to 4096)."""
+         head_bytes_per_sample: float = 0.0, _raise: bool = True,
+         accumulation: tuple[int, float] | None = None) -> Plan:
+    """Best plan for ``budget`` bytes over ``batches`` (default: 1, 2, 3, 4, 6, 8, ... up to 4096).
+
+    ``accumulation``: ``(step batch, bytes)``: a micro-batch below the step's batch also holds these bytes (what
+    accumulating its gradients holds beside a bare step, which the profile prices)."""
     if budget <= 0:
         raise EdgerevError(f"the budget must be positive, got {budget} bytes")
     batches = list(batches or default_batches())
+    step_batch, accumulating = accumulation or (0, 0.0)
     best: Plan | None = None
     for b in batches:
         groups = [choices_at(stage, b) for stage in profile.stages]
-        cap = budget - profile.fixed_bytes - head_bytes_per_sample * b
+        fixed = profile.fixed_bytes + head_bytes_per_sample * b + (accumulating if b < step_batch else 0.0)
+        cap = budget - fixed
         if cap <= 0:
             continue
         found = solve(groups, cap, granule=max(cap / granules, 1.0))
@@ -102,7 +108,7 @@ def plan(profile: Profile, budget: int, batches: Sequence[int] | None = None, gr
         seconds, picks = found
         seconds += profile.head_seconds.at(b)
         p = Plan(b, tuple(groups[i][k].mode for i, k in enumerate(picks)),
-                 int(math.ceil(peak_of(groups, picks, profile.fixed_bytes + head_bytes_per_sample * b))), seconds)
+                 int(math.ceil(peak_of(groups, picks, fixed))), seconds)
         if best is None or p.samples_per_second >= best.samples_per_second:
             best = p  # on a tie the larger batch: fewer micro-batches, steadier batch statistics
     if best is None:
