@@ -160,6 +160,20 @@ def test_forward_inplace_matches_forward(kind):
 
 
 @pytest.mark.parametrize("budget", [0, 1, 1100])
+def test_conv_forward_out_leaves_its_input_and_matches_forward(budget):
+    """``forward_out`` writes each sum straight into a new tensor: the same values as the in-place forward, bit for
+    bit, at any slice budget, and the input is left as it was."""
+    conv = make_block("conv")
+    x = sample()
+    kept = x.clone()
+    with torch.no_grad(), chunk_budget(budget):
+        y = conv.forward_out(x, Tape())
+        y_inplace = conv.forward_(x.clone(), Tape())
+    assert torch.equal(x, kept)
+    assert torch.equal(y, y_inplace) and y.is_contiguous()
+
+
+@pytest.mark.parametrize("budget", [0, 1, 1100])
 @pytest.mark.parametrize("kind", LAYERWISE)
 def test_layerwise_backward_matches_autograd(kind, budget):
     block = make_block(kind)
