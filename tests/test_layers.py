@@ -159,6 +159,34 @@ def test_forward_inplace_matches_forward(kind):
         torch.testing.assert_close(x_rec, x, **TIGHT)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "channel_half"])
+def test_batch_norm_training_forward_in_place_over_any_layout(layout):
+    """The engine's training forward normalizes a dense working buffer over its own storage (no copy back) and a
+    strided one (a channel half of a block) through a copy: both give autograd's output, statistics and running
+    estimates, bit for bit, and the buffer keeps its storage."""
+    ref, bn = InvBatchNorm2d(8), InvBatchNorm2d(8)
+    randomize_(ref)
+    bn.load_state_dict(ref.state_dict())
+    ref.train(), bn.train()
+    base = sample((3, 16 if layout == "channel_half" else 8, 5, 4), seed=4, dtype=torch.float32)
+
+    def laid_out(t):  # the kernels reduce in an order of their layout's: compare within one layout
+        return {"contiguous": t, "channels_last": t.contiguous(memory_format=torch.channels_last),
+                "channel_half": t[:, 8:]}[layout]
+
+    x = laid_out(base.clone())
+    with torch.no_grad():
+        y_ref = ref(laid_out(base.clone()))
+        tape = Tape()
+        pointer = x.data_ptr()
+        y = bn.forward_(x, tape)
+    assert y.data_ptr() == pointer
+    assert torch.equal(y, y_ref)
+    mean, invstd, n = tape.stats[bn]
+    assert torch.equal(mean, ref._last_stats[0]) and torch.equal(invstd, ref._last_stats[1]) and n == 3 * 5 * 4
+    assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
+
+
 @pytest.mark.parametrize("budget", [0, 1, 1100])
 def test_conv_forward_out_leaves_its_input_and_matches_forward(budget):
     """``forward_out`` writes each sum straight into a new tensor: the same values as the in-place forward, bit for

@@ -204,8 +204,9 @@ def backward_into_(chain: InvSequential, x: Tensor, gy: Tensor, out: Tensor, tar
             dbeta, ds = (db, d) if dbeta is None else (dbeta.add_(db), ds.add_(d))
             del acts, g
         subtracted = True
-        known[bn] = bn.grad_coefficients(tape, (dbeta, ds))
-        add_grad(grads, bn.weight, bn.weight_grad(ds, tape))
+        terms = bn.grad_terms(tape, (dbeta, ds))
+        known[bn] = terms.input
+        add_grad(grads, bn.weight, terms.weight)
         add_grad(grads, bn.bias, dbeta)
     for sl in tape.slices(x, width):
         acts = _activations(layers, x[sl], tape)

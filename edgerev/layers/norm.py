@@ -79,13 +79,21 @@ class InvBatchNorm2d(Invertible):
             update = not self._replay
             scale = tape.scales.get(self)
             scale = self.scale().detach() if scale is None else scale
-            y, mean, invstd = torch.ops.aten.native_batch_norm(
-                x, scale, self.bias.detach(), self.running_mean if update else None,
-                self.running_var if update else None, True, self.momentum, self.eps,
-            )
+            args = (x, scale, self.bias.detach(), self.running_mean if update else None,
+                    self.running_var if update else None, True, self.momentum, self.eps)
+            if not x.is_contiguous():
+                y, mean, invstd = torch.ops.aten.native_batch_norm(*args)
+                # back into x: the engine's working buffer keeps one storage from stage to stage
+                x.copy_(y)
+            else:
+                # normalized over its own storage, with no copy: CPU's and CUDA's kernels measure the batch first,
+                # then write each element of a dense tensor after reading it (a strided view would not be safe)
+                stat = torch.float64 if x.dtype == torch.float64 else torch.float32  # the kernels' accumulate type
+                mean = x.new_empty(x.shape[1], dtype=stat)
+                invstd = x.new_empty(x.shape[1], dtype=stat)
+                torch.ops.aten.native_batch_norm.out(*args, out=x, save_mean=mean, save_invstd=invstd)
             tape.stats[self] = (mean, invstd, x.numel() // x.shape[1])
-            # back into x: the engine's working buffer keeps one storage from stage to stage
-            return x.copy_(y)
+            return x
         c = self.coefficients(tape)
         return torch.addcmul(c.shift, x, c.a, out=x)
 
@@ -143,32 +151,34 @@ class InvBatchNorm2d(Invertible):
             gy, y, c.inv_s, None, None, c.beta, c.inv_s, True, 0.0, [False, True, True])
         return dbeta, ds
 
-    def weight_grad(self, ds: Tensor, tape: Tape) -> Tensor:
-        """``gamma``'s gradient from the scale's: ``ds/dgamma = sign(gamma)`` (0 at ``gamma = 0``, as
-        autograd's ``abs`` has it)."""
-        return ds * self.coefficients(tape).sign
-
-    def grad_coefficients(self, tape: Tape, sums: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        r"""``(a, c, k)`` as ``[1, C, 1, 1]`` views with ``g_x = a g + c - k y``, given the whole batch's
-        ``sums`` (:meth:`grad_sums`) over the ``n`` values per channel the forward normalized. Once they
-        are known the map is per sample, so it applies to any batch slice (:meth:`input_grad_`):
+    def grad_terms(self, tape: Tape, sums: tuple[Tensor, Tensor]) -> GradTerms:
+        r""":class:`GradTerms` from the whole batch's ``sums`` (:meth:`grad_sums`) over the ``n`` values per channel the
+        forward normalized: ``gamma``'s gradient ``sign(gamma) ds`` (``ds/dgamma = sign(gamma)``, 0 at ``gamma = 0``,
+        as autograd's ``abs`` has it) and, in training mode, ``(a, c, k)`` as ``[1, C, 1, 1]`` views with
+        ``g_x = a g + c - k y``. Once they are known the map is per sample, so it applies to any batch slice
+        (:meth:`input_grad_`):
 
         .. math::
             a = \frac{s}{\sigma}, \qquad
             k = \frac{a\,ds}{n s}, \qquad
             c = k \beta - \frac{a\,d\beta}{n}
 
-        (training mode; eval mode's map is ``g_x = a g``, per sample anyway).
+        Three small kernels: ``sign(gamma) ds``; ``ds`` times the step's ``[a / (n s), a \beta / (n s)]`` at once; then
+        ``c``. (Eval mode's map is ``g_x = a g``, per sample anyway: ``input`` is None.) ``gamma``'s gradient is a
+        tensor of its own: a view of a larger one would keep that alive as long as the gradient.
         """
         co = self.coefficients(tape)
         dbeta, ds = sums
-        k = ds * co.a_over_ns
-        c = torch.mul(k, co.beta).addcmul_(dbeta, co.a_over_n, value=-1.0)
-        return co.a, _view(c), _view(k)
+        weight = ds * co.sign
+        if not self.training:
+            return GradTerms(weight, None)
+        k, c = ds * co.ds_factors  # one kernel for two per-channel products
+        c.addcmul_(dbeta, co.a_over_n, value=-1.0)
+        return GradTerms(weight, (co.a, _view(c), _view(k)))
 
     @staticmethod
     def input_grad_(y: Tensor, gy: Tensor, coefficients: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-        """Write ``g_x = a g + c - k y`` over ``gy`` (:meth:`grad_coefficients`); ``y`` is the output."""
+        """Write ``g_x = a g + c - k y`` over ``gy`` (:meth:`grad_terms`); ``y`` is the output."""
         a, c, k = coefficients
         torch.addcmul(c, gy, a, out=gy)
         return gy.addcmul_(y, k, value=-1.0)
@@ -184,11 +194,12 @@ class InvBatchNorm2d(Invertible):
         while ``y`` becomes the input ``x = \sigma \hat x + \mu`` in place.
         """
         dbeta, ds = self.grad_sums(y, gy, tape)
-        if self.training:
-            self.input_grad_(y, gy, self.grad_coefficients(tape, (dbeta, ds)))
+        terms = self.grad_terms(tape, (dbeta, ds))
+        if terms.input is not None:
+            self.input_grad_(y, gy, terms.input)
         else:
             gy.mul_(self.coefficients(tape).a)
-        add_grad(grads, self.weight, self.weight_grad(ds, tape))
+        add_grad(grads, self.weight, terms.weight)
         add_grad(grads, self.bias, dbeta)
         return self.inverse_(y, tape), gy
 
@@ -218,7 +229,10 @@ class Coefficients:
         inverse_a, inverse_shift: the inverse ``x = inverse_a y + inverse_shift`` (views).
         beta, inv_s: the shift and ``1 / s``, for the fused reduction's ``xhat = (y - beta) / s``.
         sign: ``sign(gamma)``, the scale's derivative.
-        a_over_ns, a_over_n: ``a / (n s)`` and ``a / n`` with ``n`` values per channel (training mode).
+        a_over_n: ``a / n`` with ``n`` values per channel (training mode).
+        ds_factors: ``[2, C]``: ``a / (n s)`` and ``a beta / (n s)``, two per-channel factors of the scale's
+            gradient ``ds`` in :meth:`InvBatchNorm2d.grad_terms` (rows of one tensor: one kernel multiplies ``ds``
+            by both).
     """
 
     a: Tensor
@@ -228,8 +242,21 @@ class Coefficients:
     beta: Tensor
     inv_s: Tensor
     sign: Tensor
-    a_over_ns: Tensor
     a_over_n: Tensor
+    ds_factors: Tensor
+
+
+@dataclass(frozen=True)
+class GradTerms:
+    """What a batch norm's backward needs once the whole batch's sums are known (:meth:`InvBatchNorm2d.grad_terms`).
+
+    Attributes:
+        weight: ``gamma``'s gradient.
+        input: ``(a, c, k)`` of the input gradient ``g_x = a g + c - k y`` (training mode; None in eval mode).
+    """
+
+    weight: Tensor
+    input: tuple[Tensor, Tensor, Tensor] | None
 
 
 def _foreach(name: str, *args):
@@ -261,5 +288,20 @@ def _coefficients(norms: list[InvBatchNorm2d], tape: Tape) -> list[Coefficients]
     sign = _foreach("sign", weights)
     a_over_n = _foreach("div", a, counts)
     a_over_ns = _foreach("mul", a_over_n, inv_s)
+    shift_over = _foreach("mul", a_over_ns, betas)
+    # each batch norm's two factors of ds as the rows of one tensor, filled for all of them by one kernel
+    ds_factors = [torch.empty(2, len(b), dtype=b.dtype, device=b.device) for b in betas]
+    _copy_all([f[r] for f in ds_factors for r in range(2)],
+              [v for i in range(len(norms)) for v in (a_over_ns[i], shift_over[i])])
     return [Coefficients(_view(a[i]), _view(shift[i]), _view(inverse_a[i]), _view(inverse_shift[i]), betas[i],
-                         inv_s[i], sign[i], a_over_ns[i], a_over_n[i]) for i in range(len(norms))]
+                         inv_s[i], sign[i], a_over_n[i], ds_factors[i]) for i in range(len(norms))]
+
+
+def _copy_all(targets: list[Tensor], values: list[Tensor]) -> None:
+    """``targets[i].copy_(values[i])`` for all ``i``: one multi-tensor kernel where this torch has it."""
+    fn = getattr(torch, "_foreach_copy_", None)
+    if fn is not None:
+        fn(targets, values)
+        return
+    for t, v in zip(targets, values):
+        t.copy_(v)
