@@ -670,6 +670,27 @@ def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch)
     assert len(accounted) <= 6  # the whole batch, 8, 4, 2 MiB, the mixed plan
 
 
+def test_a_stage_between_two_rungs_takes_half_again_its_budget(monkeypatch):
+    """The ladder halves, so a stage whose peak fits between two rungs would take the lower one: one more account
+    tries every sliced stage at 1.5x its rung. The small RevNeXt at 128x128, micro-batch 16, all ``invert``: its
+    odd stages peak at 29.03 MB with 4 MiB slices, 27.98 MB with 3 MiB and 26.93 MB with 2 MiB; under 28 MB they
+    take 3 MiB, and the step still fits."""
+    model = small_model(SMALL_REVNEXT)
+    modes = tuple("invert" if "invert" in {m.value for m in supported_modes(s)} else "store" for s in model.body.stages)
+    accounted = []
+    real = autoplan.accounted
+
+    def recording(model, step, p, *args, **kwargs):
+        accounted.append(p.slices)
+        return real(model, step, p, *args, **kwargs)
+
+    monkeypatch.setattr(autoplan, "accounted", recording)
+    p, account = widen_slices(model, StepShape(128), Proposal(16, modes, None, 0, 0.0), 28_000_000)
+    assert account.total <= 28_000_000
+    assert 3 * 1024 * 1024 in p.slices and 2 * 1024 * 1024 not in p.slices
+    assert len(accounted) <= 7  # the whole batch, 8, 4, 2 MiB, the stages at 1.5x, the mixed plan
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_solving_apart_the_micro_batches_that_accumulate(seed):
     """Below the step's batch a micro-batch holds what accumulating costs beside a bare step: it is solved under

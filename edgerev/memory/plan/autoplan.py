@@ -16,7 +16,8 @@
    gets the largest slice budget under which the step still fits: the whole step is accounted at
    uniform budgets from the whole batch down (:data:`SLICE_LADDER`), each account attributing its peak
    to the stage that was running (``stage_peaks``), and each stage takes the largest budget whose peak
-   stayed under the budget. The mixed plan is accounted once more. Under a generous cap the step runs
+   stayed under the budget; one more account tries every sliced stage at 1.5 times its budget, between
+   its rung and the one that did not fit. The mixed plan is accounted once more. Under a generous cap the step runs
    whole-batch; under a tight one only the stages at the peak slice.
 
 So the bytes a plan is reported with are those of the whole step, the figure an error names is a
@@ -348,8 +349,8 @@ def widen_slices(model: nn.Module, step: StepShape, p: Proposal, budget: int,
 
     The step is accounted at uniform budgets, largest first, each account attributing its peak to the stage
     that ran (a stage's temporaries are freed before the next stage runs, so its peak depends on its own slices
-    alone); a stage keeps the first budget under which its peak fitted. The plan of those budgets is accounted
-    once more; were it over (an effect between stages, or a peak outside the stages), the largest uniform budget
+    alone); a stage keeps the first budget under which its peak fitted, or 1.5 times it where one more account
+    of every sliced stage there says it fits. The plan of those budgets is accounted once more; were it over (an effect between stages, or a peak outside the stages), the largest uniform budget
     that fitted whole.
 
     The ladder starts at the whole batch and goes on at the budgets that slice something, and only as far down as
@@ -378,6 +379,18 @@ def widen_slices(model: nn.Module, step: StepShape, p: Proposal, budget: int,
             break
     if any(c is None for c in chosen):
         return uniform or last
+    # between the rung that fitted and the one twice as large that did not: one more account tries every sliced stage
+    # at 1.5 times its budget (a third fewer slices where the batch divides so)
+    between = tuple(c * 3 // 2 if c else c for c in chosen)
+    if between != tuple(chosen):
+        peaks = {}
+        accounted(model, step, replace(p, slices=between), loss_fn, peaks)
+        finer = tuple(m if peaks.get(i, 0) <= budget else c for i, (c, m) in enumerate(zip(chosen, between)))
+        if finer != tuple(chosen):
+            q = replace(p, slices=finer)
+            acc = accounted(model, step, q, loss_fn)
+            if acc.total <= budget:
+                return q, acc
     q = replace(p, slices=tuple(chosen))
     acc = accounted(model, step, q, loss_fn)
     return (q, acc) if acc.total <= budget else (uniform or last)
