@@ -137,7 +137,7 @@ class InvBatchNorm2d(Invertible):
     def grad_sums(self, y: Tensor, gy: Tensor, tape: Tape) -> tuple[Tensor, Tensor]:
         r"""``(dbeta, ds) = (sum g, sum g xhat)`` per channel over the samples given, from the output
         ``y`` (``xhat = (y - beta) / s``) and its gradient ``g``: the gradients of the shift and of the
-        scale ``s`` (:meth:`weight_grad` turns ``ds`` into ``gamma``'s), and in training mode the only
+        scale ``s`` (:meth:`grad_terms` turns ``ds`` into ``gamma``'s), and in training mode the only
         two numbers per channel through which the backward couples the samples. One fused reduction
         (batch norm's own backward, asked for its two sums only: no temporary of ``y``'s size)."""
         c = self.coefficients(tape)

@@ -350,8 +350,9 @@ def widen_slices(model: nn.Module, step: StepShape, p: Proposal, budget: int,
     The step is accounted at uniform budgets, largest first, each account attributing its peak to the stage
     that ran (a stage's temporaries are freed before the next stage runs, so its peak depends on its own slices
     alone); a stage keeps the first budget under which its peak fitted, or 1.5 times it where one more account
-    of every sliced stage there says it fits. The plan of those budgets is accounted once more; were it over (an effect between stages, or a peak outside the stages), the largest uniform budget
-    that fitted whole.
+    of every sliced stage there says it fits. The plan of those budgets is accounted once more; were it over (an
+    effect between stages, or a peak outside the stages), the plan of the rungs alone, then the largest uniform
+    budget that fitted whole.
 
     The ladder starts at the whole batch and goes on at the budgets that slice something, and only as far down as
     some stage needs: an account costs time in proportion to the kernels
