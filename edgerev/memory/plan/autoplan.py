@@ -408,25 +408,24 @@ def _whole_slice(model: nn.Module, size: int, batch: int) -> int:
 
 def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None = None,
            budget: int | None = None) -> tuple[Proposal, StepAccount]:
-    """The least of the solver's floors at micro-batch 1; and, when the step's whole ``batch`` in one micro-batch may
-    hold less (its extra samples' activations below the gradients that accumulating micro-batches holds twice: a
-    small model), the same modes at that batch.
+    """The least of the solver's floors at micro-batch 1 and, for a step of a larger ``batch``, of the same modes at
+    that batch in one micro-batch: accumulating micro-batches holds the gradients twice, which can cost more than the
+    other samples' activations (a small model). Only an account tells: a bound from the micro-batch-1 account alone
+    (its bytes beyond the gradients as one sample's) missed a whole batch that held less.
 
-    With a ``budget``, the first floor that fits under it, exact ones first: the budget is above the floor either way,
-    and the other floors (a 4-bit stem for RevNeXt, every 4-bit segmentation of a chain) need no account. Where none
-    fits, the least, as without a budget."""
+    With a ``budget``, the first floor that fits under it, exact ones first, each at micro-batch 1 and then at the
+    whole batch: the budget is above the floor either way, and the other floors (a 4-bit stem for RevNeXt, every
+    4-bit segmentation of a chain) need no account. Where none fits, the least, as without a budget."""
+    sizes = [1, batch] if batch and batch > 1 else [1]
     if budget is not None:
-        for f in (*solver.exact_floors(), *solver.floors()):
-            account = exact(f)
-            if account.total <= budget:
-                return f, account
-    accounts = [(f, exact(f)) for f in solver.floors()]
-    best = min(accounts, key=lambda a: a[1].total)
-    one = best[1]
-    if batch and batch > 1 and one.gradients >= max(0, one.step_bytes - 2 * one.gradients) * (batch - 1):
-        whole = [(replace(f, batch=batch), exact(replace(f, batch=batch))) for f, _ in accounts]
-        best = min([best, *whole], key=lambda a: a[1].total)
-    return best
+        for group in (solver.exact_floors(), solver.floors()):
+            for b in sizes:
+                for f in group:
+                    account = exact(replace(f, batch=b))
+                    if account.total <= budget:
+                        return replace(f, batch=b), account
+    accounts = [(replace(f, batch=b), exact(replace(f, batch=b))) for b in sizes for f in solver.floors()]
+    return min(accounts, key=lambda a: a[1].total)
 
 
 def _approximate(p: Proposal) -> bool:
