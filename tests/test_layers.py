@@ -159,7 +159,7 @@ def test_forward_inplace_matches_forward(kind):
         torch.testing.assert_close(x_rec, x, **TIGHT)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "channel_half"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "channel_half", "one_pixel"])
 def test_batch_norm_training_forward_in_place_over_any_layout(layout):
     """The engine's training forward normalizes a dense working buffer over its own storage (no copy back) and a
     strided one (a channel half of a block) through a copy: both give autograd's output, statistics and running
@@ -168,10 +168,11 @@ def test_batch_norm_training_forward_in_place_over_any_layout(layout):
     randomize_(ref)
     bn.load_state_dict(ref.state_dict())
     ref.train(), bn.train()
-    base = sample((3, 16 if layout == "channel_half" else 8, 5, 4), seed=4, dtype=torch.float32)
+    h, w = (1, 1) if layout == "one_pixel" else (5, 4)  # one pixel: dense with channel stride 1 (CUDA's NHWC kernel)
+    base = sample((3, 16 if layout == "channel_half" else 8, h, w), seed=4, dtype=torch.float32)
 
     def laid_out(t):  # the kernels reduce in an order of their layout's: compare within one layout
-        return {"contiguous": t, "channels_last": t.contiguous(memory_format=torch.channels_last),
+        return {"contiguous": t, "one_pixel": t, "channels_last": t.contiguous(memory_format=torch.channels_last),
                 "channel_half": t[:, 8:]}[layout]
 
     x = laid_out(base.clone())
@@ -183,7 +184,7 @@ def test_batch_norm_training_forward_in_place_over_any_layout(layout):
     assert y.data_ptr() == pointer
     assert torch.equal(y, y_ref)
     mean, invstd, n = tape.stats[bn]
-    assert torch.equal(mean, ref._last_stats[0]) and torch.equal(invstd, ref._last_stats[1]) and n == 3 * 5 * 4
+    assert torch.equal(mean, ref._last_stats[0]) and torch.equal(invstd, ref._last_stats[1]) and n == 3 * h * w
     assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
 
 

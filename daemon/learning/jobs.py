@@ -245,7 +245,7 @@ def check_training(config: DaemonConfig) -> None:
     if teacher is not None:
         cfg = replace(cfg, continual=t.continual)
     unlabeled = cfg.semi.ratio * cfg.train.batch if cfg.semi.enabled and t.max_unlabeled > 0 else 0
-    smallest = floor(cfg, model, teacher, unlabeled=unlabeled).total
+    smallest = floor(cfg, model, teacher, unlabeled=unlabeled, budget=budget).total
     if budget < smallest:
         raise ConfigError(f"training.memory.budget: {budget:,} bytes is too small to train {t.model.arch} at "
                           f"{config.image_size}x{config.image_size}; the smallest budget that fits is "

@@ -52,11 +52,13 @@ def loss_of(cfg: RunConfig, unlabeled: int = 0) -> ContinualLoss | SemiLoss:
 
 
 def floor(cfg: RunConfig, model: nn.Module | ModelHandle, teacher: nn.Module | ModelHandle | None,
-          batch: int | None = None, unlabeled: int = 0) -> StepAccount:
-    """The least a step of ``cfg`` can hold (batch 1 in the least-memory plan): the smallest budget."""
+          batch: int | None = None, unlabeled: int = 0, budget: int | None = None) -> StepAccount:
+    """The least a step of ``cfg`` can hold (batch 1 in the least-memory plan): the smallest budget. With a
+    ``budget``: a floor's account at most the budget where one fits (whether the budget trains, in a few accounts),
+    else the least."""
     model = _module(model)
     shape = step_shape(cfg, model, teacher, batch or cfg.train.batch, unlabeled)
-    return floor_plan(model, shape, loss_of(cfg, unlabeled))[1]
+    return floor_plan(model, shape, loss_of(cfg, unlabeled), budget)[1]
 
 
 def training_model(cfg: RunConfig, model: nn.Module | ModelHandle) -> nn.Module:

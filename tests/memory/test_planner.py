@@ -634,6 +634,49 @@ def test_the_fallback_takes_the_largest_micro_batch_that_fits_exact_modes_first(
     assert len(asked) <= 2 * 2 * 6  # doubling then halving, per group: logarithmic in the micro-batches
 
 
+@pytest.mark.parametrize("seed", range(100))
+def test_the_floor_is_the_least_of_micro_batch_one_and_the_whole_batch(seed):
+    """Micro-batch 1 of a step of batch B holds the gradients twice; B in one micro-batch holds them once and B
+    samples' activations. The floor is the least of the two for every floor's modes, whatever the sizes, found with
+    few accounts where the whole batch is far above (doubling micro-batches bound it from below); under a budget,
+    a floor whose account fits it."""
+    from edgerev.memory.measure.account import StepAccount
+    from edgerev.memory.plan.autoplan import _floor
+
+    r = random.Random(seed)
+    batch = r.choice([2, 3, 4, 8, 64, 256])
+    fixed, grads = r.randint(1_000, 100_000), r.randint(1_000, 400_000)
+    per_sample = {"store": r.randint(100, 200_000), "store4": r.randint(100, 100_000)}
+    temps, full = r.randint(0, 400_000), r.randint(1, 4)  # temporaries grow until the slices are full
+
+    def total(p):
+        b = p.batch
+        activations = per_sample[p.modes[0]] * b + temps * min(b, full)
+        return fixed + (2 * grads if b < batch else grads) + activations
+
+    asked = []
+
+    def exact(p):
+        asked.append(p.batch)
+        step = total(p) - fixed
+        return StepAccount(fixed, 0, 0, 0, 0, 0, 0, 0, grads, step, batch, p.batch)
+
+    floors = _Floors().floors()
+    least = min(total(replace_batch(f, b)) for f in floors for b in (1, batch))
+    p, account = _floor(_Floors(), exact, batch)
+    assert account.total == total(p) == least
+    if batch > 2 and per_sample["store4"] > grads + temps:
+        # a second sample costs more than the gradients' second copy: micro-batch 2 bounds the whole batch above it
+        assert batch not in asked
+    budget = least + r.randint(0, 100_000)
+    p, account = _floor(_Floors(), exact, batch, budget)
+    assert account.total == total(p) <= budget
+
+
+def replace_batch(p, b):
+    return dataclasses.replace(p, batch=b)
+
+
 # ---- widening the slices, and plans under a cap where an exact one fits ----------------------------------------------
 
 

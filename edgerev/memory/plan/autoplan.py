@@ -410,22 +410,47 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
            budget: int | None = None) -> tuple[Proposal, StepAccount]:
     """The least of the solver's floors at micro-batch 1 and, for a step of a larger ``batch``, of the same modes at
     that batch in one micro-batch: accumulating micro-batches holds the gradients twice, which can cost more than the
-    other samples' activations (a small model). Only an account tells: a bound from the micro-batch-1 account alone
-    (its bytes beyond the gradients as one sample's) missed a whole batch that held less.
+    other samples' activations (a small model). Where it may is told by accounts (:func:`_whole`), not guessed: a
+    bound from the micro-batch-1 account alone (its bytes beyond the gradients taken as one sample's) missed a whole
+    batch that held less.
 
     With a ``budget``, the first floor that fits under it, exact ones first, each at micro-batch 1 and then at the
     whole batch: the budget is above the floor either way, and the other floors (a 4-bit stem for RevNeXt, every
     4-bit segmentation of a chain) need no account. Where none fits, the least, as without a budget."""
-    sizes = [1, batch] if batch and batch > 1 else [1]
     if budget is not None:
         for group in (solver.exact_floors(), solver.floors()):
-            for b in sizes:
-                for f in group:
-                    account = exact(replace(f, batch=b))
-                    if account.total <= budget:
-                        return replace(f, batch=b), account
-    accounts = [(replace(f, batch=b), exact(replace(f, batch=b))) for b in sizes for f in solver.floors()]
-    return min(accounts, key=lambda a: a[1].total)
+            for f in group:
+                account = exact(f)
+                if account.total <= budget:
+                    return f, account
+            for f in group:
+                whole = _whole(f, exact, batch, budget)
+                if whole is not None and whole[1].total <= budget:
+                    return whole
+    best = min(((f, exact(f)) for f in solver.floors()), key=lambda a: a[1].total)
+    for f in solver.floors():
+        whole = _whole(f, exact, batch, best[1].total)
+        if whole is not None and whole[1].total < best[1].total:
+            best = whole
+    return best
+
+
+def _whole(f: Proposal, exact: Callable[[Proposal], StepAccount], batch: int | None,
+           bound: int) -> tuple[Proposal, StepAccount] | None:
+    """``f`` at the step's whole ``batch`` in one micro-batch and its account, or None where that account is sure to
+    be above ``bound`` (or the step has no larger batch). A micro-batch ``b`` below the batch holds the gradients
+    twice and fewer samples, so its account less one copy of the gradients is at most the whole batch's: micro-batches
+    doubling from 2 (cheap accounts) stop the search as soon as that passes ``bound``."""
+    if not batch or batch <= f.batch:
+        return None
+    b = 2
+    while b < batch:
+        account = exact(replace(f, batch=b))
+        if account.total - account.gradients > bound:
+            return None
+        b *= 2
+    whole = replace(f, batch=batch)
+    return whole, exact(whole)
 
 
 def _approximate(p: Proposal) -> bool:
@@ -467,14 +492,16 @@ def _largest_floor(solver, exact: Callable[[Proposal], StepAccount], floor: Prop
     return floor, account
 
 
-def floor_plan(model: nn.Module, step: StepShape,
-               loss_fn: Callable[..., Tensor] | None = None) -> tuple[Proposal, StepAccount]:
+def floor_plan(model: nn.Module, step: StepShape, loss_fn: Callable[..., Tensor] | None = None,
+               budget: int | None = None) -> tuple[Proposal, StepAccount]:
     """The floor of :func:`plan_training` alone (exact, on fake tensors; nothing is profiled): batch 1
-    in the least-memory plan, and its account, whose ``total`` is the smallest budget that trains."""
+    in the least-memory plan, and its account, whose ``total`` is the smallest budget that trains. With a ``budget``,
+    a floor under it if there is one (its total at most the budget: the budget trains; a few accounts), else the
+    least."""
     model = planned(model, step.size)
     solver = _SegmentsSolver(model, step.size, "cpu") if is_plain(model) else \
         _ModesSolver(model, step.size, "cpu", None, False)
-    return _floor(solver, lambda p: accounted(model, step, p, loss_fn), step.batch)
+    return _floor(solver, lambda p: accounted(model, step, p, loss_fn), step.batch, budget)
 
 
 class DescribedLoss(Protocol):
