@@ -439,15 +439,24 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
     return best
 
 
+#: a step batch up to which the whole batch's floor is accounted at once: its account costs about as much as the
+#: first accounts of a walk of doubling micro-batches, which pays off where the whole batch is large
+WHOLE_AT_ONCE = 32
+
+
 def _whole(f: Proposal, exact: Callable[[Proposal], StepAccount], batch: int | None,
            bound: int) -> tuple[Proposal, StepAccount] | None:
     """``f`` at the step's whole ``batch`` in one micro-batch and its account, or None where that account is sure to
     be above ``bound`` (or the step has no larger batch). A micro-batch ``b`` below the batch holds the gradients
-    twice and fewer samples, so its account less one copy of the gradients is at most the whole batch's: micro-batches
-    doubling from 2 (cheap accounts) stop the search as soon as that passes ``bound``."""
+    twice and fewer samples, so its account less one copy of the gradients is at most the whole batch's: micro-batch 1,
+    then, for a batch above :data:`WHOLE_AT_ONCE`, micro-batches doubling from 2 (cheap accounts) stop the search as
+    soon as that passes ``bound``."""
     if not batch or batch <= f.batch:
         return None
-    b = 2
+    one = exact(f)
+    if one.total - one.gradients > bound:  # micro-batch 1 bounds it already: no account
+        return None
+    b = 2 if batch > WHOLE_AT_ONCE else batch  # a small batch's own account costs about what the walk's first ones do
     while b < batch:
         account = exact(replace(f, batch=b))
         if account.total - account.gradients > bound:
