@@ -691,13 +691,13 @@ def test_under_a_cap_an_exact_plan_fits_in_the_plan_is_exact_at_the_whole_batch(
     assert plan.predicted_peak_bytes <= int(1.10 * lean)
 
 
-def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch):
-    """Accounting a step costs time in proportion to its kernels, which double with every halving of the slices:
-    where 2 MiB slices fit the budget, the planner never accounts the lean (1 MiB) step. The small RevNeXt at
-    128x128, micro-batch 16, all ``invert``: 29.0 MB whole-batch and at 4 MiB slices, 27.0 MB at 2 MiB, 25.9 MB lean."""
-    model = small_model(SMALL_REVNEXT)
-    n = len(model.body.stages)
-    modes = tuple("invert" if "invert" in {m.value for m in supported_modes(s)} else "store" for s in model.body.stages)
+def _invert_modes(model) -> tuple[str, ...]:
+    """``invert`` wherever a stage supports it, ``store`` elsewhere."""
+    return tuple("invert" if "invert" in {m.value for m in supported_modes(s)} else "store" for s in model.body.stages)
+
+
+def _recorded_slices(monkeypatch) -> list:
+    """The slices of every step the planner accounts from now on, in order."""
     accounted = []
     real = autoplan.accounted
 
@@ -706,6 +706,16 @@ def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch)
         return real(model, step, p, *args, **kwargs)
 
     monkeypatch.setattr(autoplan, "accounted", recording)
+    return accounted
+
+
+def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch):
+    """Accounting a step costs time in proportion to its kernels, which double with every halving of the slices:
+    where 2 MiB slices fit the budget, the planner never accounts the lean (1 MiB) step. The small RevNeXt at
+    128x128, micro-batch 16, all ``invert``: 29.0 MB whole-batch and at 4 MiB slices, 27.0 MB at 2 MiB, 25.9 MB lean."""
+    model = small_model(SMALL_REVNEXT)
+    n = len(model.body.stages)
+    modes, accounted = _invert_modes(model), _recorded_slices(monkeypatch)
     p, account = widen_slices(model, StepShape(128), Proposal(16, modes, None, 0, 0.0), 27_500_000)
     assert account.total <= 27_500_000
     assert 2 * 1024 * 1024 in p.slices and 0 in p.slices  # only where the peak is
@@ -719,15 +729,7 @@ def test_a_stage_between_two_rungs_takes_half_again_its_budget(monkeypatch):
     odd stages peak at 29.03 MB with 4 MiB slices, 27.98 MB with 3 MiB and 26.93 MB with 2 MiB; under 28 MB they
     take 3 MiB, and the step still fits."""
     model = small_model(SMALL_REVNEXT)
-    modes = tuple("invert" if "invert" in {m.value for m in supported_modes(s)} else "store" for s in model.body.stages)
-    accounted = []
-    real = autoplan.accounted
-
-    def recording(model, step, p, *args, **kwargs):
-        accounted.append(p.slices)
-        return real(model, step, p, *args, **kwargs)
-
-    monkeypatch.setattr(autoplan, "accounted", recording)
+    modes, accounted = _invert_modes(model), _recorded_slices(monkeypatch)
     p, account = widen_slices(model, StepShape(128), Proposal(16, modes, None, 0, 0.0), 28_000_000)
     assert account.total <= 28_000_000
     assert 3 * 1024 * 1024 in p.slices and 2 * 1024 * 1024 not in p.slices
