@@ -415,8 +415,7 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
     batch that held less.
 
     With a ``budget``, the first floor that fits under it, exact ones first, each at micro-batch 1 and then at the
-    whole batch (accounted at once where micro-batch 1 does not rule it out: a plan's own micro-batch is often the
-    whole batch, and a walk of doubling micro-batches would cost it more): the budget is above the floor either way,
+    whole batch (:func:`_whole` under the budget): the budget is above the floor either way,
     and the other floors (a 4-bit stem for RevNeXt, every 4-bit segmentation of a chain) need no account. Where none
     fits, the least, as without a budget."""
     if budget is not None:
@@ -425,12 +424,10 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
                 account = exact(f)
                 if account.total <= budget:
                     return f, account
-            for f in group if batch and batch > 1 else ():
-                one = exact(f)  # micro-batch 1's account less one copy of the gradients bounds the whole batch's
-                if one.total - one.gradients <= budget:
-                    account = exact(replace(f, batch=batch))
-                    if account.total <= budget:
-                        return replace(f, batch=batch), account
+            for f in group:
+                whole = _whole(f, exact, batch, budget)
+                if whole is not None and whole[1].total <= budget:
+                    return whole
     best = min(((f, exact(f)) for f in solver.floors()), key=lambda a: a[1].total)
     for f in solver.floors():
         whole = _whole(f, exact, batch, best[1].total)
