@@ -548,7 +548,7 @@ class Daemon:
             onnx = out / "model.onnx"
             metrics = dict(version.metrics)
             metrics["export"] = export(out, onnx, self._alive, self.config.training.train.threads,
-                                       self.config.training.model.factories)
+                                       self.config.training.model.factories, self.config.promotion.exporter)
             if self._alive():
                 raise Stopped("the promotion (exported, the version not yet written)")
             self.registry.write(version.id, version_files(out, onnx, metrics))

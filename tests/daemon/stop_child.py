@@ -110,7 +110,7 @@ def main() -> None:
     elif phase == "evaluation":
         at(promote, "score")
     elif phase == "export-forever":
-        exporting.command = lambda run_dir, out, threads, trust=(): [sys.executable, "-c", PARK_EXPORT]
+        exporting.command = lambda *args: [sys.executable, "-c", PARK_EXPORT]
     elif phase == "promotion":
         at(registry, "fsync_dir")  # its first call in a promotion: the partial directory's files are synced
     else:

@@ -48,6 +48,8 @@ from edgerev_daemon import config_from_dict, load_config, validate_paths
     ({"data_dir": "d", "promotion": {"forgetting_margin": 1.5}}, "promotion.forgetting_margin: is a fraction"),
     ({"data_dir": "d", "promotion": {"recent_window_days": 0}}, "promotion.recent_window_days: must be positive"),
     ({"data_dir": "d", "promotion": {"keep_last": 0}}, "promotion.keep_last: must be at least 1"),
+    ({"data_dir": "d", "promotion": {"exporter": "onnx"}},
+     "promotion.exporter: expected one of 'auto' or 'dynamo' or 'legacy', got str 'onnx'"),
     ({"data_dir": "d", "log_level": "LOUD"}, "log_level: expected one of 'DEBUG'"),
     ({"data_dir": 5}, "data_dir: expected str, got int 5"),
     ({"inbox": "x"}, "missing required key 'data_dir'"),
@@ -70,6 +72,17 @@ def test_defaults_and_derived_values(tmp_path):
     # a section given in part keeps the daemon's defaults for the rest
     partial = config_from_dict({"data_dir": "d", "training": {"train": {"epochs": 7}}}).training
     assert (partial.train.epochs, partial.train.batch, partial.optim.lr) == (7, 64, 0.05)
+
+
+def test_the_exporters_a_daemon_takes_are_the_exports():
+    """``promotion.exporter`` is written out in the config (which imports no torch): the names export takes."""
+    import typing
+
+    from edgerev.export.onnx import EXPORTERS
+    from edgerev_daemon.config import PromotionConfig
+
+    assert typing.get_args(typing.get_type_hints(PromotionConfig)["exporter"]) == EXPORTERS
+    assert config_from_dict({"data_dir": "d"}).promotion.exporter == "auto"
 
 
 # every size in bytes of the daemon's config: (section, key)

@@ -28,7 +28,7 @@ def device(tmp_path_factory):
         "data_dir": str(tmp / "dev"), "image_size": 16, "heldout_fraction": 0.25,
         "ingest": {"settle_seconds": 0}, "schedule": {"min_new_samples": 1}, "storage": {"min_free_space": 0},
         # the evidence decides here, not the class-at-zero rule (which would refuse the forgetting model first)
-        "promotion": {"min_heldout_per_class": 1, "refuse_class_at_zero": False},
+        "promotion": {"min_heldout_per_class": 1, "refuse_class_at_zero": False, "exporter": "legacy"},
         "training": {"model": {"arch": "revnext", "args": ARGS}, "train": {"batch": 16, "epochs": 4}}}))
     config = load_config(path)
     write_images(config.inbox_path, 64, [0, 1], size=16)

@@ -106,7 +106,8 @@ def _device(root: Path, name: str, classes: list[int], start: int) -> Path:
     d.mkdir(parents=True)
     cfg = {"data_dir": str(d), "image_size": 16, "heldout_fraction": 0.25, "ingest": {"settle_seconds": 0},
            "schedule": {"min_new_samples": 100000}, "storage": {"min_free_space": 0},
-           "promotion": {"forgetting_margin": 1.0, "min_heldout_per_class": 1, "refuse_class_at_zero": False},
+           "promotion": {"forgetting_margin": 1.0, "min_heldout_per_class": 1, "refuse_class_at_zero": False,
+                         "exporter": "legacy"},  # the fast exporter: tests/daemon/service/test_service.py SMALL
            "training": {"model": {"arch": "revnext", "args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}},
                         "train": {"batch": 16}}}
     path = d / "daemon.yaml"

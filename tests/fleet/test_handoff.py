@@ -33,7 +33,8 @@ def running(tmp_path):
     path.write_text(yaml.safe_dump({
         "data_dir": str(tmp_path / "dev"), "image_size": 16, "heldout_fraction": 0.25,
         "ingest": {"settle_seconds": 0}, "schedule": {"min_new_samples": 100000}, "storage": {"min_free_space": 0},
-        "promotion": {"forgetting_margin": 1.0, "min_heldout_per_class": 1, "refuse_class_at_zero": False},
+        "promotion": {"forgetting_margin": 1.0, "min_heldout_per_class": 1, "refuse_class_at_zero": False,
+                      "exporter": "legacy"},  # the fast exporter: tests/daemon/service/test_service.py SMALL
         "training": {"model": {"arch": "revnext", "args": ARGS}, "train": {"batch": 16}}}))
     config = load_config(path)
     write_images(config.inbox_path, 16, [0, 1], size=16)

@@ -29,7 +29,7 @@ daemon:
   training:
     train: {batch: 8, checkpoint_every: 1}
     memory: {budget: 24MiB, profile: estimate}
-  promotion: {min_heldout_per_class: 1}
+  promotion: {min_heldout_per_class: 1, exporter: legacy}  # the fast exporter: test_service.py's SMALL says why
   storage: {min_free_space: 0}
 """
 

@@ -26,7 +26,7 @@ def config_for(tmp_path: Path, model: dict):
         "ingest": {"settle_seconds": 0.0}, "schedule": {"min_new_samples": 40, "max_interval_seconds": 3600.0},
         "training": {"model": model, "train": {"epochs": 1, "batch": 16}, "optim": {"lr": 0.05},
                      "continual": {"replay": 50, "distill": 1.0}},
-        "promotion": {"keep_last": 1},
+        "promotion": {"keep_last": 1, "exporter": "legacy"},
     })
 
 

@@ -29,7 +29,8 @@ def test_drift_moves_every_pixel_statistic():
 
 @pytest.mark.slow
 def test_a_model_that_follows_the_drift_is_promoted_and_the_one_before_it_is_not(tmp_path):
-    config, _ = make_config(tmp_path, training=epochs(6), promotion={"keep_last": 5})  # the gate's defaults
+    # the gate's defaults
+    config, _ = make_config(tmp_path, training=epochs(6), promotion={"keep_last": 5, "exporter": "legacy"})
     assert config.promotion.recent_window_days == 30
     clock = Clock()
     with Daemon(config, clock=clock) as d:

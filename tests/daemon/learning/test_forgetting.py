@@ -16,7 +16,8 @@ from tests.daemon.service.test_service import SMALL, drop, make_config
 @pytest.mark.slow
 def test_a_candidate_that_forgets_the_old_classes_is_refused(tmp_path):
     training = {**SMALL["training"], "continual": {"replay": 0, "distill": 0.0}}
-    config, _ = make_config(tmp_path, training=training, promotion={"keep_last": 5})  # the gate's defaults
+    # the gate's defaults
+    config, _ = make_config(tmp_path, training=training, promotion={"keep_last": 5, "exporter": "legacy"})
     with Daemon(config, clock=Clock()) as d:
         drop(config, 160, range(2))
         assert d.cycle().job["promoted"]

@@ -13,9 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from edgerev.config import ConfigError
+from edgerev.export.onnx import DYNAMO_FROM
+from edgerev.torch_range import release
 from edgerev_daemon.config import config_from_dict
 from edgerev_daemon.errors import LockError
 from edgerev_daemon.service.daemon import Daemon
@@ -34,7 +37,9 @@ SMALL = {
     "training": {"model": {"arch": "revnext", "args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}},
                  "train": {"epochs": 2, "batch": 32}, "optim": {"lr": 0.05},
                  "continual": {"replay": 200, "distill": 1.0}},
-    "promotion": {"forgetting_margin": 0.1, "keep_last": 2},
+    # the TorchScript exporter: 0.3 s against 4-6 s a promotion. The default (auto) exports in
+    # test_cycles_train_promote_and_keep_out, the docs' pages (the demo) and tests/export
+    "promotion": {"forgetting_margin": 0.1, "keep_last": 2, "exporter": "legacy"},
 }
 
 
@@ -54,6 +59,11 @@ def drop(config, n: int, classes, start: int = 0):
     return write_images(config.inbox_path, n, classes, start=start, num_classes=4, size=16)
 
 
+def exported_with(daemon: Daemon, version: str) -> str:
+    """The exporter that wrote a version's ONNX file, as its metrics.json records it."""
+    return json.loads((daemon.registry.path(version) / "metrics.json").read_text())["export"]["exporter"]
+
+
 def assert_current_complete(config, daemon=None) -> str:
     link = Path(config.data_dir) / "current"
     target = Path(config.data_dir) / os.readlink(link)
@@ -67,7 +77,7 @@ def assert_current_complete(config, daemon=None) -> str:
 
 @pytest.mark.slow
 def test_cycles_train_promote_and_keep_out(tmp_path, caplog):
-    config, _ = make_config(tmp_path)
+    config, _ = make_config(tmp_path, promotion={**SMALL["promotion"], "exporter": "auto"})
     clock = Clock()
     drop(config, 60, range(2))
     with Daemon(config, clock=clock) as d:
@@ -84,6 +94,8 @@ def test_cycles_train_promote_and_keep_out(tmp_path, caplog):
         assert assert_current_complete(config) == "v0001"
         v1 = d.store.get_version("v0001")
         assert v1.promoted and v1.metrics["data_batch_id"] == d.store.last_batch_id()
+        # the default exporter: torch.export's where this torch has it (edgerev.export.onnx says from when)
+        assert exported_with(d, "v0001") == ("dynamo" if release(torch.__version__) >= DYNAMO_FROM else "legacy")
         assert d.store.last_job().state == JobState.DONE
         assert not (Path(config.data_dir) / "jobs" / "job-00001").exists()
         # new classes arrive: the head grows, the candidate is judged on new and old held-out data
@@ -129,6 +141,7 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
     drop(config, 160, range(2))
     with Daemon(config, clock=Clock()) as d:
         assert d.cycle().job["promoted"]
+        assert exported_with(d, "v0001") == "legacy"  # SMALL's promotion.exporter
         real, scored = promote.score, []
 
         def candidate_as_current(folder, held, *trust):  # the candidate (still under jobs/) scores as v0001 does
@@ -152,7 +165,8 @@ def test_a_candidate_that_is_not_better_is_kept_out(tmp_path, monkeypatch):
 def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatch):
     from edgerev_daemon.storage import registry
 
-    config, _ = make_config(tmp_path, promotion={"alpha": 0.5, "forgetting_margin": 1.0, "keep_last": 3})
+    config, _ = make_config(tmp_path, promotion={"alpha": 0.5, "forgetting_margin": 1.0, "keep_last": 3,
+                                                      "exporter": "legacy"})
     drop(config, 160, range(2))
     clock = Clock()
     with Daemon(config, clock=clock) as d:
@@ -182,7 +196,8 @@ def test_full_disk_during_promotion_keeps_the_current_model(tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_rollback(tmp_path):
-    config, _ = make_config(tmp_path, promotion={"alpha": 0.5, "forgetting_margin": 1.0, "keep_last": 1})
+    config, _ = make_config(tmp_path, promotion={"alpha": 0.5, "forgetting_margin": 1.0, "keep_last": 1,
+                                                      "exporter": "legacy"})
     with Daemon(config, clock=Clock()) as d:
         with pytest.raises(RegistryError, match="no earlier promoted version"):
             d.rollback()

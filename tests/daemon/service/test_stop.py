@@ -224,7 +224,7 @@ PARKED = "import sys; print('parked', file=sys.stderr, flush=True); sys.stdin.re
 def _parked(monkeypatch, code: str = PARKED) -> None:
     from edgerev_daemon.learning import exporting
 
-    monkeypatch.setattr(exporting, "command", lambda run_dir, out, threads, trust=(): [sys.executable, "-c", code])
+    monkeypatch.setattr(exporting, "command", lambda *args: [sys.executable, "-c", code])
 
 
 def test_a_stop_kills_the_export_child(tmp_path, monkeypatch):

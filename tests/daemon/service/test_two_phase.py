@@ -28,6 +28,7 @@ def config(tmp_path):
         "training": {"model": {"arch": "revnext", "args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}},
                      "train": {"epochs": 8, "patience": 2, "anneal_epochs": 2, "batch": 32},
                      "optim": {"lr": 0.05}, "continual": {"replay": 200, "distill": 1.0}},
+        "promotion": {"exporter": "legacy"},  # the fast exporter: test_service.py's SMALL says why
     })
 
 
