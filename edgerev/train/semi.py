@@ -83,6 +83,13 @@ class SemiLoss:
     def __init__(self, base) -> None:
         self.base = base
 
+    @property
+    def memory_key(self) -> tuple:
+        """What a step's memory depends on in this loss (:class:`edgerev.memory.plan.autoplan.DescribedLoss`): the
+        weighted per-sample cross-entropy, and ``base``'s distillation. Without it every account of a step with
+        unlabelled views (a daemon's job, where ``semi`` is on by default) ran again, in every plan."""
+        return ("semi", *self.base.memory_key)
+
     def __call__(self, logits: Tensor, labels: Tensor, weights: Tensor, teacher: Tensor | None = None) -> Tensor:
         from edgerev.train.continual import distillation_loss
 

@@ -567,6 +567,25 @@ def test_an_account_is_made_once_per_model_step_plan_and_loss(monkeypatch):
     assert len(calls) == 7
 
 
+@pytest.mark.parametrize("unlabeled", [0, 4], ids=["labelled", "with unlabelled views"])
+@pytest.mark.parametrize("distill", [0.0, 1.0])
+def test_every_loss_the_trainer_plans_with_describes_its_memory(distill, unlabeled):
+    """The planner remembers an account by its loss's ``memory_key``: a loss without one is accounted again in every
+    plan (the semi-supervised loss was, in every daemon job). Every loss :func:`loss_of` makes has one, and two
+    losses have the same key exactly when they are made from the same settings."""
+    from edgerev.memory.plan.autoplan import _loss_key
+    from edgerev.train.config import ContinualConfig, RunConfig
+    from edgerev.train.memory import loss_of
+
+    def cfg(d: float, temperature: float = 2.0) -> RunConfig:
+        return RunConfig(continual=ContinualConfig(distill=d, temperature=temperature))
+
+    key = _loss_key(loss_of(cfg(distill), unlabeled))
+    assert key is not None and key == _loss_key(loss_of(cfg(distill), unlabeled))
+    others = {_loss_key(loss_of(cfg(d, t), u)) for d in (0.0, 1.0) for t in (2.0, 3.0) for u in (0, 4)}
+    assert len(others) == 8 and key in others
+
+
 def test_a_grown_head_keeps_its_bodys_profile_with_its_own_fixed_bytes(cache, monkeypatch):
     """A device that learns a class grows its head; a fleet model has more rows than a device's own: the
     stages cost the same, so the profile (a minute and more to estimate on a small CPU) is not made again,
