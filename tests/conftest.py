@@ -36,16 +36,27 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    # The longest test (the README page's run, about 10 minutes) goes first. Where it fell, late in the
-    # collection, it started when the rest was nearly done: the run ended on it alone, the other worker idle
-    # for its last 8 minutes. First, it overlaps the rest. (A stable sort: the order is otherwise pytest's.)
-    items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+    # The longest tests (a minute or more each) go first, then the other slow ones, then the rest: a worker
+    # that started a long test late ran it alone while the other was idle (the README page's run, once
+    # collected late, ended a run by itself for 8 minutes). A stable sort: the order is otherwise pytest's.
+    items.sort(key=lambda item: (item.get_closest_marker("longest") is None, item.get_closest_marker("slow") is None))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With workers (``-n``), a worker that runs out of tests takes half of what another has queued (xdist's
+    ``worksteal``). The default (``load``) queues each worker's first tests in one block up front: the long tests
+    sorted to the front all went to one worker, which ran them while the other finished early."""
+    if config.getvalue("dist") != "load":
+        return None  # a --dist the caller chose
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -115,6 +115,7 @@ def check_rest(result: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.longest  # about a minute: first, beside the rest (tests/conftest.py)
 def test_the_cpu_dry_run_goes_through_every_part(tmp_path):
     r, result = campaign(tmp_path, "--device", "cpu", "--cap", "8MiB", "--profile", "estimate", *SMALL)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

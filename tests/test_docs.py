@@ -405,9 +405,9 @@ def _profiles(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [pytest.param(p, marks=[pytest.mark.longest] if p == README else [])
-                                  for p in RUN_PAGES if any(b.marker is None and b.lang in ("sh", "python")
-                                                            for b in blocks(p))],
+@pytest.mark.longest  # a page that trains: half a minute to a minute and a half, first, beside the rest (conftest.py)
+@pytest.mark.parametrize("page", [p for p in RUN_PAGES if any(b.marker is None and b.lang in ("sh", "python")
+                                                              for b in blocks(p))],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_runs(page, tmp_path, tmp_path_factory):
     work = tmp_path / "work"

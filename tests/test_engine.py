@@ -645,6 +645,7 @@ def test_floor_bytes_predicted_on_fake_tensors_equal_the_measured():
     assert predicted == measured
 
 
+@pytest.mark.slow
 def test_planner_chooses_floor_when_the_cap_demands_it():
     """On the default RevNeXt's recorded 32x32 profile at batch 64: a budget between the least peak with
     floor and the least without it is met only by plans that run some stage in floor, and the plan the

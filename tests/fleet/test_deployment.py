@@ -120,6 +120,7 @@ def _device(root: Path, name: str, classes: list[int], start: int) -> Path:
     return path
 
 
+@pytest.mark.longest  # a minute and a half: first, beside the rest (tests/conftest.py)
 @pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None, reason="Flower's commands not installed")
 def test_superlink_two_supernodes_and_flwr_run_promote_the_fleet_model_under_secagg(tmp_path):
     deadline = time.monotonic() + DEADLINE

@@ -784,6 +784,7 @@ def test_solving_apart_the_micro_batches_that_accumulate(seed):
     assert abs(got.predicted_peak_bytes - expected.predicted_peak_bytes) <= 1 and got.predicted_peak_bytes <= budget
 
 
+@pytest.mark.slow
 def test_the_first_proposal_fits_where_accumulating_gradients_decides(cache, monkeypatch):
     """The engine hands back every gradient of its body at once: a micro-batch below the step's batch holds them
     beside the accumulated ones. Priced, the first proposal fits; unpriced (as before), the solver proposed a

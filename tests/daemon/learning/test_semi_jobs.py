@@ -142,6 +142,7 @@ def test_a_job_reads_the_newest_unlabelled_images_up_to_its_bound(tmp_path):
         d.lock.release()
 
 
+@pytest.mark.slow
 def test_the_start_check_counts_the_extra_views(tmp_path):
     """The daemon's floor grows with FixMatch's views: a budget between the two floors is refused with it on."""
     from edgerev.models.resolve import resolve_model
