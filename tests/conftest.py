@@ -48,6 +48,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist (a GPU machine may lack it) the hook does not exist
 def pytest_xdist_make_scheduler(config, log):
     """With workers (``-n``), a worker that runs out of tests takes half of what another has queued (xdist's
     ``worksteal``). The default (``load``) queues each worker's first tests in one block up front: the long tests
