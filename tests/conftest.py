@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # torch.compile (the fused quantizer's tests) compiles in a pool of worker processes by default: on two cores
 # beside the other xdist worker, starting that pool cost more than it saved (86 s against 52 s, cold cache)
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def profile_cache(tmp_path_factory):
+    """The stage profiles the tests measure, in the run's temporary folder and shared by its workers: never in the
+    user's cache (``~/.cache/edgerev``), which a later run would read back where CI, on a fresh machine, measures
+    again. The cache writes each file whole through a rename, so two workers measuring at once is safe. A test that
+    needs an empty cache sets its own; an ``EDGEREV_CACHE`` the caller set is kept."""
+    if os.environ.get("EDGEREV_CACHE"):
+        yield Path(os.environ["EDGEREV_CACHE"])
+        return
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "edgerev-cache"
+    os.environ["EDGEREV_CACHE"] = str(root)
+    try:
+        yield root
+    finally:
+        os.environ.pop("EDGEREV_CACHE", None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -397,26 +397,19 @@ def _small(page: Path, todo: list[Block]) -> list[Block]:
     return todo
 
 
-def _profiles(tmp_path_factory) -> Path:
-    """The profile cache the pages share: the run's, across its workers (a measured profile is a minute of CPU
-    here; the cache writes each file whole, through a rename, so two workers measuring at once is safe)."""
-    base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "edgerev-cache"
-
-
 @pytest.mark.slow
 @pytest.mark.longest  # a page that trains: half a minute to a minute and a half, first, beside the rest (conftest.py)
 @pytest.mark.parametrize("page", [p for p in RUN_PAGES if any(b.marker is None and b.lang in ("sh", "python")
                                                               for b in blocks(p))],
                          ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_runs(page, tmp_path, tmp_path_factory):
+def test_page_runs(page, tmp_path, profile_cache):
     work = tmp_path / "work"
     work.mkdir()
     _configs(work)
     (work / "benchmarks").symlink_to(ROOT / "benchmarks")
     home = tmp_path / "home"
     home.mkdir()
-    env = _env(home, _profiles(tmp_path_factory))
+    env = _env(home, profile_cache)  # the run's, shared (tests/conftest.py): a measured profile is a minute of CPU
     todo = _small(page, (_readme_setup(page) if page == README else []) + blocks(page))
     printed = []
     elsewhere = _run_elsewhere(page)
