@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 import edgerev.models
 from edgerev.cli import PAPER_PEAK_BYTES, main
 from edgerev.memory.measure import profile as profile_mod
-from edgerev.memory.solve.knapsack import smallest_budget
+from edgerev.memory.solve.knapsack import exact_only, smallest_budget
 from tests.profiles import SMALL_REVNEXT, measured
 
 
@@ -123,10 +124,10 @@ def small_revnext(tmp_path, monkeypatch):
     prof = measured()
     calls = []
 
-    def measure_profile(model, size, device="cpu", **kw):
-        calls.append((size, device))
+    def measure_profile(model, size, device="cpu", modes=None, exact=False, **kw):
+        calls.append((size, device, exact))
         assert model.stages[0].out_channels == 8  # the small model's stem
-        return prof
+        return replace(exact_only(prof), source="measured exact") if exact else prof
 
     monkeypatch.setattr(profile_mod, "measure_profile", measure_profile)
     return prof, calls, tmp_path / "cache"
@@ -137,7 +138,7 @@ def test_plan_json_verify(capsys, small_revnext):
     budget = 2 * 2**20
     assert budget > 2 * smallest_budget(prof)
     d = run_json(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "2MiB", "--json", "--verify")
-    assert calls == [(16, "cpu")]
+    assert calls == [(16, "cpu", True)]  # the exact modes: an exact plan fits
     assert len(list(cache.glob("*.json"))) == 1
     assert d["arch"] == "revnext" and d["budget_bytes"] == budget
     assert d["batch"] >= 1
@@ -150,7 +151,7 @@ def test_plan_json_verify(capsys, small_revnext):
     assert abs(d["measured_peak_bytes"] - d["predicted_peak_bytes"]) <= 0.1 * d["measured_peak_bytes"]
     # a second run reads the cached profile
     d2 = run_json(capsys, "plan", "--arch", "revnext", "--size", "16", "--budget", "2MiB", "--json")
-    assert calls == [(16, "cpu")]
+    assert calls == [(16, "cpu", True)]  # the exact modes: an exact plan fits
     assert (d2["batch"], d2["stages"]) == (d["batch"], d["stages"])
     assert "measured_peak_bytes" not in d2
 

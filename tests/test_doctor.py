@@ -336,9 +336,9 @@ def test_with_a_measured_profile_the_daemons_own_plan_is_verified(tmp_path, cach
 
     cfg = target_of(str(write_config(tmp_path))).recipe
     model = create_model(cfg.model.arch, **cfg.model.args, num_classes=10)
-    assert cached_profile(model, 16) is None
+    assert cached_profile(model, 16, exact=True) is None
     measured = verified_plan(cfg, "cpu", steps=1, profile="measure")
-    assert cached_profile(model, 16) is not None  # kept for the daemon
+    assert cached_profile(model, 16, exact=True) is not None  # kept for the daemon (the exact modes: one fits)
     assert measured.error is None and measured.planner.startswith("the daemon's plan"), measured
     assert measured.measured_peak_bytes == measured.predicted_peak_bytes <= measured.budget_bytes
     again = verified_plan(cfg, "cpu", steps=1)  # now cached: the same plan without measuring

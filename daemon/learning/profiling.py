@@ -2,8 +2,9 @@
 
 The planner of a job under ``training.memory.budget`` needs the model's stage profile: what each stage
 keeps and costs in each mode, measured on this machine (or estimated) the first time and cached
-(:func:`edgerev.memory.measure.profile.load_or_measure`). The measurement runs every stage in every mode: minutes
-on a small CPU (6.5 min for the CPU preset's model on this loaded 2-core machine), and nothing in it asks
+(:func:`edgerev.memory.measure.profile.load_or_measure`). The measurement runs every stage in every exact mode (the
+planner's first question; the approximate modes are measured by a job's plan only where no exact plan fits): minutes
+on a small CPU, and nothing in it asks
 a stop flag. So the daemon measures it in a child process (:mod:`edgerev_daemon.learning.children`) that a stop
 kills, before the job's training, whenever the cache lacks it; the trainer's plan then finds it cached. The
 child names each stage as it begins, and the daemon logs those lines as they come: a long wait is not a silent one.
@@ -64,7 +65,7 @@ def ensure_profile(config: DaemonConfig, folder: Path, stop: Callable[[], bool])
     if target is None:
         return False
     model, device, estimate = target
-    if cached_profile(model, config.image_size, device, estimate=estimate) is not None:
+    if cached_profile(model, config.image_size, device, estimate=estimate, exact=True) is not None:
         return False
     folder.mkdir(parents=True, exist_ok=True)
     t = config.training
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(spec["arch"], weights=spec["weights"], args=spec["args"], num_classes=2,
                           trust_factories=spec.get("trust_factories", ())).module  # the daemon's config's, handed down
     verb = "estimating" if spec["estimate"] else "measuring"
-    load_or_measure(model, spec["size"], spec["device"], estimate=spec["estimate"],
+    load_or_measure(model, spec["size"], spec["device"], estimate=spec["estimate"], exact=True,
                     progress=lambda i, n: print(f"{PROGRESS}{verb} stage {i + 1}/{n}", file=sys.stderr, flush=True))
     return 0
 

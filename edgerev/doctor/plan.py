@@ -128,9 +128,9 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         estimate = cfg.memory.profile == "estimate"
         prof = None
         if budget is not None:
-            prof = profiles.cached_profile(model, cfg.data.size, device, estimate=estimate)
+            prof = profiles.cached_profile(model, cfg.data.size, device, estimate=estimate, exact=True)
             if prof is None and profile == "measure":
-                prof = profiles.load_or_measure(model, cfg.data.size, device, estimate=estimate)
+                prof = profiles.load_or_measure(model, cfg.data.size, device, estimate=estimate, exact=True)
         if budget is None:
             planner, micro, modes, predicted = "the model's default modes (no cap)", t.batch, None, None
         elif prof is not None:

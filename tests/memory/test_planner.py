@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from edgerev.engine import supported_modes
+from edgerev.engine import Mode, supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers import HybridBlock
 from edgerev.memory.measure import profile as profile_mod
@@ -20,8 +20,9 @@ from edgerev.memory.measure.peak import fake_step_peak
 from edgerev.memory.measure.profile import cache_dir, estimate_profile, fixed_bytes, load_or_measure
 from edgerev.memory.plan import autoplan
 from edgerev.memory.plan.autoplan import SLICE_LADDER, Proposal, plan_model, plan_training, verify, widen_slices
+from edgerev.memory.solve import knapsack
 from edgerev.memory.solve.costs import PROFILE_VERSION, BudgetTooSmall, Curve, Linear, ModeCost, Plan, Profile
-from edgerev.memory.solve.knapsack import Choice, choices_at, peak_of, plan, smallest_budget, solve
+from edgerev.memory.solve.knapsack import Choice, choices_at, exact_only, peak_of, plan, smallest_budget, solve
 from edgerev.models import EngineModel, create_model
 from edgerev.models.base import stem
 from edgerev.sizes import parse_bytes
@@ -430,14 +431,22 @@ def test_estimate_profile_runs_and_agrees_with_measured_bytes():
 
 
 class FakeMeasure:
-    """Stands in for ``measure_profile``: returns a measured profile and counts the calls."""
+    """Stands in for ``measure_profile``: returns a measured profile (its exact modes only, or the modes asked for, as
+    the real one) and counts the calls."""
 
     def __init__(self, prof: Profile) -> None:
-        self.prof, self.calls = prof, 0
+        self.prof, self.calls, self.asked = prof, 0, []
 
-    def __call__(self, model, size, device="cpu", **kw) -> Profile:
+    def __call__(self, model, size, device="cpu", modes=None, exact=False, **kw) -> Profile:
         self.calls += 1
+        self.asked.append("exact" if exact else "all" if modes is None else "+".join(sorted(m.value for m in modes)))
         assert size == self.prof.size and device == self.prof.device
+        if exact:
+            return dataclasses.replace(exact_only(self.prof), source="measured exact")
+        if modes is not None:
+            names = {m.value for m in modes}
+            return dataclasses.replace(self.prof, stages=[{m: c for m, c in s.items() if m in names}
+                                                          for s in self.prof.stages])
         return self.prof
 
 
@@ -492,6 +501,75 @@ def test_an_estimate_is_cached_in_the_process_and_on_disk(cache, monkeypatch):
     monkeypatch.setattr(profile_mod, "measure_profile", measure)
     load_or_measure(small_model(), 16)
     assert measure.calls == 1
+
+
+def test_the_exact_modes_are_measured_first_and_the_approximate_ones_only_when_asked(cache, monkeypatch):
+    """The planner asks for the exact modes first; the approximate ones, as long again to measure, are measured where
+    no exact plan fits, and then only they: the profile of every mode is the exact one completed, and answers both
+    questions from then on."""
+    prof = measured()
+    fake = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "measure_profile", fake)
+    part = load_or_measure(small_model(), 16, exact=True)
+    assert not part.every_mode and not any(knapsack.APPROXIMATE & set(s) for s in part.stages)
+    assert load_or_measure(small_model(), 16, exact=True) == part and fake.asked == ["exact"]  # read back
+    full = load_or_measure(small_model(), 16)
+    assert fake.asked == ["exact", "store4+store8"] and full.every_mode and full.source == "measured"
+    assert [{m: (c.kept, c.forward, c.backward) for m, c in s.items()} for s in full.stages] == \
+        [{m: (c.kept, c.forward, c.backward) for m, c in s.items()} for s in prof.stages]
+    assert sorted(p.name.removeprefix(f"RevNeXt-16-cpu-{prof.key}") for p in cache.iterdir()) == \
+        ["-measured-exact.json", ".json"]
+    assert load_or_measure(small_model(), 16, exact=True) == full == load_or_measure(small_model(), 16)
+    assert len(fake.asked) == 2
+    # a profile of every mode measured at once answers the exact question too: nothing is measured for it
+    for path in cache.iterdir():
+        path.unlink()
+    again = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "measure_profile", again)
+    assert load_or_measure(small_model(), 16) == prof == load_or_measure(small_model(), 16, exact=True)
+    assert again.asked == ["all"]
+
+
+def test_the_exact_and_the_approximate_modes_measured_apart_make_the_whole_profile():
+    """Measured apart (the exact modes, then the approximate ones), a profile's bytes are those of one measurement of
+    every mode, and ``store`` is still the fastest mode of each stage."""
+    model = small_model()
+    part = profile_mod.measure_profile(model, 16, batches=(4, 8), repeats=1, exact=True)
+    exact = [{m.value for m in supported_modes(stage)} - knapsack.APPROXIMATE for stage in model.body.stages]
+    assert part.source == "measured exact" and [set(s) for s in part.stages] == exact
+    rest = profile_mod.measure_profile(model, 16, batches=(4, 8), repeats=1, modes=[Mode.STORE8, Mode.STORE4])
+    whole = profile_mod.completed(part, rest, batches=(4, 8))
+    one = profile_mod.measure_profile(model, 16, batches=(4, 8), repeats=1)
+    assert whole.source == one.source == "measured" and whole.every_mode
+    assert [{m: (c.kept, c.forward, c.backward) for m, c in s.items()} for s in whole.stages] == \
+        [{m: (c.kept, c.forward, c.backward) for m, c in s.items()} for s in one.stages]
+    for stage in whole.stages:
+        if "store" in stage:
+            for b in (4, 8):
+                assert stage["store"].seconds.at(b) <= min(c.seconds.at(b) for c in stage.values()) + 1e-12
+    with pytest.raises(EdgerevError, match="another model"):
+        profile_mod.completed(part, dataclasses.replace(rest, key="0" * 16))
+
+
+def test_a_measured_plan_measures_the_approximate_modes_only_where_no_exact_plan_fits(cache, monkeypatch):
+    """Under a cap where an exact plan fits, planning measures the exact modes alone (a daemon's first job waited for
+    the approximate ones too: as long again); under one where only a 4-bit copy fits, it measures those after."""
+    def scaled(curve: Curve, f: float) -> Curve:
+        return Curve(*(Linear(fit.intercept * f, fit.slope * f) for fit in (curve.small, curve.large)))
+
+    # the small RevNeXt's copies made four times smaller, so that a budget fits them and no exact plan
+    prof = dataclasses.replace(measured(), stages=[
+        {m: ModeCost(*(scaled(k, 0.25) for k in (c.kept, c.forward, c.backward)), c.seconds)
+         if m in knapsack.APPROXIMATE else c for m, c in stage.items()} for stage in measured().stages])
+    fake = FakeMeasure(prof)
+    monkeypatch.setattr(profile_mod, "measure_profile", fake)
+    exact_floor = smallest_budget(exact_only(prof))
+    generous = plan_training(small_model(), 16, 4 * exact_floor, "cpu", max_batch=8, check=False, widen=False)
+    assert fake.asked == ["exact"] and not knapsack.APPROXIMATE & set(generous.modes)
+    between = (smallest_budget(prof) + exact_floor) // 2
+    assert smallest_budget(prof) < between < exact_floor
+    tight = plan_training(small_model(), 16, between, "cpu", max_batch=8, check=False, widen=False)
+    assert fake.asked == ["exact", "store4+store8"] and knapsack.APPROXIMATE & set(tight.modes)
 
 
 @pytest.mark.parametrize("damage", [

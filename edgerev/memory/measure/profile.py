@@ -34,7 +34,7 @@ from edgerev.engine import Execution, InvertibleSequence, Mode, engine_body, sup
 from edgerev.errors import EdgerevError
 from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
 from edgerev.memory.measure.tracker import MemoryTracker
-from edgerev.memory.solve.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats
+from edgerev.memory.solve.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats, profile_source
 from edgerev.models.spec import model_spec
 from edgerev.quantize import LAUNCHES, fusing
 
@@ -210,13 +210,14 @@ def _measure_mode(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: b
 
 
 def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: tuple[int, int] = (16, 32),
-                    repeats: int = 5, modes: list[Mode] | None = None,
+                    repeats: int = 5, modes: list[Mode] | None = None, exact: bool = False,
                     progress: Callable[[int, int], None] | None = None) -> Profile:
     """Measure every stage in every mode it supports (or in ``modes``) on this machine.
 
     A stage of the same :func:`stage_key` as one measured before (RevNeXt's blocks within a level) takes its costs:
-    the same bytes, and seconds that differ only by the clock's noise. ``progress(i, n)``: stage ``i`` of ``n``
-    begins."""
+    the same bytes, and seconds that differ only by the clock's noise. ``exact``: the exact modes only, as
+    :func:`estimate_profile` (the planner's first question; :func:`load_or_measure` measures the approximate ones
+    only where no exact plan fits, :func:`completed`). ``progress(i, n)``: stage ``i`` of ``n`` begins."""
     body = _body(model)
     shapes = stage_inputs(model, size, device)
     state = {k: v.clone() for k, v in model.state_dict().items()}  # profiling steps move BN statistics
@@ -231,7 +232,7 @@ def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: t
             if key not in seen:
                 costs = {}
                 for m in supported_modes(stage):
-                    if modes is None or m in modes:
+                    if (modes is None or m in modes) and not (exact and m.bits is not None):
                         costs[m.value] = _measure_mode(stage, m, shape, i == 0, device, batches, repeats)
                 seen[key] = _store_is_fastest(costs, batches)
                 stage.zero_grad(set_to_none=True)
@@ -240,7 +241,16 @@ def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: t
     finally:
         model.load_state_dict(state)
     return Profile(type(model).__name__, size, device, model_key(model, size, device),
-                   "measured", fixed_bytes(model), stages, names)
+                   profile_source(False, exact), fixed_bytes(model), stages, names)
+
+
+def completed(part: Profile, rest: Profile, batches: tuple[int, int] = (16, 32)) -> Profile:
+    """A profile of every mode from ``part``'s exact modes and ``rest``'s approximate ones (measured later, by
+    ``measure_profile(modes=...)`` at the same ``batches``): ``store`` stays the fastest, as in one measurement."""
+    if (part.key, len(part.stages)) != (rest.key, len(rest.stages)):
+        raise EdgerevError(f"cannot complete the profile {part.key} with the profile {rest.key}: another model")
+    stages = [_store_is_fastest({**a, **b}, batches) for a, b in zip(part.stages, rest.stages)]
+    return replace(part, source=profile_source(False, False), stages=stages)
 
 
 def _store_is_fastest(costs: dict[str, ModeCost], batches: tuple[int, int]) -> dict[str, ModeCost]:
@@ -290,7 +300,7 @@ def estimate_profile(model: nn.Module, size: int, device: str = "cpu", exact: bo
                        for m in supported_modes(stage) if not (exact and m.bits is not None)})
         names.append(type(stage).__name__)
     return Profile(type(model).__name__, size, device, model_key(model, size, device),
-                   "estimated exact" if exact else "estimated", fixed_bytes(model), stages, names)
+                   profile_source(True, exact), fixed_bytes(model), stages, names)
 
 
 def estimated_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str = "cpu"
@@ -382,28 +392,43 @@ class FlopCounter(TorchDispatchMode):
         return out
 
 
+def _path(model: nn.Module, size: int, device: str, root: Path, kind: str) -> Path:
+    """Where the profile of (model, size, device) of ``kind`` is cached under ``root``."""
+    name = f"{type(model).__name__}-{size}-{device}-{model_key(model, size, device)}"
+    return root / (f"{name}.json" if kind == "measured" else f"{name}-{kind.replace(' ', '-')}.json")
+
+
+def _read(path: Path, key: str, kind: str) -> Profile | None:
+    """The profile cached at ``path``, or None (none there, another version, model or kind, or damaged)."""
+    if not path.exists():
+        return None
+    try:
+        d = json.loads(path.read_text())
+        if isinstance(d, dict) and d.get("version") == PROFILE_VERSION and d.get("key") == key \
+                and d.get("source", kind) == kind:
+            return Profile.from_json(d)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        pass  # a damaged cache entry is measured again
+    return None
+
+
 def _cached(model: nn.Module, size: int, device: str, root: Path, estimate: bool,
             exact: bool = False) -> tuple[Path, Profile | None]:
-    """Where the profile of (model, size, device) is cached under ``root``, and the profile if one is there."""
+    """Where a profile of (model, size, device) of the kind asked for is cached under ``root``, and the cached
+    profile that answers: one of every mode answers a question for the exact modes too."""
     key = model_key(model, size, device)
-    kind = ("estimated exact" if exact else "estimated") if estimate else "measured"
-    name = f"{type(model).__name__}-{size}-{device}-{key}"
-    path = root / (f"{name}-{kind.replace(' ', '-')}.json" if estimate else f"{name}.json")
-    if path.exists():
-        try:
-            d = json.loads(path.read_text())
-            if isinstance(d, dict) and d.get("version") == PROFILE_VERSION and d.get("key") == key \
-                    and d.get("source", kind) == kind:
-                return path, Profile.from_json(d)
-        except (ValueError, KeyError, TypeError, AttributeError, OSError):
-            pass  # a damaged cache entry is measured again
-    return path, None
+    kinds = tuple(profile_source(estimate, e) for e in ((False, True) if exact else (False,)))
+    for kind in kinds:
+        prof = _read(_path(model, size, device, root, kind), key, kind)
+        if prof is not None:
+            return _path(model, size, device, root, kinds[-1]), prof
+    return _path(model, size, device, root, kinds[-1]), None
 
 
 def cached_profile(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
-                   estimate: bool = False) -> Profile | None:
+                   estimate: bool = False, exact: bool = False) -> Profile | None:
     """The profile :func:`load_or_measure` would reuse, or None; nothing is measured (``edgerev doctor``)."""
-    prof = _cached(model, size, device, cache or cache_dir(), estimate)[1]
+    prof = _cached(model, size, device, cache or cache_dir(), estimate, exact)[1]
     return None if prof is None else _own_bytes(prof, model)
 
 
@@ -412,20 +437,29 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
                     progress: Callable[[int, int], None] | None = None) -> Profile:
     """The cached profile for (model, size, device), measuring it (or estimating it) the first time.
 
+    ``exact``: the exact modes are enough (a profile of every mode answers too): the planner asks for the
+    approximate ones only where no exact plan fits, and they take as long again as the exact ones. A profile of
+    every mode asked for where the exact modes were measured before measures only the approximate ones.
+
     Estimates are cached too (their own file, and in this process): an estimate depends only on the
     model's structure, the input size and torch, yet runs every stage in every mode under fake tensors,
     a minute and more on a small CPU; a daemon or a fleet round that plans each job of the same model
     would pay it every job.
     """
-    exact = exact and estimate  # a measured profile has every mode
     key = (model_key(model, size, device), exact)
     if estimate and key in _ESTIMATES:
         return _own_bytes(copy.deepcopy(_ESTIMATES[key]), model)
     root = cache or cache_dir()
     path, prof = _cached(model, size, device, root, estimate, exact)
     if prof is None:
-        prof = estimate_profile(model, size, device, exact=exact, progress=progress) if estimate else \
-            measure_profile(model, size, device, progress=progress)
+        part = None if estimate or exact else _cached(model, size, device, root, False, True)[1]
+        if estimate:
+            prof = estimate_profile(model, size, device, exact=exact, progress=progress)
+        elif part is not None:  # the exact modes measured by an earlier plan: the approximate ones now
+            approximate = [m for m in Mode if m.bits is not None]
+            prof = completed(part, measure_profile(model, size, device, modes=approximate, progress=progress))
+        else:
+            prof = measure_profile(model, size, device, exact=exact, progress=progress)
         try:
             root.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

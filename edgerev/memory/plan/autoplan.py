@@ -72,7 +72,7 @@ class _ModesSolver:
                  progress: Progress = SILENT) -> None:
         self.model, self.size, self.device, self.estimate = model, size, device, estimate
         self.profile = profile
-        self._full = profile  # with the approximate modes too; an estimate is first made without them
+        self._full = profile if profile is not None and profile.every_mode else None  # with the approximate modes
         self.progress = progress
 
     def _load(self, exact: bool, what: str) -> Profile:
@@ -82,7 +82,7 @@ class _ModesSolver:
                                         progress=lambda i, n: self.progress.step(f"{verb} stage", i, n))
 
     def full(self) -> Profile:
-        """The profile with every mode (estimated when first needed: only where no exact plan fits)."""
+        """The profile with every mode (measured or estimated when first needed: only where no exact plan fits)."""
         if self._full is None:
             self._full = self._load(False, "the approximate modes' costs")
         return self._full
@@ -116,7 +116,7 @@ class _ModesSolver:
     def prepare(self) -> None:
         if self.profile is None:
             self.profile = self._load(True, "stage costs")
-            self._full = None if self.estimate else self.profile
+            self._full = self.profile if self.profile.every_mode else None
 
     def accumulation_bytes(self) -> int:
         """What a micro-batch after a step's first holds besides a bare step: the engine's one backward hands back

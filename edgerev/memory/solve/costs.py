@@ -14,6 +14,13 @@ from edgerev.errors import EdgerevError
 
 # 3: estimated seconds count kernel launches; byte fits at adaptive large batches; 4: CUDA's count the fused quantizer
 PROFILE_VERSION = 4
+#: what a profile's source ends with when it holds only the exact modes
+EXACT_ONLY = " exact"
+
+
+def profile_source(estimate: bool, exact: bool) -> str:
+    """A profile's source: measured or estimated, of the exact modes only or of every mode."""
+    return ("estimated" if estimate else "measured") + (EXACT_ONLY if exact else "")
 
 
 class BudgetTooSmall(EdgerevError):
@@ -74,11 +81,17 @@ class Profile:
     size: int
     device: str
     key: str
-    source: str  # "measured" or "estimated"
+    source: str  # "measured" or "estimated", with " exact" when only the exact modes were (EXACT_ONLY)
     fixed_bytes: int  # weights, their gradients and buffers
     stages: list[dict[str, ModeCost]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     head_seconds: Linear = Linear(0.0, 0.0)
+
+    @property
+    def every_mode(self) -> bool:
+        """Every mode of every stage is here, the approximate ones too (else only the exact ones: the planner's first
+        question, answered without the approximate modes' costs)."""
+        return not self.source.endswith(EXACT_ONLY)
 
     def to_json(self) -> dict:
         d = asdict(self)
