@@ -150,8 +150,8 @@ class PromotionConfig:
     has at least ``min_heldout_per_class`` of them. ``keep_last``: version directories kept on disk.
     ``exporter``: torch's ONNX exporter for a promoted candidate, as ``edgerev export --exporter`` takes it:
     ``auto`` (the default: ``torch.export``'s from torch 2.7 on, falling back to the TorchScript one where it
-    fails), ``dynamo``, or ``legacy``: the TorchScript exporter, which PyTorch has deprecated, and about fifteen
-    times faster (0.3 s against 4-6 s for the CPU preset's model on one CPU thread). Either file is checked
+    fails), ``dynamo``, or ``legacy``: the TorchScript exporter, which PyTorch has deprecated, and much faster
+    (a fraction of a second against seconds for the CPU preset's model on one CPU thread). Either file is checked
     against PyTorch with ONNX Runtime before it is written; the version's metrics name the exporter."""
 
     alpha: float = 0.05

@@ -71,9 +71,11 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     """With workers (``-n``), a worker that runs out of tests takes half of what another has queued (xdist's
     ``worksteal``). The default (``load``) queues each worker's first tests in one block up front: the long tests
-    sorted to the front all went to one worker, which ran them while the other finished early."""
+    sorted to the front all went to one worker, which ran them while the other finished early. ``-n`` alone sets
+    ``--dist load``, so an explicit ``--dist load`` cannot be told from it and takes ``worksteal`` too; any other
+    ``--dist`` is the caller's."""
     if config.getvalue("dist") != "load":
-        return None  # a --dist the caller chose
+        return None
     from xdist.scheduler import WorkStealingScheduling
 
     return WorkStealingScheduling(config, log)

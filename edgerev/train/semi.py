@@ -86,8 +86,8 @@ class SemiLoss:
     @property
     def memory_key(self) -> tuple:
         """What a step's memory depends on in this loss (:class:`edgerev.memory.plan.autoplan.DescribedLoss`): the
-        weighted per-sample cross-entropy, and ``base``'s distillation. Without it every account of a step with
-        unlabelled views (a daemon's job, where ``semi`` is on by default) ran again, in every plan."""
+        weighted per-sample cross-entropy, and ``base``'s distillation. The planner keeps a step's account under it,
+        so that a daemon's job (``semi`` is on by default) accounts each proposal once."""
         return ("semi", *self.base.memory_key)
 
     def __call__(self, logits: Tensor, labels: Tensor, weights: Tensor, teacher: Tensor | None = None) -> Tensor:
