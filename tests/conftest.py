@@ -45,13 +45,17 @@ def profile_cache(tmp_path_factory):
     if os.environ.get("EDGEREV_CACHE"):
         yield Path(os.environ["EDGEREV_CACHE"])
         return
+    from tests import profiles
+
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "edgerev-cache"
     os.environ["EDGEREV_CACHE"] = str(root)
+    profiles.SHARED = root.with_name("measured-profiles")  # tests/profiles.py's, beside it: no cache reads them
     try:
         yield root
     finally:
         os.environ.pop("EDGEREV_CACHE", None)
+        profiles.SHARED = None
 
 
 def pytest_collection_modifyitems(config, items):

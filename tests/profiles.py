@@ -14,7 +14,9 @@ reads). Only their bytes and their structure matter to the tests, not their seco
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import json
 from pathlib import Path
 
@@ -37,13 +39,30 @@ def small_model(spec: tuple = SMALL_REVNEXT) -> nn.Module:
     return create_model(arch, **dict(overrides))
 
 
+#: where a run's workers share the profiles :func:`measured` makes (set by tests/conftest.py; None: each process
+#: measures its own)
+SHARED: Path | None = None
+
+
 @functools.cache
 def measured(spec: tuple = SMALL_REVNEXT, size: int = 16) -> Profile:
-    """The measured profile of ``small_model(spec)`` at ``size`` (measured once per process; do not modify).
+    """The measured profile of ``small_model(spec)`` at ``size`` (measured once per run, by the first worker that
+    asks, the others wait for it and read it; do not modify).
 
-    Seconds are timed at batches 4 and 8, twice: the tests check bytes, which do not depend on it.
+    Seconds are timed at batches 4 and 8, twice: the tests check bytes, which do not depend on it (nor on which
+    worker measured them).
     """
-    return measure_profile(small_model(spec), size, batches=(4, 8), repeats=2)
+    if SHARED is None:
+        return measure_profile(small_model(spec), size, batches=(4, 8), repeats=2)
+    SHARED.mkdir(parents=True, exist_ok=True)
+    path = SHARED / f"{spec[0]}-{hashlib.sha256(repr(spec).encode()).hexdigest()[:12]}-{size}.json"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.exists():
+            return Profile.from_json(json.loads(path.read_text()))
+        prof = measure_profile(small_model(spec), size, batches=(4, 8), repeats=2)
+        path.write_text(json.dumps(prof.to_json()))
+        return prof
 
 
 @functools.cache
