@@ -66,7 +66,7 @@ from edgerev_daemon.service.signals import Requests
 from edgerev_daemon.storage.blobs import BlobStore
 from edgerev_daemon.storage.check import check_consistency, remove_garbage
 from edgerev_daemon.storage.faults import Conditions, free_bytes, storage_fault
-from edgerev_daemon.storage.rebuild import guard_start, replay
+from edgerev_daemon.storage.rebuild import damage, guard_start, refusal, replay
 from edgerev_daemon.storage.records import EventKind, Job, JobState, Version
 from edgerev_daemon.storage.registry import Registry
 from edgerev_daemon.storage.retention import enforce, finish_removals, fits_disk
@@ -206,6 +206,9 @@ class Daemon:
         except CYCLE_ERRORS as e:
             why = storage_fault(e)
             if why is None:
+                damaged = damage(e)
+                if damaged is not None:  # what guard_start's check of the file could not see: refused the same way
+                    raise refusal(self.config.layout, damaged, self.config_path) from e
                 raise
             self.conditions.begin("storage", f"start-up repair waits: {why}")
             return False

@@ -134,10 +134,35 @@ def guard_start(config: DaemonConfig, config_path: str | Path | None = None) -> 
         return  # a new data directory
     if not found and why == "is empty (0 bytes)":
         return  # created by a start that died at once: nothing to lose
-    raise StoreError(f"{layout.database} {why}, but the data directory holds {found.describe() or 'other files'}; "
-                     f"the daemon will not start on it (that would lose them): run "
-                     f"edgerev daemon rebuild --config {config_path or 'CONFIG'}"
-                     + (" --move-aside" if why != "is missing" else ""))
+    raise refusal(layout, why, config_path, found)
+
+
+def refusal(layout: Layout, why: str, config_path: str | Path | None = None, found: Evidence | None = None
+            ) -> StoreError:
+    """The one-line refusal to start on a store that ``why`` (``is missing``, ``is damaged (...)``), naming what
+    the data directory holds and the command that rebuilds the store."""
+    found = evidence(layout) if found is None else found
+    return StoreError(f"{layout.database} {why}, but the data directory holds {found.describe() or 'other files'}; "
+                      f"the daemon will not start on it (that would lose them): run "
+                      f"edgerev daemon rebuild --config {config_path or 'CONFIG'}"
+                      + (" --move-aside" if why != "is missing" else ""))
+
+
+#: SQLite's result codes for a damaged file (SQLITE_CORRUPT, SQLITE_NOTADB)
+_DAMAGED_CODES = frozenset({11, 26})
+
+
+def damage(e: BaseException) -> str | None:
+    """``is damaged (...)`` when ``e``, raised by a query of the store, says the file is damaged: SQLite's own
+    corruption codes, or a text value that is not UTF-8 (Python's sqlite3 cannot decode it: a flipped byte in a
+    row, which the start's quick check does not read); else None (a busy database, a storage fault, a bug)."""
+    if not isinstance(e, sqlite3.DatabaseError):
+        return None
+    if "could not decode" in str(e).lower():
+        return "is damaged (a text value that is not UTF-8)"
+    if getattr(e, "sqlite_errorcode", None) in _DAMAGED_CODES:
+        return f"is damaged ({' '.join(str(e).split())})"
+    return None
 
 
 def replay(store: Store, blobs: BlobStore, contents: JournalContents | None = None) -> int:
