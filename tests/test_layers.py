@@ -233,6 +233,40 @@ def test_layerwise_backward_matches_autograd(kind, budget):
         torch.testing.assert_close(grads[p], g, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("budget", [0, 1, 1100])
+@pytest.mark.parametrize("kind", ["bn_train", "bn_eval", "leaky_0.2", "leaky_0.5", "conv", "chain"])
+def test_restore_undoes_the_backward(kind, budget):
+    """``restore_`` after ``backward_`` gives back the output and the output gradient (floor mode's way by
+    restoring), and touches no parameter gradient; a chain (conv, BN, leaky ReLU, twice) undoes it layer by layer."""
+    from edgerev.layers import InvSequential
+
+    if kind == "chain":
+        torch.manual_seed(0)
+        block = randomize_(InvSequential(InvConv2d(8), InvBatchNorm2d(8), InvLeakyReLU(0.2),
+                                         InvConv2d(8), InvBatchNorm2d(8), InvLeakyReLU(0.2)).double())
+    else:
+        block = make_block(kind)
+    x, gy = sample(), sample(seed=11)
+    with torch.no_grad(), chunk_budget(budget):
+        tape = Tape()
+        y = block.forward_(x.clone(), tape)
+        tape.replay = True
+        grads: dict = {}
+        x_rec, gx = block.backward_(y.clone(), gy.clone(), tape, grads)
+        kept = {p: g.clone() for p, g in grads.items()}
+        y_back, gy_back = block.restore_(x_rec, gx.clone(), tape)
+    assert not torch.allclose(gx, gy)  # the backward did change the gradient
+    torch.testing.assert_close(y_back, y, rtol=0, atol=1e-10)
+    torch.testing.assert_close(gy_back, gy, rtol=0, atol=1e-10)
+    assert grads.keys() == kept.keys() and all(torch.equal(grads[p], kept[p]) for p in kept)
+
+
+def test_a_layer_without_an_undo_says_so():
+    block = make_block("channel_pool")
+    with pytest.raises(NotImplementedError, match="cannot undo its gradient map"):
+        block.restore_(sample(), sample(), Tape())
+
+
 def test_layerwise_backward_accumulates_into_existing_grads():
     block = make_block("conv")
     x, gy = sample(), sample(seed=2)

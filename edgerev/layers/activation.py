@@ -51,6 +51,10 @@ class InvLeakyReLU(Invertible):
         gy = self.grad_(y, y, gy, tape, grads)
         return F.leaky_relu_(y, 1.0 / self.slope), gy
 
+    def restore_(self, x: Tensor, g: Tensor, tape: Tape) -> tuple[Tensor, Tensor]:
+        y = F.leaky_relu_(x, self.slope)
+        return y, torch.ops.aten.leaky_relu_backward.grad_input(g, y, 1.0 / self.slope, True, grad_input=g)
+
     def grad_(self, x: Tensor, y: Tensor, gy: Tensor, tape: Tape, grads: Grads | None) -> Tensor:
         """The gradient depends on the output's signs only; neither ``x`` nor ``y`` is written. One kernel
         over the whole batch, writing ``gy`` in place: no temporary to slice."""

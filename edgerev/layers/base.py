@@ -103,6 +103,8 @@ class Tape:
         coefficients: per-module values derived from ``stats`` and the weights (a batch norm's scale and
             shift, forward and inverse), computed once per step where the backward first needs them: the
             weights do not change inside a step.
+        undo: per-module terms a backward leaves for undoing its gradient map (a training-mode batch norm's, whose
+            map depends on sums of the gradient it was given; :meth:`Invertible.restore_`).
         replay: True while the backward re-runs forwards: batch norm then reuses ``stats`` instead of
             measuring the batch again, and running statistics are never touched.
         probe: optional ``probe(module, x)`` called with every input a backward reconstructs
@@ -116,6 +118,7 @@ class Tape:
         self.stats: dict[nn.Module, tuple[Tensor, ...]] = {}
         self.scales: dict[nn.Module, Tensor] = {}
         self.coefficients: dict[nn.Module, tuple[Tensor, ...]] = {}
+        self.undo: dict[nn.Module, tuple[Tensor, ...] | None] = {}
         self.replay = False
         self.probe = probe
         self.slice_bytes = chunk_bytes() if slice_bytes is None else int(slice_bytes)
@@ -157,6 +160,12 @@ class Invertible(nn.Module):
         rebuilt. ``x`` is only read; ``y`` may be overwritten (this default runs :meth:`backward_` on it)."""
         return self.backward_(y, gy, tape, grads)[1]
 
+    def restore_(self, x: Tensor, g: Tensor, tape: Tape) -> tuple[Tensor, Tensor]:
+        """Undo :meth:`backward_` of this step walking forward: ``x``, the layer's input, becomes its output (as
+        :meth:`forward_`), and ``g``, the input gradient the backward gave, becomes the output gradient it was given
+        (the gradient map inverted), both in place. Parameter gradients are not touched."""
+        raise NotImplementedError(f"{type(self).__name__} cannot undo its gradient map")
+
     def _plain_tape(self) -> Tape:
         """A replay tape filled with the statistics each sub-layer saw in its last plain forward."""
         tape = Tape()
@@ -197,6 +206,11 @@ class InvSequential(Invertible):
         for layer in reversed(self.layers):
             y = layer.inverse_(y, tape)
         return y
+
+    def restore_(self, x: Tensor, g: Tensor, tape: Tape) -> tuple[Tensor, Tensor]:
+        for layer in self.layers:
+            x, g = layer.restore_(x, g, tape)
+        return x, g
 
     def backward_(self, y: Tensor, gy: Tensor, tape: Tape, grads: Grads) -> tuple[Tensor, Tensor]:
         for layer in reversed(self.layers):

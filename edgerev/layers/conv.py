@@ -85,6 +85,20 @@ class InvConv2d(Invertible):
             y1[sl].sub_(self._conv(y2[sl], wf))
         return y
 
+    def restore_(self, x: Tensor, g: Tensor, tape: Tape) -> tuple[Tensor, Tensor]:
+        """The gradient map is again a coupling, ``g1 += wg^T g2`` then ``g2 += wf^T g1`` (:meth:`_grad_through`),
+        and reads no activation: undone as ``g2 -= wf^T g1`` then ``g1 -= wg^T g2``, with the forward, slice by
+        slice."""
+        wf, wg = self.weight_f.detach(), self.weight_g.detach()
+        x1, x2 = halves(x)
+        g1, g2 = halves(g)
+        for sl in tape.slices(g, 1.0):
+            g2[sl].sub_(self._conv_backward(g1[sl], x2[sl], wf, False)[0])
+            g1[sl].sub_(self._conv_backward(g2[sl], x1[sl], wg, False)[0])
+            x1[sl].add_(self._conv(x2[sl], wf))
+            x2[sl].add_(self._conv(x1[sl], wg))
+        return x, g
+
     def _conv_backward(self, gout: Tensor, inp: Tensor, w: nn.Parameter,
                        want_gw: bool) -> tuple[Tensor, Tensor | None]:
         p = self.padding

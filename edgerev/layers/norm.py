@@ -163,18 +163,22 @@ class InvBatchNorm2d(Invertible):
             k = \frac{a\,ds}{n s}, \qquad
             c = k \beta - \frac{a\,d\beta}{n}
 
-        Three small kernels: ``sign(gamma) ds``; ``ds`` times the step's ``[a / (n s), a \beta / (n s)]`` at once; then
-        ``c``. (Eval mode's map is ``g_x = a g``, per sample anyway: ``input`` is None.) ``gamma``'s gradient is a
-        tensor of its own: a view of a larger one would keep that alive as long as the gradient.
+        and the same map undone, ``g = g_x / a - c / a + (k / a) y`` (:meth:`restore_`), from the same two kernels:
+        ``k / a = ds / (n s)`` and ``-c / a = d\beta / n - \beta\,ds / (n s)``.
+
+        Three small kernels: ``sign(gamma) ds``; ``ds`` times the step's four per-channel factors at once; then the
+        two ``d\beta`` terms. (Eval mode's map is ``g_x = a g``, per sample anyway: ``input`` is None.) ``gamma``'s
+        gradient is a tensor of its own: a view of a larger one would keep that alive as long as the gradient.
         """
         co = self.coefficients(tape)
         dbeta, ds = sums
         weight = ds * co.sign
         if not self.training:
-            return GradTerms(weight, None)
-        k, c = ds * co.ds_factors  # one kernel for two per-channel products
-        c.addcmul_(dbeta, co.a_over_n, value=-1.0)
-        return GradTerms(weight, (co.a, _view(c), _view(k)))
+            return GradTerms(weight, None, None)
+        terms = ds * co.ds_factors  # rows: k, a beta ds / (n s), ds / (n s), -beta ds / (n s)
+        terms[1::2].addcmul_(dbeta, co.over_n, value=-1.0)  # rows 1 and 3: c, and -c / a
+        k, c, k_over_a, minus_c_over_a = terms
+        return GradTerms(weight, (co.a, _view(c), _view(k)), (co.inverse_a, _view(minus_c_over_a), _view(k_over_a)))
 
     @staticmethod
     def input_grad_(y: Tensor, gy: Tensor, coefficients: tuple[Tensor, Tensor, Tensor]) -> Tensor:
@@ -199,9 +203,21 @@ class InvBatchNorm2d(Invertible):
             self.input_grad_(y, gy, terms.input)
         else:
             gy.mul_(self.coefficients(tape).a)
+        tape.undo[self] = terms.undo
         add_grad(grads, self.weight, terms.weight)
         add_grad(grads, self.bias, dbeta)
         return self.inverse_(y, tape), gy
+
+    def restore_(self, x: Tensor, g: Tensor, tape: Tape) -> tuple[Tensor, Tensor]:
+        r"""Undo :meth:`backward_`'s gradient map with the terms it left on the tape:
+        ``g = g_x / a - c / a + (k / a) y`` with ``y`` the output (eval mode: ``g = g_x / a``). Two kernels over the
+        batch, none per channel."""
+        y = self.forward_(x, tape)
+        if not self.training:
+            return y, g.mul_(self.coefficients(tape).inverse_a)
+        inverse_a, minus_c_over_a, k_over_a = tape.undo[self]
+        torch.addcmul(minus_c_over_a, g, inverse_a, out=g)
+        return y, g.addcmul_(y, k_over_a)
 
 
 def prepare(modules: Iterable[nn.Module], tape: Tape) -> None:
@@ -229,10 +245,11 @@ class Coefficients:
         inverse_a, inverse_shift: the inverse ``x = inverse_a y + inverse_shift`` (views).
         beta, inv_s: the shift and ``1 / s``, for the fused reduction's ``xhat = (y - beta) / s``.
         sign: ``sign(gamma)``, the scale's derivative.
-        a_over_n: ``a / n`` with ``n`` values per channel (training mode).
-        ds_factors: ``[2, C]``: ``a / (n s)`` and ``a beta / (n s)``, two per-channel factors of the scale's
-            gradient ``ds`` in :meth:`InvBatchNorm2d.grad_terms` (rows of one tensor: one kernel multiplies ``ds``
-            by both).
+        over_n: ``[2, C]``: ``a / n`` and ``-1 / n`` with ``n`` values per channel (training mode), the factors of
+            ``d beta`` in :meth:`InvBatchNorm2d.grad_terms`.
+        ds_factors: ``[4, C]``: ``a / (n s)``, ``a beta / (n s)``, ``1 / (n s)`` and ``-beta / (n s)``, the per-channel
+            factors of the scale's gradient ``ds`` in :meth:`InvBatchNorm2d.grad_terms` (rows of one tensor: one
+            kernel multiplies ``ds`` by all four).
     """
 
     a: Tensor
@@ -242,7 +259,7 @@ class Coefficients:
     beta: Tensor
     inv_s: Tensor
     sign: Tensor
-    a_over_n: Tensor
+    over_n: Tensor
     ds_factors: Tensor
 
 
@@ -253,10 +270,13 @@ class GradTerms:
     Attributes:
         weight: ``gamma``'s gradient.
         input: ``(a, c, k)`` of the input gradient ``g_x = a g + c - k y`` (training mode; None in eval mode).
+        undo: ``(1 / a, -c / a, k / a)``: the same map undone, ``g = g_x / a - c / a + (k / a) y``
+            (:meth:`InvBatchNorm2d.restore_`; training mode, None in eval mode).
     """
 
     weight: Tensor
     input: tuple[Tensor, Tensor, Tensor] | None
+    undo: tuple[Tensor, Tensor, Tensor] | None
 
 
 def _foreach(name: str, *args):
@@ -289,12 +309,19 @@ def _coefficients(norms: list[InvBatchNorm2d], tape: Tape) -> list[Coefficients]
     a_over_n = _foreach("div", a, counts)
     a_over_ns = _foreach("mul", a_over_n, inv_s)
     shift_over = _foreach("mul", a_over_ns, betas)
-    # each batch norm's two factors of ds as the rows of one tensor, filled for all of them by one kernel
-    ds_factors = [torch.empty(2, len(b), dtype=b.dtype, device=b.device) for b in betas]
-    _copy_all([f[r] for f in ds_factors for r in range(2)],
-              [v for i in range(len(norms)) for v in (a_over_ns[i], shift_over[i])])
+    # the same factors over a, for the map undone: 1 / (n s), -beta / (n s), -1 / n
+    minus_inverse_a = _foreach("neg", inverse_a)
+    over_ns = _foreach("mul", a_over_ns, inverse_a)
+    minus_shift_over = _foreach("mul", shift_over, minus_inverse_a)
+    minus_over_n = _foreach("mul", a_over_n, minus_inverse_a)
+    # each batch norm's factors as the rows of two tensors, filled for all of them by one kernel
+    over_n = [torch.empty(2, len(b), dtype=b.dtype, device=b.device) for b in betas]
+    ds_factors = [torch.empty(4, len(b), dtype=b.dtype, device=b.device) for b in betas]
+    rows = [(over_n[i], (a_over_n[i], minus_over_n[i])) for i in range(len(norms))]
+    rows += [(ds_factors[i], (a_over_ns[i], shift_over[i], over_ns[i], minus_shift_over[i])) for i in range(len(norms))]
+    _copy_all([t[r] for t, values in rows for r in range(len(values))], [v for _, values in rows for v in values])
     return [Coefficients(_view(a[i]), _view(shift[i]), _view(inverse_a[i]), _view(inverse_shift[i]), betas[i],
-                         inv_s[i], sign[i], a_over_n[i], ds_factors[i]) for i in range(len(norms))]
+                         inv_s[i], sign[i], over_n[i], ds_factors[i]) for i in range(len(norms))]
 
 
 def _copy_all(targets: list[Tensor], values: list[Tensor]) -> None:
