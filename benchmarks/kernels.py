@@ -6,7 +6,8 @@ For every registry model, every engine mode its stages support and plain autogra
   launch on a GPU; views and allocations are left out (``edgerev.memory.measure.profile.NO_KERNEL``), host reads
   of a tensor (``_local_scalar_dense``) are ``host_syncs``, counted apart; ``store8``/``store4``'s quantizer is
   counted as CUDA runs it, fused, each fused operator at its launches (``edgerev.quantize.LAUNCHES``;
-  ``--eager-quantizer``: the eager kernels a CPU runs);
+  ``--eager-quantizer``: the eager kernels a CPU runs); ``floor`` the way a GPU runs it, undoing its chains'
+  gradient maps (``Execution.floor_restore``; a CPU runs it by batch slices);
 * ``flops``: the step's FLOPs by ``torch.utils.flop_counter``'s formulas (convolutions, matrix products);
 * ``peak_bytes``: the step's predicted peak (``edgerev.memory.measure.account.account_step`` on fake tensors, the one
   accounting the planner and the trainer use);
@@ -103,13 +104,15 @@ def build(name: str, overrides: dict | None = None) -> torch.nn.Module:
 
 def configure(model: torch.nn.Module, mode: str) -> None:
     """Run ``model`` in ``mode``: ``plain`` (autograd, the reference), or one engine mode for every stage that
-    supports it (the others keep their default), as ``model.set_modes`` does."""
+    supports it (the others keep their default), as ``model.set_modes`` does; ``floor`` the way a GPU runs it
+    (``Execution.floor_restore``, where the source tree has it), wherever the step runs or is accounted."""
     import dataclasses
 
-    from edgerev.engine import InvertibleSequence
+    from edgerev.engine import Execution, InvertibleSequence
 
+    gpu_way = {"floor_restore": True} if "floor_restore" in {f.name for f in dataclasses.fields(Execution)} else {}
     for seq in (m for m in model.modules() if isinstance(m, InvertibleSequence)):  # as ``edgerev.plain`` does
-        seq.set_execution(dataclasses.replace(seq.execution, plain=mode == "plain"))
+        seq.set_execution(dataclasses.replace(seq.execution, plain=mode == "plain", **gpu_way))
     if mode != "plain":
         model.set_modes(mode)
 
@@ -424,6 +427,10 @@ def tasks_for(a: argparse.Namespace) -> list[Task]:
         kw = {"name": a.plan_model, "batch": a.plan_batch, "size": size, "overrides": ov}
         add(("count", a.plan_model, "plain", a.plan_batch, size), {**kw, "mode": "plain", "top": a.top}, scale)
         for mode, factor in a.caps:
+            plan_kw = {"name": a.plan_model, "size": size, "max_batch": a.plan_batch, "overrides": ov, "top": a.top}
+            if mode == "bytes":  # a cap in bytes: no reference to wait for
+                add(("plan", size, mode, factor), {**plan_kw, "budget": int(factor)}, 10 * COST["floor"] * scale)
+                continue
             ref = ("peak", a.plan_model, mode, a.plan_batch, size)
             add(ref, {**kw, "mode": mode}, 2 * COST[mode] * scale)
             add(("plan", size, mode, factor), {"name": a.plan_model, "size": size, "max_batch": a.plan_batch,
@@ -468,17 +475,19 @@ def assemble(a: argparse.Namespace, results: dict[tuple, dict]) -> tuple[list[di
         if key[0] != "plan":
             continue
         _, size, mode, factor = key
-        ref = results.get(("peak", a.plan_model, mode, n, size), {}).get("peak_bytes")
+        ref = results.get(("peak", a.plan_model, mode, n, size), {}).get("peak_bytes") if mode != "bytes" else None
         plain_ = results.get(("count", a.plan_model, "plain", n, size), {})
-        entry = {"model": a.plan_model, "size": size, "batch": n, "cap": f"{factor:.2f} x the all-{mode} peak",
-                 "reference_mode": mode, "reference_peak_bytes": ref,
-                 "cap_bytes": int(factor * ref) if ref else None, **res,
+        absolute = mode == "bytes"
+        entry = {"model": a.plan_model, "size": size, "batch": n,
+                 "cap": f"{factor / 1e6:.1f} MB" if absolute else f"{factor:.2f} x the all-{mode} peak",
+                 "reference_mode": None if absolute else mode, "reference_peak_bytes": ref,
+                 "cap_bytes": int(factor) if absolute else int(factor * ref) if ref else None, **res,
                  f"ops_per_{n}_vs_plain": _ratio(res.get(f"ops_per_{n}"), plain_.get("ops")),
                  f"flops_per_{n}_vs_plain": _ratio(res.get(f"flops_per_{n}"), plain_.get("flops")),
                  "peak_vs_reference": _ratio(res.get("peak_bytes"), ref),
                  "plain_ops": plain_.get("ops"), "plain_flops": plain_.get("flops")}
         planned.append(entry)
-    planned.sort(key=lambda e: (e["size"], e["reference_mode"]))
+    planned.sort(key=lambda e: (e["size"], -(e["cap_bytes"] or 0)))
     return rows, planned
 
 
@@ -497,11 +506,23 @@ def _engine_state() -> dict:
 
 
 def _caps(text: str) -> list[tuple[str, float]]:
+    """``MODE:FACTOR`` items (that mode's all-stage peak times the factor), or byte sizes (``610MB``: the cap
+    itself, as ``("bytes", 610e6)``)."""
+    from edgerev.errors import EdgerevError
+    from edgerev.sizes import parse_bytes
+
     caps = []
     for item in (s.strip() for s in text.split(",") if s.strip()):
-        mode, _, factor = item.partition(":")
+        mode, sep, factor = item.partition(":")
+        if not sep:
+            try:
+                caps.append(("bytes", float(parse_bytes(item))))
+                continue
+            except EdgerevError:
+                pass
         if mode not in COST or mode == "plain" or not factor:
-            raise argparse.ArgumentTypeError(f"--caps: {item!r} is not MODE:FACTOR (e.g. invert:1.10)")
+            raise argparse.ArgumentTypeError(f"--caps: {item!r} is neither MODE:FACTOR (e.g. invert:1.10) "
+                                             "nor a byte size (e.g. 610MB)")
         caps.append((mode, float(factor)))
     return caps
 
@@ -524,7 +545,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan-batch", type=int, default=32, help="the planner's max_batch (default 32)")
     p.add_argument("--plan-sizes", type=_ints, default=[32, 240], help="sizes planned (default 32,240; '': none)")
     p.add_argument("--caps", type=_caps, default=[("invert", 1.10), ("floor", 1.10)],
-                   help="caps as MODE:FACTOR of that mode's all-stage peak (default invert:1.10,floor:1.10)")
+                   help="caps as MODE:FACTOR of that mode's all-stage peak, or as bytes (610MB) "
+                        "(default invert:1.10,floor:1.10)")
     p.add_argument("--top", type=int, default=10, help="the most frequent op names kept per row (default 10)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="processes at a time (default: the cores; 0: everything in this process, no timeout)")

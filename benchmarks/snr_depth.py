@@ -8,7 +8,9 @@ For ``revnext`` and ``layerwise`` at 1, 2, 4 and 8 blocks (or layer triples) per
 * ``engine_vs_float64_min_db``: the same reconstruction against the float64 truth;
 * ``floor_diagnose_min_db``, ``floor_vs_float64_min_db``: the same two with every hybrid block in ``floor``
   mode, which runs ``F`` and ``G`` forward on copies of the block's halves instead of rebuilding the
-  halves through the layer inverses;
+  halves through the layer inverses (the CPU's way);
+* ``floor_restoring_diagnose_min_db``: ``floor`` the way a GPU runs it (``Execution.floor_restore``), which
+  rebuilds the halves through the layer inverses, twice per chain;
 * ``block_inverse_min_db``: a float32 forward, then float32 stage inverses one after another, each
   block's halves restored by the block inverse alone (what the authors' ``RevBlock`` does with copies
   of ``y1`` and ``x2``; edgerev's ``invert`` backward instead recovers them through ``G``'s and ``F``'s layer
@@ -110,6 +112,8 @@ def measure(arch: str, depth: int, batch: int = 8, size: int = 32, seed: int = 0
     d = diagnose(arch, depth=depth, batch=batch, size=size, seed=seed)
     floor = "floor" in {m.value for s in model.body.stages for m in supported_modes(s)}
     df = diagnose(arch, depth=depth, batch=batch, size=size, seed=seed, modes="floor") if floor else None
+    dr = diagnose(arch, depth=depth, batch=batch, size=size, seed=seed, modes="floor", floor_restore=True) \
+        if floor else None
     return {
         "depth": depth,
         "invertible_stages": d["invertible_stages"],
@@ -119,6 +123,9 @@ def measure(arch: str, depth: int, batch: int = 8, size: int = 32, seed: int = 0
         "floor_diagnose_min_db": round(df["min_snr_db"], 1) if df and df["min_snr_db"] is not None else None,
         "floor_diagnose_min_param_cosine": df["min_param_cosine"] if df else None,
         "floor_vs_float64_min_db": engine_db("floor") if floor else None,
+        "floor_restoring_diagnose_min_db": round(dr["min_snr_db"], 1) if dr and dr["min_snr_db"] is not None
+        else None,
+        "floor_restoring_diagnose_min_param_cosine": dr["min_param_cosine"] if dr else None,
         "block_inverse_min_db": _min(_snr(t, r) for t, r in zip(true_ins, blockwise)),
         "storage_floor_min_db": _min(_snr(t, r) for t, r in zip(true_ins, stored)),
         "rms_bottom": rms(true_ins[0]),

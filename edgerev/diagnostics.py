@@ -62,10 +62,11 @@ def _names(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def diagnose(arch: str, depth: int | None = None, batch: int = 8, size: int = 32, seed: int = 0,
-             modes: str | None = None, **overrides) -> dict:
+             modes: str | None = None, floor_restore: bool | None = None, **overrides) -> dict:
     """One float32 training step of ``arch`` through the engine and through plain autograd.
 
-    ``modes`` sets engine modes as ``edgerev memory --mode`` does (default: each stage's own).
+    ``modes`` sets engine modes as ``edgerev memory --mode`` does (default: each stage's own); ``floor_restore``
+    the way floor stages run (``Execution.floor_restore``; None: the CPU's, by slices).
     Returns per-stage and per-layer reconstruction SNR and per-stage gradient angles (JSON-ready).
     """
     from edgerev.memory.measure.peak import set_modes
@@ -110,7 +111,7 @@ def diagnose(arch: str, depth: int | None = None, batch: int = 8, size: int = 32
         else:
             layer_rows.append(row)
 
-    with executing(model, probe=probe):
+    with executing(model, probe=probe, floor_restore=floor_restore):
         F.cross_entropy(model(x), target).backward()
 
     stages = []

@@ -9,7 +9,7 @@ the stage was given:
 mode       forward keeps                           backward does
 ========== ======================================= =================================================
 invert     nothing                                 block inverse, then layer-wise inverses (hybrid)
-floor      nothing                                 block inverse and backward from F, G run on slices
+floor      nothing                                 block inverse and backward, no copy of a gradient half
 recompute  nothing                                 block inverse, then autograd on the recomputed stage
 store      the stage's autograd graph (its input)  ordinary backward of the stage
 store8     an 8-bit copy of each layer's saved input autograd's backward, each layer from its own copy
@@ -23,9 +23,11 @@ variance term) read the copies. When the stage before needs this stage's input t
 (``invert``, ``recompute``), an invertible stage rebuilds it from its exact output with its inverse;
 any other stage then also keeps its input in float32.
 
-``floor`` keeps 2 activation volumes live (no copy of a gradient half) and never rebuilds a block's
-halves through layer inverses: ``F`` and ``G`` run forward on copies of batch slices, once per batch
-norm and once more, and the halves are only subtracted from (:meth:`Coupling.floor_backward_`).
+``floor`` keeps 2 activation volumes live (no copy of a gradient half), one of two ways
+(:meth:`Coupling.floor_backward_`, :attr:`Execution.floor_restore`): on the CPU ``F`` and ``G`` run forward on
+copies of batch slices, once per batch norm and once more, and the halves are only subtracted from (the
+fewest FLOPs); on a GPU, where every kernel is a launch, the chains run over the whole batch and undo
+their gradient maps to give the gradient half back (few kernels, two more walks of each chain).
 
 A stored convolution's output, and that of the per-sample invertible layers right after it (RevNeXt's
 stem), is computed again from the convolution's kept input before their backward instead of being rebuilt
@@ -94,6 +96,10 @@ class Execution:
             :func:`edgerev.layers.chunk_budget` for every stage (the lean setting).
         watch: called as ``watch(i)`` when stage ``i``'s forward or backward starts and ``watch(None)`` when
             the engine hands back to autograd (the planner attributes a step's peak to stages this way).
+        floor_restore: how ``floor`` stages keep the gradient half without a copy: by undoing their chains'
+            gradient maps over the whole batch (True: few kernels) or from the chains run on batch slices (False:
+            fewer FLOPs); None: as the device the step runs on wants it (:func:`floor_restores`). A plan sets it
+            for the device it was made for, so that its fake-tensor accounting runs the same way.
     """
 
     plain: bool = False
@@ -102,6 +108,14 @@ class Execution:
     owns_buffers: bool = False
     slices: tuple[int, ...] | None = None
     watch: Callable[[int | None], None] | None = None
+    floor_restore: bool | None = None
+
+
+def floor_restores(device: str | torch.device) -> bool:
+    """Does ``floor`` mode undo its chains' gradient maps on ``device`` (:meth:`Coupling.floor_backward_`)? Yes
+    wherever a kernel is a launch (a GPU, and the meta device, which dispatches CUDA's op sequence); not on the
+    CPU, where the way by batch slices does fewer FLOPs and a slice costs no launch."""
+    return torch.device(device).type != "cpu"
 
 
 def engine_body(module: nn.Module) -> InvertibleSequence | None:
@@ -396,6 +410,9 @@ class _Engine(torch.autograd.Function):
         grads: Grads = {}
         stored, back = ctx.stored, ctx.back
         restore = _restorable(seq)
+        by_restoring = seq.execution.floor_restore
+        if by_restoring is None:
+            by_restoring = floor_restores(gy.device)
         watch = seq.execution.watch or _unwatched
         for i in reversed(range(len(seq.stages))):
             stage, mode = seq.stages[i], seq._modes[i]
@@ -420,7 +437,7 @@ class _Engine(torch.autograd.Function):
                         y = None  # the stage before keeps what it needs
                     del kept
                 elif mode is Mode.FLOOR:
-                    y, gy = stage.floor_backward_(y, gy, tape, grads)
+                    y, gy = stage.floor_backward_(y, gy, tape, grads, by_restoring)
                 elif mode is Mode.RECOMPUTE and isinstance(stage, Coupling):
                     y, gy = stage.recompute_backward_(y, gy, tape, grads)
                 elif mode is Mode.RECOMPUTE:

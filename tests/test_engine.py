@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 
@@ -487,10 +488,12 @@ def test_non_finite_sequence_output():
 # ---- memory --------------------------------------------------------------------------------------
 
 
-def _hybrid_step(n_blocks: int, mode: str, input_grad: bool = True, batch: int = 8) -> dict:
+def _hybrid_step(n_blocks: int, mode: str, input_grad: bool = True, batch: int = 8,
+                 floor_restore: bool | None = None) -> dict:
     """Peak and live tracked bytes of one forward+backward of ``n_blocks`` hybrid blocks."""
     torch.manual_seed(0)
     seq = InvertibleSequence([HybridBlock(16) for _ in range(n_blocks)], modes=mode, pool="mean")
+    seq.set_execution(dataclasses.replace(seq.execution, floor_restore=floor_restore))
     x = torch.randn(batch, 16, 16, 16, requires_grad=input_grad)
     volume = x.numel() * x.element_size()
     param_bytes = sum(p.numel() * p.element_size() for p in seq.parameters())
@@ -559,44 +562,76 @@ def test_global_pool_gradient_equals_autograd_with_ties(kind):
 # ---- floor: the hybrid backward without a copy of a gradient half ---------------------------------
 
 
+WAYS = {"slices": False, "restoring": True}  # floor's two ways (Execution.floor_restore)
+
+
+@pytest.mark.parametrize("way", list(WAYS))
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("budget", [0, 1 << 11])
-def test_floor_gradients_equal_plain_autograd(depth, training, budget):
-    """Float64: floor against plain autograd within 1e-10, on hybrid blocks whose F and G hold ``depth``
-    batch norms (each measured in its own pass over slices), whole-batch and in slices of one sample."""
+def test_floor_gradients_equal_plain_autograd(depth, training, budget, way):
+    """Float64: floor against plain autograd within 1e-10, either way, on hybrid blocks whose F and G hold
+    ``depth`` batch norms (each measured in its own pass over slices, or each undone by its terms), whole-batch
+    and in slices of one sample."""
     torch.manual_seed(depth)
     seq = randomize_(InvertibleSequence([HybridBlock(8, depth=depth), BatchPool(),
                                          HybridBlock(8, depth=depth)], modes="floor"), depth)
     seq = seq.double().train(training)
     assert seq.modes == [Mode.FLOOR, Mode.INVERT, Mode.FLOOR]
     x = torch.randn(4, 8, 8, 8, dtype=torch.float64)
-    with chunk_budget(budget):
+    with chunk_budget(budget), executing(seq, floor_restore=WAYS[way]):
         check_against_plain(seq, x, depth, tol=1e-10)
 
 
+@pytest.mark.parametrize("way", list(WAYS))
 @pytest.mark.parametrize("name", ["revnext", "layerwise"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_floor_model_gradients_equal_plain_autograd(name, seed):
+def test_floor_model_gradients_equal_plain_autograd(name, seed, way):
     kwargs, size = MODEL_CONFIGS[name]
     torch.manual_seed(seed)
     model = randomize_(create_model(name, **kwargs), seed).double()
     model.body.set_modes("floor")
     assert (Mode.FLOOR in model.body.modes) == (name == "revnext")  # only hybrid blocks run floor
     x = torch.randn(4, 3, size, size, dtype=torch.float64)
-    with chunk_budget(1 << 12):
+    with chunk_budget(1 << 12), executing(model, floor_restore=WAYS[way]):
         check_against_plain(model, x, seed, tol=1e-10)
 
 
-def test_floor_float32_cosine():
+@pytest.mark.parametrize("way", list(WAYS))
+def test_floor_float32_cosine(way):
     torch.manual_seed(1)
     model = create_model("revnext")
     model.body.set_modes("floor")
     x, u = torch.randn(4, 3, 32, 32), torch.randn(4, 10)
     _, _, g_ref = loss_grads(model, x, u, reference=True, input_grad=False)
-    _, _, g = loss_grads(model, x, u, reference=False, input_grad=False)
+    with executing(model, floor_restore=WAYS[way]):
+        _, _, g = loss_grads(model, x, u, reference=False, input_grad=False)
     for (n, _), a, b in zip(model.named_parameters(), g, g_ref):
         assert cosine(a, b) >= 0.9999, f"{n}: cosine {cosine(a, b)}"
+
+
+def test_floor_runs_the_way_of_the_device_unless_told():
+    """By slices on the CPU (the fewest FLOPs), by restoring elsewhere (a GPU; the meta device dispatches CUDA's
+    ops): told nothing, a step on the meta device launches far fewer kernels than the same step on the CPU's way,
+    at the lean slices (RevNeXt's first block at 32x32, batch 32, sliced by 1 MiB)."""
+    from edgerev.engine import floor_restores
+    from edgerev.memory.measure.profile import FlopCounter
+
+    assert not floor_restores("cpu") and floor_restores("meta") and floor_restores("cuda")
+
+    def kernels(restore):
+        seq = InvertibleSequence([HybridBlock(32)], modes="floor", pool="mean").to("meta")
+        seq.set_execution(dataclasses.replace(seq.execution, floor_restore=restore))
+        counter = FlopCounter()
+        x = torch.randn(32, 32, 32, 32, device="meta", requires_grad=True)
+        with counter:
+            seq(x).sum().backward()
+        return counter.kernels, counter.total
+
+    (told_nothing, flops), (restoring, flops_r), (slices, flops_s) = kernels(None), kernels(True), kernels(False)
+    assert told_nothing == restoring and flops == flops_r
+    assert 2 * restoring < slices, (restoring, slices)
+    assert flops_s < flops_r  # two more walks of each chain
 
 
 def test_floor_on_a_generic_coupling_names_the_stage_and_its_modes():
@@ -615,13 +650,15 @@ def test_floor_on_a_generic_coupling_names_the_stage_and_its_modes():
 
 
 @pytest.mark.slow
-def test_floor_mode_peak_is_half_a_volume_below_invert():
+@pytest.mark.parametrize("way", list(WAYS))
+def test_floor_mode_peak_is_half_a_volume_below_invert(way):
     inv, inv2 = _hybrid_step(8, "invert"), _hybrid_step(8, "invert", batch=16)
-    flo, flo2 = _hybrid_step(8, "floor"), _hybrid_step(8, "floor", batch=16)
+    flo, flo2 = _hybrid_step(8, "floor", floor_restore=WAYS[way]), _hybrid_step(8, "floor", batch=16,
+                                                                                 floor_restore=WAYS[way])
     v = flo["volume"]
     # invert holds a copy of half the gradient at its peak; floor slices of the residual function's
-    # activations, whose size does not depend on the batch: per added volume, floor's peak grows
-    # half a volume less
+    # activations (or of a convolution's temporaries), whose size does not depend on the batch: per added volume,
+    # floor's peak grows half a volume less
     assert (inv2["peak"] - inv["peak"]) - (flo2["peak"] - flo["peak"]) >= 0.45 * v, (inv, inv2, flo, flo2)
     assert flo["peak"] < 3.5 * v, flo
     assert flo["after_forward"] == inv["after_forward"]
@@ -629,19 +666,21 @@ def test_floor_mode_peak_is_half_a_volume_below_invert():
 
 
 @pytest.mark.slow
-def test_floor_bytes_predicted_on_fake_tensors_equal_the_measured():
+@pytest.mark.parametrize("way", list(WAYS))
+def test_floor_bytes_predicted_on_fake_tensors_equal_the_measured(way):
     """The fake-tensor prediction of a step in floor mode (what the planner and ``edgerev memory --fake``
-    use) is the byte count the tracker measures on real tensors."""
+    use), either way, is the byte count the tracker measures on real tensors."""
     from edgerev.memory.measure.peak import fake_step_peak, step_peak
 
     torch.manual_seed(0)
     model = create_model("revnext", width=8, blocks=(1, 1, 1, 1, 1))
     model.body.set_modes("floor")
     modes = tuple(str(m) for m in model.body.modes)
-    with chunk_budget(1 << 12):
+    with chunk_budget(1 << 12), executing(model, floor_restore=WAYS[way]):
         gc.collect()
         measured = step_peak(model, 4, 32).peak_bytes
-        predicted = fake_step_peak(model, modes, 4, 32)
+    with chunk_budget(1 << 12):
+        predicted = fake_step_peak(model, modes, 4, 32, floor_restore=WAYS[way])
     assert predicted == measured
 
 

@@ -43,6 +43,28 @@ def test_a_step_counts_more_kernels_inverted_than_stored_by_autograd():
     assert plain["flops"] < invert["flops"]  # the backward rebuilds the activations it did not keep
 
 
+def test_floor_rows_count_and_account_the_way_a_gpu_runs_it():
+    """A floor row is one step, the GPU's way (its chains' gradient maps undone; ``Execution.floor_restore``),
+    wherever it is counted or accounted: its ops are those of that way, not of the CPU's by slices, and its peak is
+    the fake-tensor account of that way."""
+    from edgerev.engine import executing
+    from edgerev.memory.measure.peak import fake_step_peak
+
+    row = kernels.count_row("revnext", "floor", batch=2, size=16, overrides=TINY)
+    peak = kernels.peak_row("revnext", "floor", batch=2, size=16, overrides=TINY)["peak_bytes"]
+    counts = {}
+    for way in (True, False):
+        model = kernels.build("revnext", TINY)
+        kernels.configure(model, "floor")
+        with executing(model, floor_restore=way):
+            counts[way] = sum(kernels.count_step(model, 2, 16).ops.values())
+    assert row["ops"] == counts[True] != counts[False]
+    model = kernels.build("revnext", TINY)
+    model.set_modes("floor")
+    modes = tuple(str(m) for m in model.body.modes)
+    assert peak == fake_step_peak(model, modes, 2, 16, floor_restore=True)
+
+
 @pytest.mark.slow
 def test_the_json_has_a_row_per_mode_with_its_ratios_to_plain_autograd(tmp_path):
     out = tmp_path / "kernels.json"
@@ -77,3 +99,17 @@ def test_the_quantizer_is_counted_fused_as_cuda_runs_it_and_eager_on_request(tmp
     assert fused_json["quantizer"].startswith("fused") and eager_json["quantizer"] == "eager"
     assert {"encode", "decode"} <= set(fused["top_ops"]) and "encode" not in eager["top_ops"]
     assert fused["ops"] < eager["ops"] and fused["flops"] == eager["flops"]
+
+
+def test_caps_are_a_factor_of_a_modes_peak_or_bytes():
+    """``--caps`` takes ``MODE:FACTOR`` (a plan waits for that mode's peak) and byte sizes (the issue's 610 MB: a
+    plan of its own, nothing to wait for); anything else is refused by name."""
+    a = kernels.parse(["--models", "revnext", "--sizes", "", "--plan-sizes", "240",
+                       "--caps", "floor:1.10,610MB", "--out", "k.json"])
+    assert a.caps == [("floor", 1.10), ("bytes", 610e6)]
+    plans = {t.key: t for t in kernels.tasks_for(a) if t.kind == "plan"}
+    assert plans[("plan", 240, "floor", 1.10)].reference == ("peak", "revnext", "floor", 32, 240)
+    absolute = plans[("plan", 240, "bytes", 610e6)]
+    assert absolute.reference is None and absolute.kwargs["budget"] == 610_000_000
+    with pytest.raises(SystemExit):
+        kernels.parse(["--caps", "floor", "--out", "k.json"])

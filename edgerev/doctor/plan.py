@@ -56,7 +56,7 @@ def _largest_fitting(model, shape, floor, floor_account, budget: int, loss_fn):
     batch = shape.batch
 
     def at(b: int):
-        p = Proposal(b, floor.modes, floor.segments, 0, 0.0)
+        p = Proposal(b, floor.modes, floor.segments, 0, 0.0, floor_restore=floor.floor_restore)
         return p, accounted(model, shape, p, loss_fn)
 
     best = (floor, floor_account)

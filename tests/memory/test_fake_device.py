@@ -30,6 +30,6 @@ def test_a_stage_profile_counts_the_same_bytes_wherever_the_model_is():
     i = 3
     stage = model.body.stages[i]
     modes = [m for m in supported_modes(stage) if m.value in ("invert", "store")]
-    curves = {m: _bytes_curves(stage, m, shapes[i], False) for m in modes}
+    curves = {m: _bytes_curves(stage, m, shapes[i], False, "cpu") for m in modes}
     model.to("meta")
-    assert {m: _bytes_curves(stage, m, shapes[i], False) for m in modes} == curves
+    assert {m: _bytes_curves(stage, m, shapes[i], False, "cpu") for m in modes} == curves

@@ -62,10 +62,11 @@ def test_meta_and_fake_tensors_profile_a_stage_alike(monkeypatch):
     model = small_model(SMALL_REVNEXT)
     shapes = stage_inputs(model, 16)
     stage = model.body.stages[3]
-    curves = {m: _fit_bytes(stage, m, shapes[3], False) for m in supported_modes(stage)}
+    ways = (False, True)  # floor by slices and by restoring (Execution.floor_restore)
+    curves = {(m, r): _fit_bytes(stage, m, shapes[3], False, r) for m in supported_modes(stage) for r in ways}
     _on_fake_tensors(monkeypatch)
     assert stage_inputs(model, 16) == shapes
-    assert {m: _fit_bytes(stage, m, shapes[3], False) for m in supported_modes(stage)} == curves
+    assert {(m, r): _fit_bytes(stage, m, shapes[3], False, r) for m in supported_modes(stage) for r in ways} == curves
 
 
 def test_a_meta_copy_holds_no_data_and_keeps_what_trains():

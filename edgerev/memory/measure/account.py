@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev._torchapi import shadowed
-from edgerev.engine import engine_body
+from edgerev.engine import engine_body, floor_restores
 from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models.spec import model_spec
@@ -158,6 +158,8 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
     baseline = sum(terms.values())
     loss_fn = loss_fn or F.cross_entropy
     spec = model_spec(model)
+    # the way floor stages run where the model is, unless the plan says (a copy without data is on the meta device)
+    restore = floor_restores(next(iter(model.parameters()), torch.empty(0)).device)
 
     def run_step(run: nn.Module) -> MemoryTracker:
         apply(run)
@@ -172,12 +174,19 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         parts = split_batch(batch, math.ceil(batch / micro_batch))[:2]
         tracker = MemoryTracker(baseline=baseline)
         body = engine_body(run)
-        if stage_peaks is not None and body is not None:
-            body.set_execution(replace(body.execution, watch=tracker.enter))
-        with tracker:
-            if shape.unlabeled:
-                weak_forward(run, x[:min(micro_batch, shape.unlabeled)])
-            accumulate(run, x, targets, parts, loss_fn)
+        before = body.execution if body is not None else None
+        if body is not None:
+            body.set_execution(replace(
+                before, watch=tracker.enter if stage_peaks is not None else before.watch,
+                floor_restore=restore if before.floor_restore is None else before.floor_restore))
+        try:
+            with tracker:
+                if shape.unlabeled:
+                    weak_forward(run, x[:min(micro_batch, shape.unlabeled)])
+                accumulate(run, x, targets, parts, loss_fn)
+        finally:
+            if body is not None:
+                body.set_execution(before)  # the model itself, when real, runs as it did
         if real:
             run.zero_grad(set_to_none=True)
         return tracker

@@ -76,24 +76,28 @@ def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_c
 
 
 def fake_step_peak(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: int,
-                   segments: tuple | None = None) -> int:
+                   segments: tuple | None = None, floor_restore: bool | None = None) -> int:
     """Exact peak bytes of one bare training step (cross-entropy, no optimizer state, a batch of
-    ``batch``) with ``modes`` (or checkpoint ``segments``), on fake tensors: nothing is allocated.
+    ``batch``) with ``modes`` (or checkpoint ``segments``), on fake tensors: nothing is allocated. ``floor_restore``:
+    the way floor stages run (``Execution.floor_restore``; None: the way of the device the model is on).
 
     A step under a recipe (accumulation, momentum, a teacher) is :func:`edgerev.memory.measure.account.account_step`;
     this is that step with nothing but the micro-batch.
     """
-    return account_step(model, StepShape(size), batch, lambda m: apply_plan(m, modes, segments)).total
+    return account_step(model, StepShape(size), batch,
+                        lambda m: apply_plan(m, modes, segments, floor_restore=floor_restore)).total
 
 
 def apply_plan(model: nn.Module, modes: tuple[str, ...] | None, segments: tuple | None,
-               slices: tuple[int, ...] | None = None) -> None:
-    """Set stage ``modes`` (None: leave them), checkpoint ``segments`` (None: the engine) and the stages' batch-slice
-    budgets (None: the default) on ``model``."""
+               slices: tuple[int, ...] | None = None, floor_restore: bool | None = None) -> None:
+    """Set stage ``modes`` (None: leave them), checkpoint ``segments`` (None: the engine), the stages' batch-slice
+    budgets (None: the default) and the way floor stages run (None: the device's, ``Execution.floor_restore``) on
+    ``model``."""
     if modes is not None:
         model.body.set_modes(list(modes))
     model.body.set_execution(Execution(segments=tuple(segments) if segments is not None else None,
-                                       slices=tuple(slices) if slices is not None else None))
+                                       slices=tuple(slices) if slices is not None else None,
+                                       floor_restore=floor_restore))
 
 
 def set_modes(model: nn.Module, modes: str, name: str | None = None) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgerev._torchapi import shadowed, storage_key
-from edgerev.engine import Execution, InvertibleSequence, Mode, engine_body, supported_modes
+from edgerev.engine import Execution, InvertibleSequence, Mode, engine_body, floor_restores, supported_modes
 from edgerev.errors import EdgerevError
 from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
 from edgerev.memory.measure.tracker import MemoryTracker
@@ -108,11 +108,12 @@ def _nbytes(t: Tensor) -> int:
 
 
 def _run(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first: bool, device: str | None,
-         track: bool) -> tuple[float, float, float, float]:
+         track: bool, restore: bool) -> tuple[float, float, float, float]:
     """(kept, forward peak, backward peak, seconds) of one forward+backward of a one-stage sequence (``device``
-    None: the default device, the meta device under :func:`edgerev._torchapi.shadowed`)."""
+    None: the default device, the meta device under :func:`edgerev._torchapi.shadowed`), a floor stage run the way
+    ``restore`` says (the way of the device profiled, :func:`edgerev.engine.floor_restores`)."""
     seq = InvertibleSequence([stage], modes=[mode], pool=None)
-    seq.set_execution(Execution(owns_buffers=True))
+    seq.set_execution(Execution(owns_buffers=True, floor_restore=restore))
     n = shape[0] * batch
     tracker = MemoryTracker() if track else contextlib.nullcontext()
     if device == "cuda":
@@ -165,17 +166,21 @@ _BYTES: dict[tuple, tuple[Curve, Curve, Curve]] = {}  # (stage key, mode, lean s
 _ESTIMATED_SECONDS: dict[tuple, Linear] = {}  # (stage key, mode, device type) -> estimated seconds, this process
 
 
-def _bytes_curves(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool) -> tuple[Curve, Curve, Curve]:
-    """Byte fits from fake-tensor runs at the lean slices: exact bytes, nothing allocated, any batch. Remembered
-    for this process by :func:`stage_key`: the planner asks for the exact modes first and for all of them later,
-    a model repeats its blocks, and a daemon plans each job of the same model again."""
-    key = (stage_key(stage, shape, first), mode, LEAN_SLICE_BYTES)
+def _bytes_curves(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str
+                  ) -> tuple[Curve, Curve, Curve]:
+    """Byte fits from fake-tensor runs at the lean slices, a floor stage run the way ``device`` runs it: exact bytes,
+    nothing allocated, any batch. Remembered for this process by :func:`stage_key`: the planner asks for the exact
+    modes first and for all of them later, a model repeats its blocks, and a daemon plans each job of the same model
+    again."""
+    restore = floor_restores(device)
+    key = (stage_key(stage, shape, first), mode, LEAN_SLICE_BYTES, restore if mode is Mode.FLOOR else None)
     if key not in _BYTES:
-        _BYTES[key] = _fit_bytes(stage, mode, shape, first)
+        _BYTES[key] = _fit_bytes(stage, mode, shape, first, restore)
     return _BYTES[key]
 
 
-def _fit_bytes(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool) -> tuple[Curve, Curve, Curve]:
+def _fit_bytes(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool,
+               restore: bool) -> tuple[Curve, Curve, Curve]:
     fits = []
     large = large_batches(shape)
     # slices full from the second batch on (two slices at least): one fit serves both (a line through batches 2
@@ -183,7 +188,8 @@ def _fit_bytes(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool
     pairs = (large,) if large[0] == 2 else (SMALL_BATCHES, large)
     for b1, b2 in pairs:
         with chunk_budget(LEAN_SLICE_BYTES):
-            r1, r2 = shadowed(stage, functools.partial(_runs, mode=mode, shape=shape, batches=(b1, b2), first=first))
+            r1, r2 = shadowed(stage, functools.partial(_runs, mode=mode, shape=shape, batches=(b1, b2), first=first,
+                                                       restore=restore))
         fits.append([Linear.fit(b1, r1[k], b2, r2[k]) for k in range(3)])
     # the stage's own weight gradients are counted once for the whole model (Profile.fixed_bytes)
     own = float(sum(p.numel() * p.element_size() for p in stage.parameters()))
@@ -193,18 +199,20 @@ def _fit_bytes(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool
     return tuple(Curve(small[k], large[k]) for k in range(3))
 
 
-def _runs(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batches: tuple[int, ...], first: bool) -> list[tuple]:
+def _runs(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batches: tuple[int, ...], first: bool,
+          restore: bool) -> list[tuple]:
     """:func:`_run` tracked at each of ``batches``, on the default device (meta under ``shadowed``)."""
-    return [_run(stage, mode, shape, b, first, None, True) for b in batches]
+    return [_run(stage, mode, shape, b, first, None, True, restore) for b in batches]
 
 
 def _measure_mode(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: bool, device: str,
                   batches: tuple[int, int], repeats: int) -> ModeCost:
-    kept, fwd, bwd = _bytes_curves(stage, mode, shape, first)
+    kept, fwd, bwd = _bytes_curves(stage, mode, shape, first, device)
     secs = {}
+    restore = floor_restores(device)
     for b in batches:
-        _run(stage, mode, shape, b, first, device, False)  # warm-up
-        secs[b] = min(_run(stage, mode, shape, b, first, device, False)[3] for _ in range(repeats))
+        _run(stage, mode, shape, b, first, device, False, restore)  # warm-up
+        secs[b] = min(_run(stage, mode, shape, b, first, device, False, restore)[3] for _ in range(repeats))
     b1, b2 = batches
     return ModeCost(kept, fwd, bwd, Linear.fit(b1, secs[b1], b2, secs[b2]))
 
@@ -295,7 +303,7 @@ def estimate_profile(model: nn.Module, size: int, device: str = "cpu", exact: bo
     for i, (stage, shape) in enumerate(zip(body.stages, shapes)):
         if progress is not None:
             progress(i, len(body.stages))
-        stages.append({m.value: ModeCost(*_bytes_curves(stage, m, shape, i == 0),
+        stages.append({m.value: ModeCost(*_bytes_curves(stage, m, shape, i == 0, device),
                                          estimated_seconds(stage, m, shape, i == 0, device))
                        for m in supported_modes(stage) if not (exact and m.bits is not None)})
         names.append(type(stage).__name__)
@@ -315,10 +323,11 @@ def estimated_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], firs
     return _ESTIMATED_SECONDS[key]
 
 
-def _count(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first: bool) -> FlopCounter:
+def _count(stage: nn.Module, mode: Mode, shape: tuple[int, ...], batch: int, first: bool,
+           restore: bool) -> FlopCounter:
     counter = FlopCounter()
     with counter:
-        _run(stage, mode, shape, batch, first, None, False)
+        _run(stage, mode, shape, batch, first, None, False, restore)
     return counter
 
 
@@ -327,7 +336,8 @@ def _count_seconds(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: 
     # the quantizer as the device runs it: fused on CUDA (a few launches a tensor), eager elsewhere
     for b in SMALL_BATCHES:
         with chunk_budget(0), fusing(torch.device(device).type == "cuda"):
-            counter = shadowed(stage, functools.partial(_count, mode=mode, shape=shape, batch=b, first=first))
+            counter = shadowed(stage, functools.partial(_count, mode=mode, shape=shape, batch=b, first=first,
+                                                        restore=floor_restores(device)))
         seconds[b] = nominal_seconds(counter.total, counter.kernels, device)
     b1, b2 = SMALL_BATCHES
     return Linear.fit(b1, seconds[b1], b2, seconds[b2])

@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from edgerev.engine import Mode, engine_body, supported_modes
+from edgerev.engine import Mode, engine_body, floor_restores, supported_modes
 from edgerev.layers.base import Invertible
 from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
@@ -58,9 +58,10 @@ class Proposal:
     fitted_peak_bytes: int
     step_seconds: float
     slices: tuple[int, ...] | None = None
+    floor_restore: bool | None = None  # how floor stages run on the device planned for (Execution.floor_restore)
 
     def apply(self, model: nn.Module) -> None:
-        apply_plan(model, self.modes, self.segments, self.slices)
+        apply_plan(model, self.modes, self.segments, self.slices, self.floor_restore)
 
 
 class _ModesSolver:
@@ -107,7 +108,7 @@ class _ModesSolver:
                 names = [m.value for m in supported_modes(stage)]
                 modes.append(next(m for m in order if m in names))
             if all(tuple(modes) != p.modes for p in out):
-                out.append(Proposal(1, tuple(modes), None, 0, 0.0))
+                out.append(Proposal(1, tuple(modes), None, 0, 0.0, floor_restore=floor_restores(self.device)))
         return out
 
     def smallest(self) -> int:
@@ -132,7 +133,8 @@ class _ModesSolver:
             p = plan(exact_only(self.profile), target, batches=batches, accumulation=accumulation)
         except BudgetTooSmall:
             p = plan(self.full(), target, batches=batches, accumulation=accumulation)
-        return Proposal(p.batch, p.modes, None, p.predicted_peak_bytes, p.step_seconds)
+        return Proposal(p.batch, p.modes, None, p.predicted_peak_bytes, p.step_seconds,
+                        floor_restore=floor_restores(self.device))
 
     def floor_seconds(self, floor: Proposal) -> float:
         """Seconds of the floor's step at batch 1. A mode the profile lacks (an estimate of the exact modes only) is
@@ -226,10 +228,11 @@ class TrainingPlan:
     step_seconds: float = 0.0
     profile: Profile | None = None
     slices: tuple[int, ...] | None = None  # per stage, the batch-slice budget (0: the whole batch); None: default
+    floor_restore: bool | None = None  # how floor stages run on the device planned for (Execution.floor_restore)
 
     def apply(self, model: nn.Module) -> None:
         """Set the plan on ``model`` (a model without an engine body: on its chain, see ``planned``)."""
-        apply_plan(planned(model), self.modes, self.segments, self.slices)
+        apply_plan(planned(model), self.modes, self.segments, self.slices, self.floor_restore)
 
     @property
     def samples_per_second(self) -> float:
@@ -546,7 +549,7 @@ def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[
            tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in model.named_parameters()),
            tuple((n, tuple(t.shape), t.dtype) for n, t in model.named_buffers()),
            tuple(str(m) for m in getattr(engine_body(model), "modes", ())),  # () for a model without an engine
-           step, p.batch, p.modes, p.segments, p.slices, loss)
+           step, p.batch, p.modes, p.segments, p.slices, p.floor_restore, loss)
     if key not in _ACCOUNTS or (stage_peaks is not None and key not in _STAGE_PEAKS):
         peaks: dict[int, int] = {}
         _ACCOUNTS[key] = account_step(model, step, p.batch, p.apply, loss_fn, stage_peaks=peaks)
@@ -566,7 +569,7 @@ def _result(solver, p: Proposal, account: StepAccount | None, peak: int, solve: 
     if p.segments is not None:
         summary["segments"] = [{"start": s.start, "end": s.end, "mode": s.mode} for s in p.segments]
     tp = TrainingPlan(p.batch, p.modes, p.segments, peak, summary, account, p.fitted_peak_bytes, solve,
-                      p.step_seconds, getattr(solver, "profile", None), p.slices)
+                      p.step_seconds, getattr(solver, "profile", None), p.slices, p.floor_restore)
     summary["stages"] = tp.stages(solver.model)
     return tp
 

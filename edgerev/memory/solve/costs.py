@@ -12,8 +12,9 @@ from dataclasses import asdict, dataclass, field
 
 from edgerev.errors import EdgerevError
 
-# 3: estimated seconds count kernel launches; byte fits at adaptive large batches; 4: CUDA's count the fused quantizer
-PROFILE_VERSION = 4
+# 3: estimated seconds count kernel launches; byte fits at adaptive large batches; 4: CUDA's count the fused quantizer;
+# 5: a GPU's floor stages undo their gradient maps (edgerev.engine.floor_restores)
+PROFILE_VERSION = 5
 #: what a profile's source ends with when it holds only the exact modes
 EXACT_ONLY = " exact"
 
