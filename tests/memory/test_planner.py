@@ -701,6 +701,41 @@ class _Floors:
 
         return [Proposal(1, ("store4", "invert"), None, 0, 0.0)]
 
+    def floor_seconds(self, floor):  # one candidate a group: its seconds choose nothing
+        return 1.0
+
+
+@pytest.mark.parametrize("budget", [950, 1000, 1100, 1199, 1200, 10**6])
+def test_the_fallback_takes_the_faster_of_the_least_memory_candidates_that_fit(budget):
+    """Two exact candidates (every block in floor: 100 bytes a sample, 2 s; in invert: 120 bytes, 1 s): at the largest
+    micro-batch where one fits, the faster of those that fit there."""
+    from edgerev.memory.measure.account import StepAccount
+    from edgerev.memory.plan.autoplan import Proposal, _largest_floor
+
+    per_sample = {"floor": 100, "invert": 120}
+    seconds = {"floor": 2.0, "invert": 1.0}
+
+    class Solver:
+        def exact_floors(self):
+            return [Proposal(1, ("store", m), None, 0, 0.0) for m in ("invert", "floor")]
+
+        def floors(self):
+            return self.exact_floors()
+
+        def floor_seconds(self, p):
+            return seconds[p.modes[1]]
+
+    def exact(p):
+        total = p.batch * per_sample[p.modes[1]]
+        return StepAccount(0, 0, 0, 0, 0, 0, 0, 0, 0, total, p.batch, p.batch)
+
+    floor = Proposal(1, ("store", "floor"), None, 0, 0.0)
+    p, account = _largest_floor(Solver(), exact, floor, exact(floor), budget, [1, 2, 4, 8, 10])
+    largest = max(b for b in (1, 2, 4, 8, 10) if b * 100 <= budget)
+    fitting = [m for m in ("floor", "invert") if largest * per_sample[m] <= budget]
+    assert p.batch == largest and account.total <= budget
+    assert p.modes[1] == min(fitting, key=seconds.get)
+
 
 @pytest.mark.parametrize("budget", [50, 99, 100, 101, 333, 1000, 3100, 3200, 10**6])
 def test_the_fallback_takes_the_largest_micro_batch_that_fits_exact_modes_first(budget):

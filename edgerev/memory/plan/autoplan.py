@@ -476,14 +476,19 @@ def _largest_floor(solver, exact: Callable[[Proposal], StepAccount], floor: Prop
                    budget: int, batches: list[int]) -> tuple[Proposal, StepAccount]:
     """The least-memory modes at the largest micro-batch of ``batches`` under ``budget`` (fewest micro-batches, fewest
     launches per sample), exact modes first: ``store8``/``store4`` only where no exact floor fits at any micro-batch.
-    ``floor`` (micro-batch 1, or the whole batch) where nothing larger fits.
+    ``floor`` (micro-batch 1, or the whole batch) where nothing larger fits. Of the least-memory candidates (with
+    ``floor`` and without) that fit at a micro-batch, the fastest by the solver's costs.
 
     A step's peak grows with its micro-batch, so the largest that fits is searched by doubling then halving: few
     accounts, the dearest (the largest micro-batches) only where smaller ones fitted."""
     sizes = sorted({b for b in batches if b >= floor.batch} | {floor.batch})
 
     def least(group: list[Proposal], b: int) -> tuple[Proposal, StepAccount]:
-        return min(((f, exact(f)) for f in (replace(g, batch=b) for g in group)), key=lambda fa: fa[1].total)
+        accounts = [(f, exact(f)) for f in (replace(g, batch=b) for g in group)]
+        fits = [fa for fa in accounts if fa[1].total <= budget]
+        if fits:
+            return min(fits, key=lambda fa: (solver.floor_seconds(fa[0]), fa[1].total))
+        return min(accounts, key=lambda fa: fa[1].total)
 
     for group in (solver.exact_floors(), solver.floors()):
         best, lo, hi, k = None, 0, len(sizes), 0  # sizes[:lo] fit, sizes[hi:] do not
