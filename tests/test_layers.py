@@ -520,3 +520,22 @@ def test_running_stats_updated_once_per_step(modes):
             assert not torch.allclose(v, initial[k]), f"{k} was not updated by the reference step"
         torch.testing.assert_close(after_forward[k], v, rtol=1e-12, atol=1e-12, msg=k)
         assert torch.equal(after_backward[k], after_forward[k]), f"{k} changed during the backward"
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(0, 70), row=st.integers(1, 50), budget=st.integers(0, 4000),
+       width=st.sampled_from([0.5, 1.0, 2.0]))
+def test_batch_slices_are_as_few_as_the_budget_allows_and_even(n, row, budget, width):
+    """The slices cover the batch in order; none holds more than the budget allows (one sample at least); there are as
+    few as that allows (one for a budget of 0); and the largest is as small as that many slices can make it."""
+    from edgerev.layers.base import batch_slices
+
+    t = torch.empty(n, row, dtype=torch.uint8)
+    per = max(1, int(row * width))
+    most = n if budget <= 0 else max(1, budget // per)
+    sizes = [s.stop - s.start for s in batch_slices(t, width, budget)]
+    assert sum(sizes) == n and all(s > 0 for s in sizes)
+    assert [s.start for s in batch_slices(t, width, budget)] == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert all(s <= most for s in sizes)
+    assert len(sizes) == (0 if n == 0 else -(-n // most))
+    assert not sizes or max(sizes) == -(-n // len(sizes))

@@ -52,11 +52,14 @@ def chunk_budget(nbytes: int) -> Iterator[None]:
 
 def batch_slices(t: Tensor, width: float = 1.0, budget: int | None = None) -> Iterator[slice]:
     """Slices of dim 0 of ``t`` whose temporaries (``width`` times a slice of ``t``) fit ``budget`` bytes
-    (None: :func:`chunk_bytes`; ``0``: one slice, the whole batch)."""
+    (None: :func:`chunk_bytes`; ``0``: one slice, the whole batch): as few as the budget allows, the largest as small
+    as that many can make it (a batch of 32 in slices of at most 13 is 11, 11 and 10: the same kernels as 13, 13 and
+    6, and a smaller largest slice, which is what the peak holds)."""
     n = t.shape[0]
     budget = _default_slice_bytes if budget is None else budget
     row = max(1, int(t[:1].numel() * t.element_size() * width))
-    step = n if budget <= 0 else max(1, budget // row)
+    count = 1 if budget <= 0 else max(1, -(-n // max(1, budget // row)))  # as few slices as the budget allows
+    step = max(1, -(-n // count))  # the largest slice as small as that many can make it
     for start in range(0, n, step):
         yield slice(start, min(n, start + step))
 

@@ -844,13 +844,14 @@ def _recorded_slices(monkeypatch) -> list:
 def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch):
     """Accounting a step costs time in proportion to its kernels, which double with every halving of the slices:
     where 2 MiB slices fit the budget, the planner never accounts the lean (1 MiB) step. The small RevNeXt at
-    128x128, micro-batch 16, all ``invert``: 29.0 MB whole-batch and at 4 MiB slices, 27.0 MB at 2 MiB, 25.9 MB lean."""
+    128x128, micro-batch 16, all ``invert``: 29.0 MB whole-batch and at 4 MiB slices, 27.0 MB at 2 MiB (and at 3 MiB:
+    the same number of slices, all as large), 25.9 MB lean."""
     model = small_model(SMALL_REVNEXT)
     n = len(model.body.stages)
     modes, accounted = _invert_modes(model), _recorded_slices(monkeypatch)
     p, account = widen_slices(model, StepShape(128), Proposal(16, modes, None, 0, 0.0), 27_500_000)
     assert account.total <= 27_500_000
-    assert 2 * 1024 * 1024 in p.slices and 0 in p.slices  # only where the peak is
+    assert min(b for b in p.slices if b) >= 2 * 1024 * 1024 and 0 in p.slices  # sliced only where the peak is
     assert (SLICE_LADDER[-1],) * n not in accounted
     assert len(accounted) <= 6  # the whole batch, 8, 4, 2 MiB, the mixed plan
 
@@ -858,8 +859,8 @@ def test_the_lean_slices_are_accounted_only_where_no_wider_ones_fit(monkeypatch)
 def test_a_stage_between_two_rungs_takes_half_again_its_budget(monkeypatch):
     """The ladder halves, so a stage whose peak fits between two rungs would take the lower one: one more account
     tries every sliced stage at 1.5x its rung. The small RevNeXt at 128x128, micro-batch 16, all ``invert``: its
-    odd stages peak at 29.03 MB with 4 MiB slices, 27.98 MB with 3 MiB and 26.93 MB with 2 MiB; under 28 MB they
-    take 3 MiB, and the step still fits."""
+    odd stages peak at 29.03 MB with 4 MiB slices and under 28 MB with 3 MiB; under 28 MB they take 3 MiB, and the
+    step still fits."""
     model = small_model(SMALL_REVNEXT)
     modes, accounted = _invert_modes(model), _recorded_slices(monkeypatch)
     p, account = widen_slices(model, StepShape(128), Proposal(16, modes, None, 0, 0.0), 28_000_000)
