@@ -21,9 +21,10 @@ rates make launches dear; on a CPU's, arithmetic dominates and a micro-batch of 
 fastest there), accounted on fake tensors, in a fresh process with an empty profile cache; the ops and peak of
 the step it set up, and the wall and CPU seconds planning took.
 
-Meta tensors hold no values, so the engine skips its value checks on them (``check_finite``: a few kernels
-and two host reads per check, not in ``ops``): ``host_syncs`` is counted on a real CPU step of the same
-model and mode at batch 2, 32x32.
+A bare step reads its value checks at once, which meta tensors cannot, so ``ops`` leaves them out (four
+kernels each, two a step). ``host_syncs`` is counted on the trainer's own step (``train_step``: value checks
+folded into the loss, read once at its end) for real, on the CPU, for the same model and mode at batch 2,
+32x32.
 
 Every measurement runs in a process of its own (``--jobs`` at a time, the dearest first) under a limit of CPU
 seconds (``--cpu-seconds``; ``--plan-cpu-seconds`` for planning, whose target is 30): one that overruns it is
@@ -181,13 +182,22 @@ def count_row(name: str, mode: str, batch: int, size: int, overrides: dict | Non
 
 
 def host_syncs(name: str, mode: str, overrides: dict | None = None) -> dict:
-    """Host reads of one real CPU step of ``name`` in ``mode`` at batch 2, 32x32, a size every registry model
-    takes (meta and fake tensors skip the engine's value checks, which read back)."""
+    """Host reads of one real CPU training step of ``name`` in ``mode`` as the trainer runs it (``train_step``,
+    SGD with momentum) at batch 2, 32x32, a size every registry model takes."""
+    from edgerev.models.spec import model_spec
+    from edgerev.train.cap import train_step
+
     model = build(name, overrides)
     configure(model, mode)
-    size = 32
-    c = count_step(model, 2, size, device="cpu")
-    return {"host_syncs": c.syncs, "host_syncs_at": [2, size]}
+    spec, size = model_spec(model), 32
+    model.train()
+    x = torch.randn(2, spec.in_channels, size, size)
+    y = torch.randint(0, spec.num_classes, (2,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    counter = KernelCounter()
+    with counter, quantizer("cpu"):
+        train_step(model, optimizer, x, y)
+    return {"host_syncs": counter.syncs, "host_syncs_at": [2, size]}
 
 
 def peak_row(name: str, mode: str, batch: int, size: int, overrides: dict | None = None) -> dict:
@@ -599,7 +609,7 @@ def main(argv: list[str] | None = None) -> dict:
         else "fused (each operator counted at edgerev.quantize.LAUNCHES)",
         "what": "ops: ATen ops of one training step (forward, cross-entropy, backward), views and allocations "
                 f"({', '.join(sorted(NOT_KERNELS))}) left out; host_syncs: _local_scalar_dense/item on a real CPU "
-                "step (host_syncs_at: batch, size), since meta tensors skip the engine's value checks; flops: "
+                "training step as the trainer runs it (host_syncs_at: batch, size); flops: "
                 "torch.utils.flop_counter's formulas; peak_bytes: edgerev.memory.measure.account.account_step on fake "
                 "tensors; *_vs_plain: against plain autograd's row of the same model, batch and size",
         "rows": rows, "planned": planned, "seconds": round(time.perf_counter() - t0, 1),

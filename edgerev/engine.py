@@ -55,9 +55,10 @@ from torch.autograd.function import once_differentiable
 from edgerev import approximate
 from edgerev._torchapi import storage_key
 from edgerev.enums import TextEnum
-from edgerev.errors import ModeError, NonFiniteError
+from edgerev.errors import ModeError
+from edgerev.finite import check_finite
 from edgerev.layers import norm
-from edgerev.layers.base import Grads, Invertible, Tape, add_grads, is_fake, replaying
+from edgerev.layers.base import Grads, Invertible, Tape, add_grads, replaying
 from edgerev.layers.coupling import Coupling, forward_per_sample
 from edgerev.layers.norm import InvBatchNorm2d
 from edgerev.layers.pooling import POOLS, global_pool, global_pool_grad
@@ -140,16 +141,6 @@ def supported_modes(stage: nn.Module) -> tuple[Mode, ...]:
     of each activation it saves (:mod:`edgerev.approximate`).
     """
     return (*(Mode(m) for m in getattr(stage, "modes", ("store",))), Mode.STORE8, Mode.STORE4)
-
-
-def check_finite(t: Tensor, what: str) -> None:
-    """Raise :class:`NonFiniteError` if ``t`` holds NaN or infinity (no-op on fake tensors)."""
-    if is_fake(t) or t.numel() == 0:
-        return
-    lo, hi = torch.aminmax(t.detach())
-    # one read of the host, not two: 0 * lo is NaN for an infinite or NaN lo, and hi adds its own
-    if not bool(torch.isfinite(lo.mul(0).add_(hi))):
-        raise NonFiniteError(f"{what} holds NaN or infinity")
 
 
 class InvertibleSequence(nn.Module):

@@ -157,7 +157,8 @@ def test_the_check_sees_every_kind_of_import(tmp_path):
 #: ``edgerev`` itself stands outside: it re-exports every room lazily, and reading its ``__version__`` is no arrow.
 ROOMS: list[dict[str, tuple[str, ...]]] = [
     {"shared": ("edgerev.errors", "edgerev.lazy", "edgerev.sizes", "edgerev.atomic", "edgerev.enums",
-                "edgerev._torchapi", "edgerev.torch_range", "edgerev.exits", "edgerev.source_tree", "edgerev.config")},
+                "edgerev._torchapi", "edgerev.torch_range", "edgerev.exits", "edgerev.source_tree", "edgerev.config",
+                "edgerev.finite")},
     {"layers": ("edgerev.layers", "edgerev.quantize", "edgerev.approximate")},
     {"engine": ("edgerev.engine", "edgerev.checkpointing")},
     {"models": ("edgerev.models",)},

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from edgerev.engine import InvertibleSequence, Mode, check_finite
+from edgerev.engine import InvertibleSequence, Mode
 from edgerev.errors import ShapeError
+from edgerev.finite import check_finite
 from edgerev.models.handle import describes
 
 

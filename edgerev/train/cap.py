@@ -168,6 +168,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
         cap: the CPU cap: its budget over its baseline, verified once per new (shapes, plan) and trusted
             afterwards (see :class:`CpuCap`; :meth:`CpuCap.over_alive` for a baseline of what is alive now).
             None: no CPU cap; on CUDA, set the cap once with :func:`apply_cuda_cap`.
+
+    The step reads the host once, at its end: its loss with the model's value checks (:mod:`edgerev.finite`).
+
+    Raises:
+        NonFiniteError: the input batch or an activation held NaN or infinity. It is raised at that read, after
+            the update: end the run there (its weights are what the bad values made of them).
     """
     n = x.shape[0]
     buffers = save_buffers(model)
@@ -202,4 +208,4 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad_norm)
         optimizer.step()
-        return StepResult(total, micro_batches, retries)
+        return StepResult(total.read(), micro_batches, retries)  # the step's one read of the host

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from edgerev.errors import EdgerevError
+from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
 from edgerev.models import create_model
 from edgerev.train.cap import CpuCap, StepFailed, cpu_cap, train_step
@@ -34,14 +35,9 @@ def step_bytes(model, x, y, parts: int) -> int:
     """Peak live bytes of forward+backward over ``parts`` micro-batches, as ``train_step`` runs them (its loop)."""
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
-    split = torch.arange(x.shape[0]).tensor_split(parts)
     with MemoryTracker() as tr:
-        for idx in split:
-            sl = slice(int(idx[0]), int(idx[-1]) + 1)
-            loss = F.cross_entropy(model(x[sl]), y[sl]) * (len(idx) / x.shape[0])
-            loss.backward()
-            float(loss.detach())
-            del loss
+        summed = accumulate(model, x, (y,), split_batch(x.shape[0], parts), F.cross_entropy)
+    summed.read()  # after the update, outside the cap, as train_step reads it
     return tr.peak
 
 

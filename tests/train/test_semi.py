@@ -99,7 +99,7 @@ def test_micro_batches_give_the_same_loss(parts):
     teacher = torch.randn(10, 2)
     full = float(loss_fn(logits, target, weights, teacher))
     split = accumulate(lambda x: x.clone().requires_grad_(), logits, (target, weights, teacher),
-                       split_batch(10, parts), loss_fn)
+                       split_batch(10, parts), loss_fn).read()
     assert math.isclose(split, full, rel_tol=1e-5)
 
 

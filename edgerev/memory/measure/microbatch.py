@@ -11,11 +11,12 @@ them back (:func:`restore_buffers`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from edgerev._torchapi import is_fake
+from edgerev.finite import FiniteChecks, deferred_checks
 
 
 def split_batch(n: int, micro_batches: int) -> list[slice]:
@@ -31,21 +32,38 @@ def split_batch(n: int, micro_batches: int) -> list[slice]:
 
 
 def accumulate(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], parts: list[slice],
-               loss_fn: Callable[..., Tensor]) -> float:
-    """Forward and backward of each micro-batch, gradients summed; the loss of the batch (0 on fake tensors).
+               loss_fn: Callable[..., Tensor]) -> StepLoss:
+    """Forward and backward of each micro-batch, gradients summed; the batch's loss and value checks, unread.
 
-    This loop is what a training step holds at its peak: :func:`edgerev.memory.measure.account.account_step`
-    runs the same function on fake tensors to predict it.
+    Nothing here reads the host: the loss and the checks the model makes (:func:`edgerev.finite.check_finite`)
+    stay on the device until :meth:`StepLoss.read`. This loop is what a training step holds at its peak:
+    :func:`edgerev.memory.measure.account.account_step` runs the same function on fake tensors to predict it.
     """
     n = x.shape[0]
-    total = 0.0
-    for part in parts:
-        loss = loss_fn(model(x[part]), *(t[part] for t in targets)) * ((part.stop - part.start) / n)
-        loss.backward()
-        if not is_fake(loss):
-            total += float(loss.detach())
-        del loss  # before the next micro-batch: its storage must not count there
-    return total
+    total: Tensor | None = None
+    with deferred_checks() as checks:
+        for part in parts:
+            loss = loss_fn(model(x[part]), *(t[part] for t in targets)) * ((part.stop - part.start) / n)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            del loss  # before the next micro-batch: its graph must not count there
+    return StepLoss(total, checks)
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """A step's loss (summed over its micro-batches) and its value checks, on the device."""
+
+    loss: Tensor | None
+    checks: FiniteChecks
+
+    def read(self) -> float:
+        """The loss, read back with every check in one read of the host (0.0 on fake tensors).
+
+        Raises:
+            NonFiniteError: a check found NaN or infinity (the first, in the order they ran).
+        """
+        return 0.0 if self.loss is None else self.checks.read(self.loss)
 
 
 def save_buffers(model: nn.Module) -> dict[str, Tensor]:

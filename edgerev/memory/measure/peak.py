@@ -14,6 +14,7 @@ from edgerev._torchapi import fake_copy, fake_mode, storage_bytes
 from edgerev.engine import Execution, Mode, engine_body, supported_modes
 from edgerev.errors import ModeError
 from edgerev.memory.measure.account import StepShape, account_step
+from edgerev.memory.measure.microbatch import StepLoss, accumulate
 from edgerev.memory.measure.tracker import CudaPeak, MemoryTracker
 from edgerev.models import create_model
 from edgerev.models.spec import model_spec
@@ -37,11 +38,10 @@ class StepMemory:
         return asdict(self)
 
 
-def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Forward, cross-entropy, backward. Returns the loss (detached)."""
-    loss = F.cross_entropy(model(x), target)
-    loss.backward()
-    return loss.detach()
+def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> StepLoss:
+    """Forward, cross-entropy, backward, as the trainer's step runs them (:func:`accumulate`, one micro-batch):
+    the loss and the value checks, unread."""
+    return accumulate(model, x, (target,), [slice(0, x.shape[0])], F.cross_entropy)
 
 
 def step_peak(model: nn.Module, batch: int, size: int, device: str = "cpu", in_channels: int | None = None,
