@@ -448,6 +448,25 @@ def test_below_the_floor_is_refused_at_once_and_the_floor_trains(name, trainable
     capped_steps(model, cm, 6, CpuCap(floor, account.baseline))
 
 
+@pytest.mark.parametrize("name", [*sorted(NETS), "tiny"])
+def test_the_floor_is_never_above_plain_autograds_step(name):
+    """Plain autograd's step is one of the least-memory candidates: where weights, gradients and momentum are most
+    of a step (``tiny``: 580 bytes of weights, whose every segmentation holds more than plain autograd), the floor
+    is that step, not a segmentation above it."""
+    from tests.resolve_factories import tiny
+
+    model = tiny() if name == "tiny" else build(name)
+    cm = planned(model, SIZE)
+    plain = (Segment(0, len(cm.body.stages), "store"),)
+    for momentum in (False, True):
+        step = StepShape(SIZE, 6, momentum=momentum)
+        autograd = account_step(cm, step, 6, lambda m: apply_plan(m, None, plain)).total
+        _, floor = floor_plan(model, step)
+        assert floor.total <= autograd, (name, momentum)
+        if name == "tiny":
+            assert floor.total == min(autograd, account_step(cm, step, 1, lambda m: apply_plan(m, None, plain)).total)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(NETS))
 def test_an_accepted_budget_never_fails_later(name):

@@ -90,15 +90,17 @@ class _ModesSolver:
 
     def floors(self) -> list[Proposal]:
         """Batch 1 in the least-memory plans: per stage floor, else invert, else recompute, else a 4-bit copy;
-        and the same without floor (whose batch slices of temporaries can outweigh the half-gradient copy it
-        saves when a whole activation is smaller than a slice). The floor is the least of them, exactly."""
-        return self._least((("floor", "invert", "recompute", "store4"), ("invert", "recompute", "store4")))
+        the same without floor (whose batch slices of temporaries can outweigh the half-gradient copy it
+        saves when a whole activation is smaller than a slice); and every stage stored (plain autograd's step:
+        where weights, gradients and optimizer state are most of a step, it can hold the least). The floor is the
+        least of them, exactly, so never above plain autograd's."""
+        return self._least((("floor", "invert", "recompute", "store4"), ("invert", "recompute", "store4"), ("store",)))
 
     def exact_floors(self) -> list[Proposal]:
         """:meth:`floors` with ``store`` where they take a 4-bit copy: the least memory in exact modes. The one
         without floor first: a budget above it needs no other account (:func:`_floor`), and floor's step, accounted
         at the lean slices, runs several times the kernels."""
-        return self._least((("invert", "recompute", "store"), ("floor", "invert", "recompute", "store")))
+        return self._least((("invert", "recompute", "store"), ("floor", "invert", "recompute", "store"), ("store",)))
 
     def _least(self, orders: tuple[tuple[str, ...], ...]) -> list[Proposal]:
         out: list[Proposal] = []
@@ -170,10 +172,12 @@ class _SegmentsSolver:
     def candidates(self) -> list[tuple[Segment, ...]]:
         n = len(self.model.body.stages)
         return [tuple(Segment(i, i + 1, "store4") for i in range(n)), (Segment(0, n, "store4"),),
-                tuple(Segment(i, i + 1, "checkpoint") for i in range(n))]
+                tuple(Segment(i, i + 1, "checkpoint") for i in range(n)), (Segment(0, n, "store"),)]
 
     def floors(self) -> list[Proposal]:
-        """Batch 1 in each of the smallest segmentations (the floor is the least of them, exactly)."""
+        """Batch 1 in each of the smallest segmentations, and in none (plain autograd: where weights, gradients and
+        optimizer state are most of a step, a segment's recomputation or its copies can cost more than the
+        activations it frees). The floor is the least of them, exactly, so never above plain autograd's."""
         return [Proposal(1, None, c, 0, 0.0) for c in self.candidates()]
 
     def exact_floors(self) -> list[Proposal]:
