@@ -64,8 +64,10 @@ def _with_trainable(cfg, trainable: str):
     return cfg
 
 
-def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int, loss_fn) -> nn.Module:
-    """``net`` training only ``trainable`` (:mod:`edgerev.train.trainable`): what the planner then plans."""
+def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int, loss_fn) -> tuple[nn.Module, dict]:
+    """``net`` training only ``trainable`` (:mod:`edgerev.train.trainable`): what the planner then plans, and what
+    to say of it (for ``auto``: the set chosen and the optimizer's state,
+    :meth:`~edgerev.train.trainable.Fit.summary`)."""
     try:
         from edgerev.train import trainable as sets
     except ImportError:
@@ -75,9 +77,9 @@ def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int,
         if trainable == "auto":  # leaves the chosen set applied
             from edgerev.memory.graph import planned
 
-            sets.choose_trainable(net, step, budget, loss_fn=loss_fn)
-            return planned(net, size)
-        return sets.set_trainable(net, sets.parse_trainable(trainable), size=size)
+            fit = sets.choose_fit(net, step, budget, loss_fn=loss_fn)
+            return planned(net, size), fit.summary(step.momentum)
+        return sets.set_trainable(net, sets.parse_trainable(trainable), size=size), {"trainable": trainable}
     except sets.TrainableError as e:
         raise ConfigError(f"trainable: {e}") from None
 
@@ -99,7 +101,9 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
         momentum: the recipe's SGD keeps one momentum buffer per weight (False: none).
         estimate: estimate stage costs (fake tensors, FLOPs) instead of measuring them.
         verify: run real steps with the plan and add the measured figures to ``summary``.
-        trainable: which parameters train (``all``).
+        trainable: which parameters train: ``all``, ``head``, ``bias``, ``last:N`` or ``auto`` (the most parameters
+            that fit; where they do not all fit with ``momentum``, it is dropped when that trains more, and
+            ``summary["optimizer_state"]`` says ``dropped``).
         weights: pretrained weights for a registry name or a factory.
         args: a registry model's or factory's keyword arguments.
         trust_factories: the factories a model directory ``model`` may name (:mod:`edgerev.models.trust`).
@@ -130,14 +134,16 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     cfg = RunConfig(data=DataConfig(size=size), train=TrainConfig(batch=batch or TrainConfig().batch),
                     optim=OptimConfig(momentum=mom, nesterov=mom > 0))
     step = step_shape(cfg, net, None, batch)
+    chosen: dict = {}
     if trainable != "all":
-        net = _trainable_set(net, trainable, size, step, budget, loss_of(cfg))
+        net, chosen = _trainable_set(net, trainable, size, step, budget, loss_of(cfg))
+        step = replace(step, momentum=step.momentum and chosen.get("optimizer_state") != "dropped")
     report = progress if isinstance(progress, Progress) else Progress(progress)
     tp = plan_training(net, size, budget, device, estimate=estimate, max_batch=batch, step=step, loss_fn=loss_of(cfg),
                        progress=report)
     arch = model if isinstance(model, (str, Path)) else handle.arch or type(net).__name__
     summary = {"arch": str(arch), "size": size, "device": device, "budget_bytes": budget, "step_batch": batch,
-               **tp.summary}
+               **chosen, **tp.summary}
     if verify:
         report.phase("verifying: real training steps with the plan")
         # the steps run on what the plan is for: an edgerev model itself, any other as its chain (same weights)

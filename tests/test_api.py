@@ -145,5 +145,15 @@ def test_plan_of_a_factory_with_a_trainable_set():
     every = edgerev.plan(TINY, size=16, budget="8MiB", batch=8, estimate=True)
     head = edgerev.plan(TINY, size=16, budget="8MiB", batch=8, estimate=True, trainable="head")
     assert head.predicted_peak_bytes < every.predicted_peak_bytes <= 8 * 2**20
+    assert head.summary["trainable"] == "head"
     with pytest.raises(ConfigError, match="^trainable: "):
         edgerev.plan(TINY, size=16, budget="8MiB", trainable="some")
+    # auto says what it chose: every parameter with momentum where that fits; below it, without momentum
+    auto = edgerev.plan(TINY, size=16, budget="8MiB", batch=8, estimate=True, trainable="auto")
+    assert (auto.summary["trainable"], auto.summary["optimizer_state"]) == ("all", "kept")
+    tight = every.summary["account"]["total"] - 1
+    dropped = edgerev.plan(TINY, size=16, budget=tight, batch=8, estimate=True, trainable="auto")
+    assert (dropped.summary["trainable"], dropped.summary["optimizer_state"]) == ("all", "dropped")
+    assert dropped.summary["account"]["optimizer"] == 0 and dropped.predicted_peak_bytes <= tight
+    plain_sgd = edgerev.plan(TINY, size=16, budget=tight, batch=8, estimate=True, trainable="auto", momentum=False)
+    assert plain_sgd.summary["optimizer_state"] == "none"

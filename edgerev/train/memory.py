@@ -8,6 +8,7 @@ with :func:`edgerev.memory.measure.account.account_step`: one count of what a st
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -100,6 +101,9 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     """Micro-batches per step, the CPU cap (None: none), and the plan's summary for ``cfg``, at ``batch``
     labelled samples and ``unlabeled`` strong views per step (their weak views' forward counted too).
 
+    With ``train.trainable: auto`` the summary says what trains (``trainable``) and whether the optimizer keeps
+    its momentum (``optimizer_state``: ``kept``, ``dropped`` or ``none``; :func:`keeps_momentum`).
+
     On CUDA the cap is set first and the plan is fitted to the allocator with real steps
     (:func:`~edgerev.memory.plan.device_fit.fit_to_device`): the summary's ``device_fit`` lists each plan measured.
 
@@ -127,10 +131,12 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     shape, loss_fn = step_shape(cfg, model, teacher, batch, unlabeled), loss_of(cfg, unlabeled)
     batch = shape.batch  # the step's whole batch, the strong views with the labelled samples
     trainable = {}
-    if cfg.train.trainable == "auto":  # the most parameters whose step fits the budget at the recipe's batch
-        from edgerev.train.trainable import choose_trainable
+    if cfg.train.trainable == "auto":  # the most parameters whose step fits the budget, momentum kept where it fits
+        from edgerev.train.trainable import choose_fit
 
-        trainable = {"trainable": str(choose_trainable(model, shape, budget, cfg.train.bn_stats, loss_fn)[0])}
+        fit = choose_fit(model, shape, budget, cfg.train.bn_stats, loss_fn)
+        trainable = fit.summary(shape.momentum)
+        shape = replace(shape, momentum=fit.momentum)
 
     def plan_at(b: int) -> TrainingPlan:
         return plan_training(model, cfg.data.size, b, str(device.type), estimate=mem.profile == "estimate",
@@ -150,3 +156,8 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
                **trainable, **tp.summary, **fitted}
     cap = CpuCap(budget, tp.account.baseline) if device.type == "cpu" and tp.account is not None else None
     return micro, cap, summary
+
+
+def keeps_momentum(cfg: RunConfig, summary: dict) -> bool:
+    """Does the optimizer of a run planned as ``summary`` (:func:`plan_memory`) keep the recipe's momentum?"""
+    return cfg.optim.momentum > 0 and summary.get("optimizer_state", "kept") != "dropped"

@@ -12,7 +12,9 @@ state, and a layer whose weight is frozen needs no saved input to compute it. Th
   what lies between two cut points of the model's graph, :mod:`edgerev.memory.graph`: a block, a
   layer); ``last:1`` is the head when the head stands alone;
 - ``auto``: the most trainable parameters that fit the budget at the recipe's batch
-  (:func:`choose_trainable`): the largest ``last:N``, or ``bias`` when it trains more.
+  (:func:`choose_trainable`): the largest ``last:N``, or ``bias`` when it trains more; where the recipe's
+  optimizer keeps a momentum buffer per weight and every parameter does not fit with it, the buffer is
+  dropped when that lets more parameters train (:func:`choose_fit`), and the run says so.
 
 The leading pieces of the chain without a trainable parameter are its frozen prefix: they run under
 ``no_grad`` and keep no activation and no gradient (:class:`~edgerev.memory.graph.ChainModel`).
@@ -230,3 +232,57 @@ def choose_trainable(model: nn.Module, step: StepShape, budget: int, bn_stats: s
         raise NothingFits(budget, smallest, batch)
     set_trainable(run, best, bn_stats)
     return best, results[best][0]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What ``auto`` chose: the trainable set, whether the optimizer keeps its momentum (False also where the
+    recipe has none), and the account of that step at its least-memory plan."""
+
+    trainable: Trainable
+    momentum: bool
+    account: StepAccount
+
+    def summary(self, recipe_momentum: bool) -> dict:
+        """What to say of the choice: the set, and the optimizer's state (``kept``, ``dropped`` or ``none``)."""
+        state = "none" if not recipe_momentum else "kept" if self.momentum else "dropped"
+        return {"trainable": str(self.trainable), "optimizer_state": state}
+
+
+def choose_fit(model: nn.Module, step: StepShape, budget: int, bn_stats: str = "updated",
+               loss_fn: Callable[..., Tensor] | None = None) -> Fit:
+    """``auto`` with the optimizer's state: the most trainable parameters whose step fits ``budget``.
+
+    Every parameter with the recipe's momentum, where that fits. Otherwise, when the recipe keeps momentum, the
+    largest set that fits with it and the largest that fits without it are both found (:func:`choose_trainable`)
+    and the one that trains more parameters is taken, the momentum kept where both train as many: SGD without
+    momentum is what fine-tuning on a device under a few hundred kilobytes does (Lin et al. 2022), and a frozen
+    weight is what TinyTL does; the first keeps every weight learning. The model is left with the chosen set.
+
+    Raises:
+        NothingFits: not even the last piece fits without momentum (its message names the budget that does).
+    """
+    from dataclasses import replace
+
+    from edgerev.memory.graph import planned
+
+    run = planned(model, step.size)
+    try:
+        kept: tuple[Trainable, StepAccount] | None = choose_trainable(model, step, budget, bn_stats, loss_fn)
+    except NothingFits:
+        if not step.momentum:
+            raise
+        kept = None
+    if not step.momentum or (kept is not None and kept[0].kind == "all"):
+        return Fit(kept[0], step.momentum, kept[1])
+    trains_kept = -1 if kept is None else trainable_count(run)
+    try:
+        dropped = choose_trainable(model, replace(step, momentum=False), budget, bn_stats, loss_fn)
+    except NothingFits:
+        if kept is None:
+            raise
+        dropped = None
+    if dropped is not None and trainable_count(run) > trains_kept:
+        return Fit(dropped[0], False, dropped[1])
+    set_trainable(run, kept[0], bn_stats)
+    return Fit(kept[0], True, kept[1])

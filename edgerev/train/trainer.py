@@ -52,7 +52,7 @@ from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import EvaluationStopped, evaluate
 from edgerev.train.labeled import LabeledImages, load_source
-from edgerev.train.memory import loss_of, plan_memory, training_model
+from edgerev.train.memory import keeps_momentum, loss_of, plan_memory, training_model
 from edgerev.train.norms import freeze_norms, measure_running_statistics
 from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
 from edgerev.train.schedule import Tail, lr_at, tail_after
@@ -384,6 +384,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         dump_yaml(out / CONFIG, cfg)
     cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start)))  # saved null: chosen again on resume
     params = [p for p in model.parameters() if p.requires_grad]
+    if not keeps_momentum(cfg, plan_summary):  # trainable auto dropped it to train more parameters (said in the plan)
+        cfg = replace(cfg, optim=replace(cfg.optim, momentum=0.0, nesterov=False))
     optimizer = torch.optim.SGD([{"params": params}], lr=cfg.optim.lr, momentum=cfg.optim.momentum,
                                 nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
 

@@ -39,6 +39,7 @@ from edgerev.train.trainable import (
     NothingFits,
     Trainable,
     TrainableError,
+    choose_fit,
     choose_trainable,
     parse_trainable,
     selected,
@@ -566,6 +567,45 @@ def test_auto_trains_the_most_parameters_that_fit(name):
     assert info.value.smallest == totals["last:1"] and isinstance(info.value, BudgetTooSmall)
 
 
+def _least(cm: ChainModel, trainable: str, step: StepShape, loss_fn=None) -> int:
+    """The least total of ``cm``'s step training ``trainable`` over the floor plans, the whole batch at once."""
+    set_trainable(cm, trainable)
+    return min(account_step(cm, step, step.batch, lambda m, s=s: apply_plan(m, None, s), loss_fn).total
+               for s in _floors(cm))
+
+
+def test_auto_drops_the_momentum_only_where_that_trains_more():
+    """With momentum, ``auto`` takes every parameter while it fits; then the largest set that fits with the
+    momentum or without it, whichever trains more (kept at a tie), and says which."""
+    model = build("rescnn")
+    cm = planned(model, SIZE)
+    kept, dropped = StepShape(SIZE, 6, momentum=True), StepShape(SIZE, 6, momentum=False)
+    every = sum(p.numel() for p in cm.parameters())
+    all_kept, all_dropped = _least(cm, "all", kept), _least(cm, "all", dropped)
+    assert all_dropped < all_kept
+    for budget, momentum in ((all_kept, True), (all_dropped, False)):
+        fit = choose_fit(model, kept, budget)
+        assert (str(fit.trainable), fit.momentum, trainable_count(cm)) == ("all", momentum, every)
+        assert fit.account.total <= budget and fit.account.optimizer == (every * 4 if momentum else 0)
+        assert fit.summary(True) == {"trainable": "all", "optimizer_state": "kept" if momentum else "dropped"}
+    for budget in (_least(cm, "last:2", kept), _least(cm, "last:1", dropped)):
+        counts = []
+        for step in (kept, dropped):
+            try:
+                choose_trainable(model, step, budget)
+                counts.append(trainable_count(cm))
+            except NothingFits:
+                counts.append(-1)
+        fit = choose_fit(model, kept, budget)
+        assert trainable_count(cm) == max(counts) and fit.momentum == (counts[0] >= counts[1]), (budget, counts)
+        assert fit.account.total <= budget
+    with pytest.raises(NothingFits) as info:
+        choose_fit(model, kept, _least(cm, "last:1", dropped) - 1)
+    assert info.value.smallest == _least(cm, "last:1", dropped)
+    fit = choose_fit(model, dropped, all_dropped)  # a recipe without momentum: nothing to drop
+    assert (str(fit.trainable), fit.momentum, fit.summary(False)["optimizer_state"]) == ("all", False, "none")
+
+
 def _floors(cm: ChainModel):
     n = len(cm.body.stages)
     return [tuple(Segment(i, i + 1, "store4") for i in range(n)), (Segment(0, n, "store4"),),
@@ -622,6 +662,27 @@ def test_the_trainer_trains_a_models_head_under_a_budget_with_frozen_statistics(
     plan = result.summary["plan"]
     assert plan["mode"] == "planned" and plan["account"]["total"] <= plan["budget_bytes"]
     assert plan["account"]["optimizer"] == sum(p.numel() * 4 for p in model.fc.parameters())
+
+
+def test_the_trainer_drops_the_momentum_auto_chose_to_drop(tmp_path):
+    """Under a budget just below every parameter's step with momentum, ``auto`` trains every parameter with
+    plain SGD: the run says so, accounts no optimizer state and its steps stay under the budget."""
+    from edgerev.api import fit_run
+    from edgerev.train.config import RunConfig, SourceConfig
+    from edgerev.train.labeled import load_source
+    from edgerev.train.memory import loss_of
+
+    images = load_source(SourceConfig(kind="synthetic", samples=24, num_classes=CLASSES, seed=1), SIZE)
+    model = build("rescnn")
+    # every parameter, with momentum, the batch of 8 at once, as the trainer's recipe makes the step
+    floor = _least(planned(model, SIZE), "all", StepShape(SIZE, 8, momentum=True), loss_of(RunConfig()))
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    result = fit_run(model, images, out=tmp_path / "run", budget=floor - 1, trainable="auto", size=SIZE, epochs=1,
+                     batch=8, lr=0.05)
+    plan = result.summary["plan"]
+    assert (plan["trainable"], plan["optimizer_state"]) == ("all", "dropped")
+    assert plan["account"]["optimizer"] == 0 and plan["measured_peak_bytes"] <= plan["budget_bytes"] == floor - 1
+    assert all(not torch.equal(v, before[k]) for k, v in model.named_parameters())
 
 
 # ---- imported: the same nets through ONNX (edgerev.models.onnx_import) -----------------------------------------
