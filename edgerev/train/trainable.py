@@ -177,6 +177,21 @@ def trainable_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def least_account(run: nn.Module, trainable: Trainable, step: StepShape, bn_stats: str = "updated",
+                  loss_fn: Callable[..., Tensor] | None = None) -> StepAccount:
+    """The account of ``run`` (a planned model) training ``trainable`` with its whole batch ``step.batch`` in one
+    micro-batch, in the least-memory plan the planner has for it (its floor candidates); the set is left applied."""
+    from dataclasses import replace
+
+    from edgerev.memory.plan.autoplan import _ModesSolver, _SegmentsSolver, accounted, is_plain
+
+    set_trainable(run, trainable, bn_stats)
+    solver = _SegmentsSolver(run, step.size, "cpu") if is_plain(run) else \
+        _ModesSolver(run, step.size, "cpu", None, False)  # the planner's own least-memory candidates
+    return min((accounted(run, step, replace(f, batch=step.batch or 1), loss_fn) for f in solver.floors()),
+               key=lambda a: a.total)
+
+
 def choose_trainable(model: nn.Module, step: StepShape, budget: int, bn_stats: str = "updated",
                      loss_fn: Callable[..., Tensor] | None = None) -> tuple[Trainable, StepAccount]:
     """``auto``: the set with the most trainable parameters whose step fits ``budget`` at the recipe's batch.
@@ -190,22 +205,13 @@ def choose_trainable(model: nn.Module, step: StepShape, budget: int, bn_stats: s
         NothingFits: not even the head fits at that batch (a :class:`~edgerev.memory.solve.costs.BudgetTooSmall`
             whose message names the budget that does).
     """
-    from dataclasses import replace
-
     from edgerev.memory.graph import planned
-    from edgerev.memory.plan.autoplan import _ModesSolver, _SegmentsSolver, accounted, is_plain
 
     run = planned(model, step.size)
     batch = step.batch or 1
 
     def least(t: Trainable) -> tuple[StepAccount, int]:
-        set_trainable(run, t, bn_stats)
-        solver = _SegmentsSolver(run, step.size, "cpu") if is_plain(run) else \
-            _ModesSolver(run, step.size, "cpu", None, False)  # the planner's own least-memory candidates
-        floors = solver.floors()
-        account = min((accounted(run, step, replace(f, batch=batch), loss_fn) for f in floors),
-                      key=lambda a: a.total)
-        return account, trainable_count(run)
+        return least_account(run, t, step, bn_stats, loss_fn), trainable_count(run)
 
     m = len(units(run))
     results: dict[Trainable, tuple[StepAccount, int]] = {}
@@ -253,11 +259,11 @@ def choose_fit(model: nn.Module, step: StepShape, budget: int, bn_stats: str = "
                loss_fn: Callable[..., Tensor] | None = None) -> Fit:
     """``auto`` with the optimizer's state: the most trainable parameters whose step fits ``budget``.
 
-    Every parameter with the recipe's momentum, where that fits. Otherwise, when the recipe keeps momentum, the
-    largest set that fits with it and the largest that fits without it are both found (:func:`choose_trainable`)
-    and the one that trains more parameters is taken, the momentum kept where both train as many: SGD without
-    momentum is what fine-tuning on a device under a few hundred kilobytes does (Lin et al. 2022), and a frozen
-    weight is what TinyTL does; the first keeps every weight learning. The model is left with the chosen set.
+    With the recipe's momentum where the set that trains the most parameters without it (:func:`choose_trainable`)
+    also fits with it; else that set without momentum. Dropping the momentum only ever frees memory, so no set
+    that fits with it trains more: SGD without momentum is what fine-tuning on a device under a few hundred
+    kilobytes does (Lin et al. 2022), a frozen weight is what TinyTL does, and the first keeps more weights
+    learning. The model is left with the chosen set.
 
     Raises:
         NothingFits: not even the last piece fits without momentum (its message names the budget that does).
@@ -266,23 +272,13 @@ def choose_fit(model: nn.Module, step: StepShape, budget: int, bn_stats: str = "
 
     from edgerev.memory.graph import planned
 
+    if not step.momentum:
+        chosen, account = choose_trainable(model, step, budget, bn_stats, loss_fn)
+        return Fit(chosen, False, account)
     run = planned(model, step.size)
-    try:
-        kept: tuple[Trainable, StepAccount] | None = choose_trainable(model, step, budget, bn_stats, loss_fn)
-    except NothingFits:
-        if not step.momentum:
-            raise
-        kept = None
-    if not step.momentum or (kept is not None and kept[0].kind == "all"):
-        return Fit(kept[0], step.momentum, kept[1])
-    trains_kept = -1 if kept is None else trainable_count(run)
-    try:
-        dropped = choose_trainable(model, replace(step, momentum=False), budget, bn_stats, loss_fn)
-    except NothingFits:
-        if kept is None:
-            raise
-        dropped = None
-    if dropped is not None and trainable_count(run) > trains_kept:
-        return Fit(dropped[0], False, dropped[1])
-    set_trainable(run, kept[0], bn_stats)
-    return Fit(kept[0], True, kept[1])
+    every = least_account(run, Trainable("all"), step, bn_stats, loss_fn)
+    if every.total <= budget:
+        return Fit(Trainable("all"), True, every)
+    chosen, without = choose_trainable(model, replace(step, momentum=False), budget, bn_stats, loss_fn)
+    kept = least_account(run, chosen, step, bn_stats, loss_fn)
+    return Fit(chosen, True, kept) if kept.total <= budget else Fit(chosen, False, without)

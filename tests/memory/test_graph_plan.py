@@ -575,8 +575,8 @@ def _least(cm: ChainModel, trainable: str, step: StepShape, loss_fn=None) -> int
 
 
 def test_auto_drops_the_momentum_only_where_that_trains_more():
-    """With momentum, ``auto`` takes every parameter while it fits; then the largest set that fits with the
-    momentum or without it, whichever trains more (kept at a tie), and says which."""
+    """With momentum, ``auto`` takes every parameter while it fits; then the largest set that fits without the
+    momentum, with it where that set fits with it (no set that fits with it trains more), and says which."""
     model = build("rescnn")
     cm = planned(model, SIZE)
     kept, dropped = StepShape(SIZE, 6, momentum=True), StepShape(SIZE, 6, momentum=False)
