@@ -4,10 +4,12 @@ print)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import signal
+import sqlite3
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -255,6 +257,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.dir), images=args.images)
 
 
+def _refusing_damage(command):
+    """``command`` (one that reads the store), with a row of the store that cannot be read (SQLite's corruption
+    codes, a text value that is not UTF-8: what the start's quick check does not read) said as the daemon's
+    refusal to start: one line naming the store, what the data directory holds and the rebuild command, where a
+    query found it; never a traceback."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from edgerev_daemon.storage.rebuild import damage, refusal
+
+        try:
+            return command(args)
+        except sqlite3.DatabaseError as e:
+            why = damage(e)
+            if why is None:
+                raise
+            raise refusal(_config(args).layout, why, args.config) from None
+
+    return run
+
+
 def add_parser(sub) -> None:
     """Register ``daemon`` and its subcommands on the ``edgerev`` parser's subparsers."""
     d = sub.add_parser("daemon", help="the on-device service: ingest, retrain under the cap, promote, export",
@@ -270,16 +293,16 @@ def add_parser(sub) -> None:
     r = with_config(dsub.add_parser("run", help="long-running service (SIGTERM: stop at a step boundary; "
                                                "SIGHUP: reload the config)"))
     r.add_argument("--poll", type=float, default=5.0, help="seconds between inbox scans (default 5)")
-    r.set_defaults(fn=cmd_run)
+    r.set_defaults(fn=_refusing_damage(cmd_run))
     o = with_config(dsub.add_parser("once", help="one full cycle (ingest, train if due, evaluate, promote, "
                                                  "export), then exit (status 1 if its job failed or a storage "
                                                  "condition held it back, 143 if SIGTERM stopped it first)"))
     o.add_argument("--json", action="store_true", help="print the cycle's report as JSON")
-    o.set_defaults(fn=cmd_once)
+    o.set_defaults(fn=_refusing_damage(cmd_once))
     s = with_config(dsub.add_parser("status", help="samples, labels, the model in service, versions, jobs"))
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--events", type=int, default=10, help="recent events to include (default 10)")
-    s.set_defaults(fn=cmd_status)
+    s.set_defaults(fn=_refusing_damage(cmd_status))
     lab = with_config(dsub.add_parser("label", help="the questions: the unlabelled images whose label would help "
                                                       "most; answer with --set SAMPLE=LABEL or --skip SAMPLE"))
     lab.add_argument("--set", action="append", default=[], metavar="SAMPLE=LABEL",
@@ -292,16 +315,16 @@ def add_parser(sub) -> None:
                      help="seconds to wait for a running daemon to apply the answers (default 30; it takes them "
                           "between cycles, after a job under way)")
     lab.add_argument("--json", action="store_true", help="print JSON")
-    lab.set_defaults(fn=cmd_label)
+    lab.set_defaults(fn=_refusing_damage(cmd_label))
     b = with_config(dsub.add_parser("rollback", help="put an earlier version back in service (stop the daemon "
                                                      "first)"))
     b.add_argument("--to", help="version (default: the promoted version before the current one)")
     b.add_argument("--json", action="store_true", help="print JSON")
-    b.set_defaults(fn=cmd_rollback)
+    b.set_defaults(fn=_refusing_damage(cmd_rollback))
     c = with_config(dsub.add_parser("check", help="consistency of the store, the journal, the blob files and the "
                                                   "version in service (exit 1 if not)"))
     c.add_argument("--json", action="store_true", help="print JSON")
-    c.set_defaults(fn=cmd_check)
+    c.set_defaults(fn=_refusing_damage(cmd_check))
     e = with_config(dsub.add_parser("rebuild", help="recreate a lost or damaged store from the journal, the blobs "
                                                     "and the version directories (stop the daemon first)"))
     e.add_argument("--move-aside", action="store_true",

@@ -8,6 +8,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from edgerev.cli import main
@@ -168,3 +170,49 @@ def test_once_says_when_ingest_stopped_at_the_storage_budget(tmp_path, capsys):
     assert line is not None and "inbox files wait for the next cycle" in line, out
     waiting = int(line.split("storage.max_bytes (409600): ")[1].split()[0])
     assert waiting == len(list((tmp_path / "data" / "inbox").rglob("*.png"))) > 0
+
+
+@pytest.fixture(scope="module")
+def ingested_store(tmp_path_factory):
+    """A data directory after a cycle that took 12 images, with its config (made once: each example copies it)."""
+    from tests.daemon.storage.test_rebuild import _ingested
+
+    return _ingested(tmp_path_factory.mktemp("ingested"), n=12)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flips=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 255)), min_size=1, max_size=3))
+@example(flips=[(0.90625, 128)])  # a flipped byte in a sample's hash: a text value that is not UTF-8
+def test_the_commands_that_read_the_store_say_a_damaged_one_in_one_line(ingested_store, tmp_path_factory, capsys,
+                                                                         flips):
+    """The store file with bytes flipped anywhere: ``status``, ``label`` and ``check`` answer, or say in one line
+    what is wrong (the rebuild command where the store is damaged); never a traceback, and the data directory's
+    samples and journal are left as they were."""
+    import shutil
+
+    from edgerev_daemon.config import load_config
+
+    config, path = ingested_store
+    root = tmp_path_factory.mktemp("copy")
+    shutil.copytree(config.layout.root, root / "data")
+    text = path.read_text().replace(str(config.layout.root), str(root / "data"))
+    copy = root / "daemon.yaml"
+    copy.write_text(text)
+    copied = load_config(copy)
+    db = copied.layout.database
+    for suffix in ("-wal", "-shm"):
+        db.with_name(db.name + suffix).unlink(missing_ok=True)
+    data = bytearray(db.read_bytes())
+    for where, xor in flips:
+        data[min(len(data) - 1, int(where * len(data)))] ^= xor
+    db.write_bytes(bytes(data))
+    journal = (copied.layout.root / "journal.jsonl").read_bytes()
+    for command in (["status"], ["label"], ["check"], ["status", "--json"]):
+        code = main(["daemon", *command, "--config", str(copy)])
+        err = capsys.readouterr().err.strip()
+        assert code in (0, 1, 2), (command, code, err)
+        if code == 2:
+            assert len(err.splitlines()) == 1 and err.startswith(f"edgerev daemon {command[0]}: error: "), err
+            if "damaged" in err:
+                assert "edgerev daemon rebuild --config" in err, err
+    assert (copied.layout.root / "journal.jsonl").read_bytes() == journal
