@@ -72,6 +72,23 @@ def _timm(model: nn.Module, num_classes: int, in_channels: int) -> tuple[str, di
     return "timm:create_model", {"model_name": name, **({} if in_channels == 3 else {"in_chans": in_channels})}
 
 
+def package_normalization(model: nn.Module, in_channels: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The mean and std a package pairs with ``model``: timm's ``pretrained_cfg`` (the normalization its weights are
+    trained at, and that timm's own transforms apply), where it holds one value per input channel; None for another
+    package's module or a configuration without them."""
+    if type(model).__module__.partition(".")[0] != "timm":
+        return None
+    cfg = vars(model).get("pretrained_cfg") or vars(model).get("default_cfg") or {}
+    mean, std = (cfg.get("mean"), cfg.get("std")) if isinstance(cfg, dict) else (None, None)
+    try:
+        mean, std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
+    except (TypeError, ValueError):
+        return None
+    if len(mean) != in_channels or len(std) != in_channels or not all(v > 0 for v in std):
+        return None
+    return mean, std
+
+
 def _torchvision(model: nn.Module, num_classes: int, in_channels: int) -> tuple[str, dict]:
     from torchvision import models
 

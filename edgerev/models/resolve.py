@@ -29,9 +29,10 @@ exporter). Each kind of source is one handler in :data:`HANDLERS`; nothing past 
 came from. A module object's owner may declare on it, as attributes, what a class cannot say: ``mean`` and ``std``
 (the normalization its weights were trained with), ``arch`` and ``model_args`` (the factory and arguments that
 rebuild it; :func:`rebuild_error` says when they cannot), and ``in_channels``, ``num_classes`` and ``image_size``
-where its layers cannot say them. Without ``arch``, a module of timm or torchvision is recorded by the builder
-that makes it (``timm:create_model`` with its ``model_name``, ``torchvision.models:resnet18``...;
-:mod:`edgerev.models.builders`), any other by its class.
+where its layers cannot say them. A timm module (or one a factory builds) without its owner's ``mean`` and ``std``
+carries those of the configuration timm pairs with it (``pretrained_cfg``). Without ``arch``, a module of timm or
+torchvision is recorded by the builder that makes it (``timm:create_model`` with its ``model_name``,
+``torchvision.models:resnet18``...; :mod:`edgerev.models.builders`), any other by its class.
 
 Bad input is refused in one line (:class:`ModelSourceError`) before anything is written: a module
 that does not import, a factory that raises or returns no module, a weights file that is missing,
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from edgerev.errors import EdgerevError
-from edgerev.models.builders import NoBuilder, package_builder, shapes_differ, weight_shapes
+from edgerev.models.builders import NoBuilder, package_builder, package_normalization, shapes_differ, weight_shapes
 from edgerev.models.directory import (
     INFO,
     ONNX_SOURCE,
@@ -126,6 +127,8 @@ def _from_module(model: nn.Module, args: dict, num_classes: int | None, trust) -
                       mean=_floats(declared.get("mean")), std=_floats(declared.get("std")),
                       in_channels=_count(declared.get("in_channels")), image_size=_count(declared.get("image_size")),
                       fixed_classes=_count(declared.get("num_classes")))
+    if handle.mean is None and handle.std is None:
+        handle = _package_normalization(handle)
     if "arch" in declared or "model_args" in declared:
         return handle  # the owner said what rebuilds it
     try:
@@ -278,10 +281,16 @@ def _from_factory(text: str, args: dict, num_classes: int | None, trust) -> Mode
         raise ModelSourceError(f"{text} raised {type(e).__name__}: {_line(e)}") from None
     if not isinstance(model, nn.Module):
         raise ModelSourceError(f"{text} returned a {type(model).__name__}, not a torch.nn.Module")
-    handle = describe(model, arch=text, args=dict(args))
+    handle = _package_normalization(describe(model, arch=text, args=dict(args)))
     if later is not None:
         set_head_rows(handle, later)
     return handle
+
+
+def _package_normalization(handle: ModelHandle) -> ModelHandle:
+    """``handle`` with the normalization its module's package pairs with it (timm's ``pretrained_cfg``), if any."""
+    found = package_normalization(handle.module, handle.in_channels)
+    return handle if found is None else handle.replace(mean=found[0], std=found[1])
 
 
 def _takes(fn, name: str) -> bool:

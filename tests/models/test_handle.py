@@ -134,10 +134,11 @@ def test_fit_refuses_a_module_its_run_directory_cannot_rebuild(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
-def _fit_and_export(model: torch.nn.Module, factory: str, args: dict, tmp_path: Path, size: int = 32) -> None:
+def _fit_and_export(model: torch.nn.Module, factory: str, args: dict, tmp_path: Path, size: int = 32,
+                    normalization: tuple | None = None) -> None:
     """``fit`` a module object of a known package, then export its run directory with the owner's trust: the
-    directory names ``factory``, is refused without that trust (naming it), and its ONNX file agrees with the
-    module fit trained."""
+    directory names ``factory`` (and ``normalization``, where the package gives one), is refused without that trust
+    (naming it), and its ONNX file agrees with the module fit trained."""
     from edgerev.errors import TrustError
     from edgerev.export.onnx import export_onnx
     from edgerev.models.directory import read_info
@@ -151,6 +152,8 @@ def _fit_and_export(model: torch.nn.Module, factory: str, args: dict, tmp_path: 
     out = edgerev.fit(model, data, out=tmp_path / "run", size=size, epochs=1, batch=4, lr=0.01)
     info = read_info(out)[0]
     assert (info.arch, info.model_args) == (factory, args)
+    if normalization is not None:
+        assert (info.mean, info.std) == normalization
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # fit trained this module
     with pytest.raises(TrustError) as e:
         export_onnx(out, tmp_path / "m.onnx")
@@ -181,7 +184,25 @@ def test_a_timm_module_given_to_fit_comes_back_as_a_run_that_exports(tmp_path):
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     _fit_and_export(timm.create_model("lcnet_050", num_classes=3), "timm:create_model", {"model_name": "lcnet_050"},
-                    tmp_path, size=64)
+                    tmp_path, size=64, normalization=(IMAGENET_MEAN, IMAGENET_STD))
+
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # timm's pretrained_cfg of lcnet_050
+
+
+def test_a_timm_module_carries_the_normalization_timm_pairs_with_it():
+    """timm pairs each model with a configuration: its mean and std are the module's normalization, from a module
+    object and from the factory alike, unless the owner declared their own; one for other channels is not taken."""
+    timm = pytest.importorskip("timm")
+    h = resolve_model(timm.create_model("lcnet_050", num_classes=3))
+    assert (h.mean, h.std) == (IMAGENET_MEAN, IMAGENET_STD)
+    built = resolve_model("timm:create_model", args={"model_name": "lcnet_050", "num_classes": 3})
+    assert (built.mean, built.std) == (IMAGENET_MEAN, IMAGENET_STD)
+    own = timm.create_model("lcnet_050", num_classes=3)
+    own.mean, own.std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    assert (resolve_model(own).mean, resolve_model(own).std) == ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    gray = resolve_model(timm.create_model("mobilenetv3_small_050", in_chans=1, num_classes=4))
+    assert (gray.mean, gray.std) == (None, None)  # timm's three values are for colour images
 
 
 def test_a_timm_module_of_other_input_channels_records_them():
