@@ -427,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
             command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None),
                                            getattr(args, "fleet_command", None)) if c)
-            print(f"edgerev {command}: error: {e}", file=sys.stderr)
+            line = " ".join(str(e).split())  # one line, whatever a library's message quoted (SQLite quotes SQL)
+            print(f"edgerev {command}: error: {line}", file=sys.stderr)
             return EXIT_USAGE
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below
         return status

@@ -33,6 +33,7 @@ from edgerev_daemon.storage.blobs import BlobStore
 from edgerev_daemon.storage.faults import storage_fault
 from edgerev_daemon.storage.journal import Journal, JournalContents
 from edgerev_daemon.storage.registry import Registry
+from edgerev_daemon.storage.schema import LATEST, schema_difference
 from edgerev_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -85,14 +86,19 @@ def store_state(path: Path, thorough: bool = True) -> str | None:
         return _inspect(f"{path.resolve().as_uri()}?mode=ro", thorough)
     except sqlite3.Error as e:
         if storage_fault(e) is None:
-            return f"is damaged ({e})"
+            return f"is damaged ({_one_line(e)})"
         wal = path.with_name(path.name + "-wal")
         if wal.exists() and wal.stat().st_size > 0:
-            return f"{UNREADABLE} ({e})"  # its last commits live in the write-ahead log: read it later
+            return f"{UNREADABLE} ({_one_line(e)})"  # its last commits live in the write-ahead log: read it later
     try:  # the main file alone, without the shared memory a full disk cannot hold
         return _inspect(f"{path.resolve().as_uri()}?immutable=1", thorough)
     except sqlite3.Error as e:
-        return f"{UNREADABLE} ({e})" if storage_fault(e) else f"is damaged ({e})"
+        return f"{UNREADABLE} ({_one_line(e)})" if storage_fault(e) else f"is damaged ({_one_line(e)})"
+
+
+def _one_line(e: BaseException) -> str:
+    """SQLite's message in one line: a malformed schema's quotes the damaged SQL, newlines and all."""
+    return " ".join(str(e).split())
 
 
 def _inspect(uri: str, thorough: bool) -> str | None:
@@ -112,9 +118,11 @@ def _inspect_schema(uri: str, thorough: bool) -> str | None:
         bad = [r[0] for r in conn.execute("PRAGMA quick_check") if r[0] != "ok"] if thorough else []
         if bad:
             return f"is damaged ({bad[0]})"
-        if conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0] < 1:
+        version = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
+        if version < 1:
             return "holds no edgerev schema"
-        return None
+        differs = schema_difference(conn, min(version, LATEST))  # a newer store is refused when it opens
+        return None if differs is None else f"is damaged ({differs})"
     finally:
         conn.close()
 
@@ -161,7 +169,7 @@ def damage(e: BaseException) -> str | None:
     if "could not decode" in str(e).lower():
         return "is damaged (a text value that is not UTF-8)"
     if getattr(e, "sqlite_errorcode", None) in _DAMAGED_CODES:
-        return f"is damaged ({' '.join(str(e).split())})"
+        return f"is damaged ({_one_line(e)})"
     return None
 
 

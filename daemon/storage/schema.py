@@ -9,6 +9,7 @@ released migration: append a new one.
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 
 from edgerev_daemon.errors import StoreError
@@ -119,6 +120,38 @@ def current_version(conn: sqlite3.Connection) -> int:
     if not exists:
         return 0
     return conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
+
+
+@functools.cache
+def tables_at(version: int) -> dict[str, tuple[str, ...]]:
+    """Each table of a version ``version`` database and its columns, in order: the migrations up to it, run on an
+    empty database in memory."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        for statements in MIGRATIONS[:version]:
+            for statement in statements:
+                conn.execute(statement)
+        return {name: columns(conn, name) for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+    finally:
+        conn.close()
+
+
+def columns(conn: sqlite3.Connection, table: str) -> tuple[str, ...]:
+    """The columns of ``table`` as the database's schema declares them, in order (none: no such table)."""
+    return tuple(row[1] for row in conn.execute("SELECT * FROM pragma_table_info(?)", (table,)))
+
+
+def schema_difference(conn: sqlite3.Connection, version: int) -> str | None:
+    """How the tables of a database at ``version`` differ from what its migrations made (a damaged schema: a
+    flipped byte in a column's name still parses), or None where they are the same."""
+    for table, expected in tables_at(version).items():
+        found = columns(conn, table)
+        if found != expected:
+            lacking = [c for c in expected if c not in found]
+            return (f"table {table} lacks {', '.join(lacking)}" if lacking and found else
+                    f"table {table} is missing" if not found else f"table {table} has columns {', '.join(found)}")
+    return None
 
 
 def migrate(conn: sqlite3.Connection, now: float, where: str) -> int:

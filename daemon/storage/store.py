@@ -92,7 +92,8 @@ class Store:
             migrate(self._conn, clock(), str(self.path))
         except sqlite3.DatabaseError as e:
             self._conn.close()
-            raise StoreError(f"cannot open the store {self.path}: {e}") from e  # the cause tells a full disk
+            why = " ".join(str(e).split())  # a malformed schema's message quotes its SQL, newlines and all
+            raise StoreError(f"cannot open the store {self.path}: {why}") from e  # the cause tells a full disk
         except BaseException:
             self._conn.close()
             raise
