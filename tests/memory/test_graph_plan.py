@@ -468,6 +468,28 @@ def test_the_floor_is_never_above_plain_autograds_step(name):
             assert floor.total == min(autograd, account_step(cm, step, 1, lambda m: apply_plan(m, None, plain)).total)
 
 
+def test_chain_segments_keep_exact_gradients_wherever_an_exact_plan_fits():
+    """A 4-bit copy is priced at memory speed, cheaper than any re-run: the segments' solver takes one only where no
+    segmentation of stored and checkpointed pieces fits (issue 33: approximate modes only where nothing exact
+    fits the cap). Stats of known bytes per sample, at micro-batch 8."""
+    from edgerev.memory.measure.profile import fixed_bytes
+    from edgerev.memory.plan.autoplan import _SegmentsSolver
+    from edgerev.memory.solve.costs import Linear, StageStats
+    from edgerev.memory.solve.segments import predicted_peak
+
+    cm = planned(build("rescnn"), SIZE)
+    n = len(cm.body.stages)
+    stats = [StageStats(1e3, 250, 1e4, 1e3, Linear(0.0, 1e-3), Linear(0.0, 2e-3))] * n
+    solver = _SegmentsSolver(cm, SIZE, "cpu", stats=stats)
+    checkpointed = predicted_peak(stats, [Segment(i, i + 1, "checkpoint") for i in range(n)])
+    copied = predicted_peak(stats, [Segment(0, n, "store4")])
+    assert copied < checkpointed
+    exact = solver.solve(int(fixed_bytes(cm) + 8 * checkpointed * 1.02), [8])
+    assert exact.batch == 8 and {seg.mode for seg in exact.segments} <= {"store", "checkpoint"}, exact.segments
+    below = solver.solve(int(fixed_bytes(cm) + 8 * (copied + checkpointed) / 2), [8])
+    assert below.batch == 8 and {seg.mode for seg in below.segments} & {"store8", "store4"}, below.segments
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(NETS))
 def test_an_accepted_budget_never_fails_later(name):

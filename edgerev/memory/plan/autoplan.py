@@ -44,7 +44,7 @@ from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
 from edgerev.memory.plan.progress import SILENT, Progress
 from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
 from edgerev.memory.solve.knapsack import APPROXIMATE, default_batches, exact_only, plan, smallest_budget
-from edgerev.memory.solve.segments import plan_segments
+from edgerev.memory.solve.segments import EXACT_SEGMENT_MODES, plan_segments
 from edgerev.models.spec import model_spec
 
 
@@ -201,10 +201,16 @@ class _SegmentsSolver:
                                               progress=lambda i, n: self.progress.step("measuring piece", i, n))
 
     def solve(self, target: int, batches: list[int] | None, step_batch: int | None = None) -> Proposal:
-        """The fastest segments (autograd adds each parameter's gradient in as it comes: accumulating micro-batches
-        hold nothing beyond a bare step, whatever ``step_batch``)."""
+        """The fastest segments in exact modes (stored or checkpointed); 8- or 4-bit copies only where no exact
+        segmentation fits at any micro-batch: their costs price a copy at memory speed, cheaper than any re-run, so
+        they would otherwise win wherever they fit. Autograd adds each parameter's gradient in as it comes:
+        accumulating micro-batches hold nothing beyond a bare step, whatever ``step_batch``."""
         fixed = profiles.fixed_bytes(self.model)
-        p = plan_segments(self.stats, target, fixed, **({"batches": batches} if batches else {}))
+        sweep = {"batches": batches} if batches else {}
+        try:
+            p = plan_segments(self.stats, target, fixed, modes=EXACT_SEGMENT_MODES, **sweep)
+        except BudgetTooSmall:
+            p = plan_segments(self.stats, target, fixed, **sweep)
         return Proposal(p.batch, None, p.segments, p.predicted_peak_bytes, p.step_seconds)
 
     def floor_seconds(self, floor: Proposal) -> float:

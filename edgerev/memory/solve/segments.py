@@ -24,6 +24,7 @@ from edgerev.errors import EdgerevError
 from edgerev.memory.solve.costs import BudgetTooSmall, Segment, SegmentPlan, StageStats
 
 SEGMENT_MODES = ("store", "checkpoint", "store8", "store4")
+EXACT_SEGMENT_MODES = ("store", "checkpoint")  # exact gradients: what a plan takes wherever it fits
 #: bytes an approximate segment keeps per float32 byte of its graph (the 1-d statistics stay exact: rounding)
 _APPROXIMATE_FRACTION = {"store8": 1 / 4, "store4": 1 / 8}
 
