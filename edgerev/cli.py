@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from edgerev import __version__  # noqa: E402
-from edgerev.errors import EdgerevError  # noqa: E402
+from edgerev.errors import EdgerevError, one_line  # noqa: E402
 from edgerev.exits import EPILOG  # noqa: E402
 from edgerev.exits import PARTIAL as EXIT_PARTIAL  # noqa: E402
 from edgerev.exits import PIPE as EXIT_PIPE  # noqa: E402
@@ -427,8 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:  # EdgerevError, and bad values the model constructors refuse
             command = " ".join(c for c in (args.command, getattr(args, "daemon_command", None),
                                            getattr(args, "fleet_command", None)) if c)
-            line = " ".join(str(e).split())  # one line, whatever a library's message quoted (SQLite quotes SQL)
-            print(f"edgerev {command}: error: {line}", file=sys.stderr)
+            print(f"edgerev {command}: error: {one_line(e)}", file=sys.stderr)
             return EXIT_USAGE
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below
         return status

@@ -7,6 +7,13 @@ names the problem, so the CLI can print it as a single line instead of a stack t
 from __future__ import annotations
 
 
+def one_line(e: BaseException) -> str:
+    """``e``'s message on one line (its type's name where it has none): what a command line, a log line or an
+    HTTP body prints of an error, whatever a library's message quoted (SQLite's quotes a damaged schema's SQL,
+    newlines and all)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 class EdgerevError(ValueError):
     """Base class of all edgerev input errors."""
 

@@ -62,7 +62,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from edgerev.errors import EdgerevError
+from edgerev.errors import EdgerevError, one_line
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
 from edgerev_daemon.service.labelling import Notes
@@ -311,7 +311,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             return status(self.server.config, events=events, clock=self.server.clock)
         except (EdgerevError, sqlite3.Error, OSError) as e:
-            line = " ".join(str(e).split()) or type(e).__name__
+            line = one_line(e)
             log.warning("status page: store unavailable: %s", line)
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"store unavailable: {line}\n")
             return None
@@ -384,7 +384,7 @@ class _Handler(BaseHTTPRequestHandler):
             with Store(config.layout.database) as store:
                 questions, labels = waiting(config.layout.root, store), store.labels()
         except (EdgerevError, sqlite3.Error, OSError) as e:
-            line = " ".join(str(e).split()) or type(e).__name__
+            line = one_line(e)
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"store unavailable: {line}\n")
             return
         nonce = secrets.token_urlsafe(16)
@@ -448,7 +448,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             given = give(self.server.config, [answer], wait=self.server.answer_wait, wakeup=self.server.wakeup)
         except (EdgerevError, sqlite3.Error, OSError) as e:
-            line = " ".join(str(e).split()) or type(e).__name__
+            line = one_line(e)
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"store unavailable: {line}\n")
             return
         finally:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerev.atomic import fsync_dir
+from edgerev.errors import one_line
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import StoreError
 from edgerev_daemon.layout import Layout
@@ -86,19 +87,14 @@ def store_state(path: Path, thorough: bool = True) -> str | None:
         return _inspect(f"{path.resolve().as_uri()}?mode=ro", thorough)
     except sqlite3.Error as e:
         if storage_fault(e) is None:
-            return f"is damaged ({_one_line(e)})"
+            return f"is damaged ({one_line(e)})"
         wal = path.with_name(path.name + "-wal")
         if wal.exists() and wal.stat().st_size > 0:
-            return f"{UNREADABLE} ({_one_line(e)})"  # its last commits live in the write-ahead log: read it later
+            return f"{UNREADABLE} ({one_line(e)})"  # its last commits live in the write-ahead log: read it later
     try:  # the main file alone, without the shared memory a full disk cannot hold
         return _inspect(f"{path.resolve().as_uri()}?immutable=1", thorough)
     except sqlite3.Error as e:
-        return f"{UNREADABLE} ({_one_line(e)})" if storage_fault(e) else f"is damaged ({_one_line(e)})"
-
-
-def _one_line(e: BaseException) -> str:
-    """SQLite's message in one line: a malformed schema's quotes the damaged SQL, newlines and all."""
-    return " ".join(str(e).split())
+        return f"{UNREADABLE} ({one_line(e)})" if storage_fault(e) else f"is damaged ({one_line(e)})"
 
 
 def _inspect(uri: str, thorough: bool) -> str | None:
@@ -169,7 +165,7 @@ def damage(e: BaseException) -> str | None:
     if "could not decode" in str(e).lower():
         return "is damaged (a text value that is not UTF-8)"
     if getattr(e, "sqlite_errorcode", None) in _DAMAGED_CODES:
-        return f"is damaged ({_one_line(e)})"
+        return f"is damaged ({one_line(e)})"
     return None
 
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from edgerev.errors import one_line
 from edgerev_daemon.errors import StoreError
 from edgerev_daemon.storage.journal import NAME as JOURNAL_NAME
 from edgerev_daemon.storage.journal import Journal, JournalRecord, Labeling, Removal
@@ -92,8 +93,7 @@ class Store:
             migrate(self._conn, clock(), str(self.path))
         except sqlite3.DatabaseError as e:
             self._conn.close()
-            why = " ".join(str(e).split())  # a malformed schema's message quotes its SQL, newlines and all
-            raise StoreError(f"cannot open the store {self.path}: {why}") from e  # the cause tells a full disk
+            raise StoreError(f"cannot open the store {self.path}: {one_line(e)}") from e  # the cause tells a full disk
         except BaseException:
             self._conn.close()
             raise
