@@ -289,7 +289,8 @@ def cap(args, save: Save) -> dict:
     torch.manual_seed(0)
     model = _recipe_model(cfg).to(device)
     t0 = time.perf_counter()
-    micro_batches, cpu_cap, summary = plan_memory(cfg, model, None, batch, device)
+    planned = plan_memory(cfg, model, None, batch, device)
+    micro_batches, cpu_cap, summary = planned.micro_batches, planned.cap, planned.summary
     result: dict = {"arch": cfg.model.arch, "args": cfg.model.args, "size": cfg.data.size, "batch": batch,
                     "cap_bytes": budget, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                     "plan_seconds": round(time.perf_counter() - t0, 2), "micro_batch": summary["micro_batch"],

@@ -34,6 +34,7 @@ from torch import nn
 from edgerev.config import ConfigError, byte_size, from_dict, load_yaml
 
 if TYPE_CHECKING:
+    from edgerev.memory.measure.account import StepShape
     from edgerev.memory.plan.progress import Progress
     from edgerev.train.config import RunConfig
     from edgerev.train.labeled import LabeledImages
@@ -64,10 +65,11 @@ def _with_trainable(cfg, trainable: str):
     return cfg
 
 
-def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int, loss_fn) -> tuple[nn.Module, dict]:
-    """``net`` training only ``trainable`` (:mod:`edgerev.train.trainable`): what the planner then plans, and what
+def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int, loss_fn
+                   ) -> tuple[nn.Module, dict, StepShape]:
+    """``net`` training only ``trainable`` (:mod:`edgerev.train.trainable`): what the planner then plans, what
     to say of it (for ``auto``: the set chosen and the optimizer's state,
-    :meth:`~edgerev.train.trainable.Fit.summary`)."""
+    :meth:`~edgerev.train.trainable.Fit.summary`), and ``step`` with the optimizer's state it keeps."""
     try:
         from edgerev.train import trainable as sets
     except ImportError:
@@ -78,8 +80,8 @@ def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int,
             from edgerev.memory.graph import planned
 
             fit = sets.choose_fit(net, step, budget, loss_fn=loss_fn)
-            return planned(net, size), fit.summary(step.momentum)
-        return sets.set_trainable(net, sets.parse_trainable(trainable), size=size), {"trainable": trainable}
+            return planned(net, size), fit.summary(step.momentum), replace(step, momentum=fit.momentum)
+        return sets.set_trainable(net, sets.parse_trainable(trainable), size=size), {"trainable": trainable}, step
     except sets.TrainableError as e:
         raise ConfigError(f"trainable: {e}") from None
 
@@ -136,8 +138,7 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
     step = step_shape(cfg, net, None, batch)
     chosen: dict = {}
     if trainable != "all":
-        net, chosen = _trainable_set(net, trainable, size, step, budget, loss_of(cfg))
-        step = replace(step, momentum=step.momentum and chosen.get("optimizer_state") != "dropped")
+        net, chosen, step = _trainable_set(net, trainable, size, step, budget, loss_of(cfg))
     report = progress if isinstance(progress, Progress) else Progress(progress)
     tp = plan_training(net, size, budget, device, estimate=estimate, max_batch=batch, step=step, loss_fn=loss_of(cfg),
                        progress=report)

@@ -8,7 +8,7 @@ with :func:`edgerev.memory.measure.account.account_step`: one count of what a st
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -96,13 +96,31 @@ def training_model(cfg: RunConfig, model: nn.Module | ModelHandle) -> nn.Module:
         raise ConfigError(f"{key}: {e}") from None
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What :func:`plan_memory` set up for a run.
+
+    Attributes:
+        micro_batches: micro-batches per step.
+        cap: the CPU cap the steps run under (None: none).
+        summary: the plan as the run's summary records it.
+        momentum: whether the optimizer keeps the recipe's momentum (False also where the recipe has none):
+            ``train.trainable: auto`` drops it where that lets more parameters train.
+    """
+
+    micro_batches: int
+    cap: CpuCap | None
+    summary: dict
+    momentum: bool
+
+
 def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int,
-                device: torch.device, unlabeled: int = 0) -> tuple[int, CpuCap | None, dict]:
-    """Micro-batches per step, the CPU cap (None: none), and the plan's summary for ``cfg``, at ``batch``
-    labelled samples and ``unlabeled`` strong views per step (their weak views' forward counted too).
+                device: torch.device, unlabeled: int = 0) -> MemoryPlan:
+    """The plan of ``cfg``'s step at ``batch`` labelled samples and ``unlabeled`` strong views per step (their
+    weak views' forward counted too), applied to ``model``.
 
     With ``train.trainable: auto`` the summary says what trains (``trainable``) and whether the optimizer keeps
-    its momentum (``optimizer_state``: ``kept``, ``dropped`` or ``none``; :func:`keeps_momentum`).
+    its momentum (``optimizer_state``: ``kept``, ``dropped`` or ``none``), which ``momentum`` carries.
 
     On CUDA the cap is set first and the plan is fitted to the allocator with real steps
     (:func:`~edgerev.memory.plan.device_fit.fit_to_device`): the summary's ``device_fit`` lists each plan measured.
@@ -110,9 +128,9 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     Raises:
         BudgetTooSmall: ``memory.budget`` is below the step's floor (named), before anything is profiled.
     """
-    mem = cfg.memory
+    mem, momentum = cfg.memory, cfg.optim.momentum > 0
     if mem.mode == "plain":
-        return 1, None, {"mode": "plain"}
+        return MemoryPlan(1, None, {"mode": "plain"}, momentum)
     body = engine_body(model)
     if mem.budget is None and body is None:  # a model from outside: plain autograd, nothing to plan
         if mem.mode != "auto":
@@ -120,13 +138,13 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
 
             raise ConfigError(f"memory.mode: {mem.mode} is for edgerev's reversible models; this one trains "
                               "through plain autograd (leave mode at auto, or set memory.budget to plan it)")
-        return 1, None, {"mode": "plain"}
+        return MemoryPlan(1, None, {"mode": "plain"}, momentum)
     if mem.budget is None:
         if mem.mode != "auto":
             body.set_modes(mem.mode)
-        return 1, None, {"mode": mem.mode, "stages": [
+        return MemoryPlan(1, None, {"mode": mem.mode, "stages": [
             {"name": n, "type": type(s).__name__, "mode": m.value}
-            for (n, s), m in zip(body.stages.named_children(), body.modes)]}
+            for (n, s), m in zip(body.stages.named_children(), body.modes)]}, momentum)
     budget = int(mem.budget)
     shape, loss_fn = step_shape(cfg, model, teacher, batch, unlabeled), loss_of(cfg, unlabeled)
     batch = shape.batch  # the step's whole batch, the strong views with the labelled samples
@@ -155,9 +173,4 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     summary = {"mode": "planned", "budget_bytes": budget, "micro_batch": tp.batch, "micro_batches": micro,
                **trainable, **tp.summary, **fitted}
     cap = CpuCap(budget, tp.account.baseline) if device.type == "cpu" and tp.account is not None else None
-    return micro, cap, summary
-
-
-def keeps_momentum(cfg: RunConfig, summary: dict) -> bool:
-    """Does the optimizer of a run planned as ``summary`` (:func:`plan_memory`) keep the recipe's momentum?"""
-    return cfg.optim.momentum > 0 and summary.get("optimizer_state", "kept") != "dropped"
+    return MemoryPlan(micro, cap, summary, shape.momentum)

@@ -52,7 +52,7 @@ from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import EvaluationStopped, evaluate
 from edgerev.train.labeled import LabeledImages, load_source
-from edgerev.train.memory import keeps_momentum, loss_of, plan_memory, training_model
+from edgerev.train.memory import loss_of, plan_memory, training_model
 from edgerev.train.norms import freeze_norms, measure_running_statistics
 from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
 from edgerev.train.schedule import Tail, lr_at, tail_after
@@ -378,13 +378,14 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     u = per_step(cfg.semi.ratio, batch, len(pool)) if pool is not None else 0  # unlabelled images per step
     run = training_model(cfg, model)  # the model itself, or a model from outside as its chain (sharing its weights)
     # the budget is checked (and the step planned) before anything is written: a refused run leaves nothing
-    micro, cap, plan_summary = plan_memory(cfg, run, s.teacher, batch, device, u)
+    memory = plan_memory(cfg, run, s.teacher, batch, device, u)
+    micro, cap, plan_summary = memory.micro_batches, memory.cap, memory.summary
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         dump_yaml(out / CONFIG, cfg)
     cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start)))  # saved null: chosen again on resume
     params = [p for p in model.parameters() if p.requires_grad]
-    if not keeps_momentum(cfg, plan_summary):  # trainable auto dropped it to train more parameters (said in the plan)
+    if not memory.momentum:  # trainable auto dropped it to train more parameters (said in the plan)
         cfg = replace(cfg, optim=replace(cfg.optim, momentum=0.0, nesterov=False))
     optimizer = torch.optim.SGD([{"params": params}], lr=cfg.optim.lr, momentum=cfg.optim.momentum,
                                 nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)

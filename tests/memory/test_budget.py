@@ -136,7 +136,8 @@ def test_the_trainer_plans_at_the_floor_and_trains(arch, monkeypatch, tmp_path):
     model, teacher = setup(arch, True)
     _, floor = refused(recipe(arch, 32, True, True, 1), model, teacher, BATCH)
     cfg = recipe(arch, 32, True, True, floor)
-    micro, cap, summary = plan_memory(cfg, model, teacher, BATCH, torch.device("cpu"))
+    planned = plan_memory(cfg, model, teacher, BATCH, torch.device("cpu"))
+    micro, cap, summary = planned.micro_batches, planned.cap, planned.summary
     assert cap is not None and cap.budget == floor
     assert summary["account"]["total"] == summary["predicted_peak_bytes"] <= floor
     capped_steps(model, teacher, cfg, BATCH, micro, cap)

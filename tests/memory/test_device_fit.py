@@ -114,7 +114,8 @@ def test_the_planned_batch_trains_under_a_400_mib_cap_without_running_out_of_mem
     torch.manual_seed(0)
     model = create_model("revnext", width=32, num_classes=10).cuda()
     try:
-        micro, _, summary = plan_memory(cfg, model, None, 256, torch.device("cuda"))
+        planned = plan_memory(cfg, model, None, 256, torch.device("cuda"))
+        micro, summary = planned.micro_batches, planned.summary
         assert summary["device_fitted"], summary["device_fit"]
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         torch.cuda.reset_peak_memory_stats()
