@@ -8,10 +8,12 @@ pages trains models for minutes, so those are marked slow.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -284,6 +286,49 @@ def _readme_setup(page: Path) -> list[Block]:
 #: first model is still promoted (0.90 on 21 held-out images, chance 0.20), which the pages' checks need.
 DEMO = "edgerev daemon demo --images 150"
 
+#: where the demo writes its data directory (``DEMO`` run in a folder that holds none yet)
+DEMO_DIR = Path("runs") / "daemon-demo"
+
+
+@pytest.fixture(scope="session")
+def shared_demo(tmp_path_factory) -> Path:
+    """A folder the run's workers share (beside their temporary folders) for :func:`_demo`."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-demo"
+
+
+def _demo(work: Path, env: dict, shared: Path) -> str:
+    """``DEMO`` in ``work``, a page's folder that holds no demo data directory yet: what it prints. Four pages
+    start so (the README, the daemon, device and labelling guides), and the demo does the same there every time
+    (generated images and training from fixed seeds, in a new data directory): the first page to get there runs
+    it, in a folder of its own shared by the run's workers, and every page takes a copy of the data directory it
+    wrote and what it printed (16 s of a worker each on a 2-core machine, three times over). A page whose demo
+    comes after others of its commands that wrote a data directory runs it itself (the README's second demo)."""
+    assert not (work / DEMO_DIR).exists()
+    shared.mkdir(parents=True, exist_ok=True)
+    with open(shared.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker runs the demo; the others wait for it, then copy
+        printed = shared / "stdout.txt"
+        if not printed.exists():
+            demo = shared / "work"
+            demo.mkdir(exist_ok=True)
+            r = subprocess.run(["bash", "-c", "set -euo pipefail\n" + DEMO], cwd=demo, env=env, capture_output=True,
+                               text=True)
+            assert r.returncode == 0, f"{DEMO}: exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+            printed.write_text(r.stdout)
+        shutil.copytree(shared / "work" / DEMO_DIR, work / DEMO_DIR, symlinks=True)
+        return printed.read_text()
+
+
+def _demo_first(block: Block, work: Path) -> Block | None:
+    """The rest of ``block`` (None: nothing) where its first line is ``DEMO`` run on a folder that holds no demo
+    data directory yet (:func:`_demo` runs that line); else ``block`` itself."""
+    first, _, rest = block.code.partition("\n")
+    if block.lang != "sh" or block.marker is not None or first.strip() != DEMO or (work / DEMO_DIR).exists():
+        return block
+    return Block(block.page, block.line + 1, block.lang, rest, None) if rest.strip() else None
+
+
 #: the presets the pages train, rewritten in a page's scratch configs/ with these keys (the rest are the preset's)
 SMALL_PRESETS = {
     name: {"data": {"train": {"samples": 320}, "val": {"samples": 200}}, "train": {"epochs": 1}}
@@ -402,7 +447,7 @@ def _small(page: Path, todo: list[Block]) -> list[Block]:
 @pytest.mark.parametrize("page", [p for p in RUN_PAGES if any(b.marker is None and b.lang in ("sh", "python")
                                                               for b in blocks(p))],
                          ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_runs(page, tmp_path, profile_cache):
+def test_page_runs(page, tmp_path, profile_cache, shared_demo):
     work = tmp_path / "work"
     work.mkdir()
     _configs(work)
@@ -422,6 +467,12 @@ def test_page_runs(page, tmp_path, profile_cache):
             continue
         if block.marker is not None or block.lang not in ("sh", "python"):
             continue
+        rest = _demo_first(block, work)
+        if rest is not block:
+            printed.append(_demo(work, env, shared_demo))
+            if rest is None:
+                continue
+            block = rest
         if block.lang == "sh":
             argv = ["bash", "-c", "set -euo pipefail\n" + block.code]
         else:
