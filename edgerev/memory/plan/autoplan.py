@@ -428,7 +428,9 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
     batch that held less.
 
     With a ``budget``, the first floor that fits under it, exact ones first, each at micro-batch 1 and then at the
-    whole batch (:func:`_whole` under the budget): the budget is above the floor either way,
+    whole batch (:func:`_whole` under the budget) before the next is accounted (where the gradients are most of a
+    step, the first floor's whole batch fits where none fits at micro-batch 1, and the others' accounts, floor's the
+    dearest, are not needed): the budget is above the floor either way,
     and the other floors (a 4-bit stem for RevNeXt, every 4-bit segmentation of a chain) need no account. Where none
     fits, the least, as without a budget."""
     if budget is not None:
@@ -437,8 +439,7 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
                 account = exact(f)
                 if account.total <= budget:
                     return f, account
-            for f in group:
-                whole = _whole(f, exact, batch, budget)
+                whole = _whole(f, exact, batch, budget)  # its micro-batch-1 account bounds it: no account where over
                 if whole is not None and whole[1].total <= budget:
                     return whole
     best = min(((f, exact(f)) for f in solver.floors()), key=lambda a: a[1].total)
