@@ -118,7 +118,7 @@ def test_a_step_that_meets_nan_raises_at_its_read(where):
         x[2, 1, 3, 3] = math.nan
     else:
         with torch.no_grad():
-            model.stages[1].parameters().__next__().view(-1)[0] = math.inf
+            next(model.stages[1].parameters()).view(-1)[0] = math.inf
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     match = "the input batch" if where == "input" else "the output of the invertible sequence"
     with pytest.raises(NonFiniteError, match=match):
