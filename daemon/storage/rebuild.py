@@ -34,7 +34,7 @@ from edgerev_daemon.storage.blobs import BlobStore
 from edgerev_daemon.storage.faults import storage_fault
 from edgerev_daemon.storage.journal import Journal, JournalContents
 from edgerev_daemon.storage.registry import Registry
-from edgerev_daemon.storage.schema import LATEST, schema_difference
+from edgerev_daemon.storage.schema import LATEST, current_version, schema_difference
 from edgerev_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def _inspect_schema(uri: str, thorough: bool) -> str | None:
         bad = [r[0] for r in conn.execute("PRAGMA quick_check") if r[0] != "ok"] if thorough else []
         if bad:
             return f"is damaged ({bad[0]})"
-        version = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
+        version = current_version(conn)
         if version < 1:
             return "holds no edgerev schema"
         differs = schema_difference(conn, min(version, LATEST))  # a newer store is refused when it opens
