@@ -7,6 +7,9 @@
   public ``meta`` device instead (:func:`shadowed`: the same bytes, three to four times fewer seconds
   per op, since a fake tensor's op runs the meta kernel and its own bookkeeping around it); fake tensors
   remain for the ops that have no meta kernel.
+- ``torch.utils._python_dispatch.TorchDispatchMode``: the hook under autograd through which a meta op is answered
+  from what the same call returned before (:class:`MetaMemo`), and the live-bytes tracker and the kernel counter see
+  every op.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def storage_key(t: Tensor) -> int:
@@ -93,15 +97,133 @@ def shadowed(module: nn.Module, fn: Callable[[nn.Module], T]) -> T:
     storages), so the live-bytes tracker counts a step's bytes exactly.
 
     The copy is on the meta device; a step using an op with no meta kernel (PyTorch raises
-    ``NotImplementedError``) runs again on fake tensors, which have fallbacks for those ops. ``fn`` must make its
-    tensors without naming a device."""
+    ``NotImplementedError``) runs again on fake tensors, which have fallbacks for those ops. On the meta device an op
+    called before with the same arguments is answered from :class:`MetaMemo`. ``fn`` must make its tensors without
+    naming a device."""
     try:
         with torch.device("meta"):
-            return fn(meta_copy(module))
+            copy = meta_copy(module)
+            with MetaMemo():
+                return fn(copy)
     except NotImplementedError as e:
         logging.getLogger(__name__).debug("no meta kernel (%s): accounting on fake tensors", e)
     with fake_mode() as mode:
         return fn(fake_copy(module, mode))
+
+
+_UNCACHEABLE = object()
+_SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class MetaMemo(TorchDispatchMode):
+    """Meta-device ops answered from what the same op returned before for the same arguments.
+
+    On the meta device an op's results depend on its arguments' shapes, strides, dtypes and on its other arguments
+    alone, and have no data. Yet PyTorch computes many of them in Python (its decompositions replace the C++ meta
+    kernels of ``leaky_relu``, ``add.out``, ``native_batch_norm``...: 0.1-2 ms an op), and a planned step repeats the
+    same few hundred calls over its slices, blocks and candidates. The first call of each runs; later ones get new
+    tensors of the recorded shapes and strides, or the very argument the op returned (an in-place or ``out=`` op).
+
+    Only what replays exactly is recorded: results that are arguments, or tensors on storages of their own, made
+    whole by ``empty_strided``, where the call changed no argument's shape, strides or storage (an ``out=`` resized);
+    views run as they are. The record is per process, keyed also by the default dtype."""
+
+    _calls: dict[tuple, object] = {}
+    LIMIT = 100_000  # recorded calls at most (a long-lived process planning many models starts again past it)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.is_view:
+            return func(*args, **kwargs)
+        leaves: list[Tensor] = []
+        storages: dict[int, int] = {}
+        key = _call_key(func, args, kwargs, leaves, storages)
+        record = self._calls.get(key) if key is not _UNCACHEABLE else _UNCACHEABLE
+        if record is None:
+            out = func(*args, **kwargs)
+            record = _record(out, leaves, storages)
+            if record is not _UNCACHEABLE and _argument_keys(leaves) != key[3]:
+                record = _UNCACHEABLE  # the op changed an argument's metadata (resized an out=)
+            if len(self._calls) >= self.LIMIT:
+                self._calls.clear()
+            self._calls[key] = record
+            return out
+        if record is _UNCACHEABLE:
+            return func(*args, **kwargs)
+        return _replay(record, leaves)
+
+
+def _call_key(func, args: tuple, kwargs: dict, leaves: list[Tensor], storages: dict[int, int]):
+    """What a meta op's results depend on; fills ``leaves`` (its tensor arguments in order) and ``storages`` (each
+    distinct storage's index: which arguments alias which). :data:`_UNCACHEABLE` for an argument of another kind."""
+    try:
+        shape = (_value(args, leaves, storages), _value(tuple(kwargs.items()), leaves, storages))
+    except TypeError:
+        return _UNCACHEABLE
+    return (func, torch.get_default_dtype(), shape, _argument_keys(leaves))
+
+
+def _value(v, leaves: list[Tensor], storages: dict[int, int]):
+    if isinstance(v, Tensor):
+        if v.device.type != "meta" or type(v) is not Tensor and not isinstance(v, nn.Parameter):
+            raise TypeError("not a plain meta tensor")
+        leaves.append(v)
+        return storages.setdefault(storage_key(v), len(storages))
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_value(w, leaves, storages) for w in v))
+    if isinstance(v, _SIMPLE):
+        return (type(v), v)
+    raise TypeError(f"{type(v).__name__} argument")
+
+
+def _argument_keys(leaves: list[Tensor]) -> tuple:
+    return tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes()) for t in leaves)
+
+
+def _record(out, leaves: list[Tensor], storages: dict[int, int]):
+    """How to make ``out`` again: an argument by its index, a new tensor by its shape, strides and dtype, a list or
+    tuple of those, or a constant; :data:`_UNCACHEABLE` where that would not be exact. (No closure: a recursive one
+    is a reference cycle that would keep the op's tensors alive, to the tracker, until the garbage collector runs.)"""
+    try:
+        return _recorded(out, leaves, storages, set())
+    except TypeError:
+        return _UNCACHEABLE
+
+
+def _recorded(o, leaves: list[Tensor], storages: dict[int, int], fresh: set[int]):
+    if isinstance(o, Tensor):
+        for i, t in enumerate(leaves):
+            if o is t:
+                return ("arg", i)
+        key = storage_key(o)
+        if type(o) is not Tensor or key in storages or key in fresh or o.storage_offset() != 0:
+            raise TypeError("a view or a shared storage")
+        fresh.add(key)
+        if o.untyped_storage().nbytes() != _strided_bytes(o.shape, o.stride(), o.element_size()):
+            raise TypeError("a storage larger than its tensor")
+        return ("new", tuple(o.shape), o.stride(), o.dtype)
+    if isinstance(o, (list, tuple)):
+        return (type(o), tuple(_recorded(w, leaves, storages, fresh) for w in o))
+    if isinstance(o, (int, float, bool, type(None))):
+        return ("const", o)
+    raise TypeError(f"{type(o).__name__} result")
+
+
+def _strided_bytes(shape, stride, itemsize: int) -> int:
+    if any(n == 0 for n in shape):
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
+
+
+def _replay(record, leaves: list[Tensor]):
+    kind = record[0]
+    if kind == "arg":
+        return leaves[record[1]]
+    if kind == "new":
+        return torch.empty_strided(record[1], record[2], dtype=record[3], device="meta")
+    if kind == "const":
+        return record[1]
+    return kind(_replay(r, leaves) for r in record[1])
 
 
 def is_fake(t: Tensor) -> bool:
