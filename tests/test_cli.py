@@ -124,10 +124,11 @@ def small_revnext(tmp_path, monkeypatch):
     prof = measured()
     calls = []
 
-    def measure_profile(model, size, device="cpu", modes=None, exact=False, **kw):
+    def measure_profile(model, size, device="cpu", modes=None, exact=False, batches=(16, 32), **kw):
         calls.append((size, device, exact))
         assert model.stages[0].out_channels == 8  # the small model's stem
-        return replace(exact_only(prof), source="measured exact") if exact else prof
+        timed = replace(prof, batches=tuple(batches))  # as the real one records the batches it timed at
+        return replace(exact_only(timed), source="measured exact") if exact else timed
 
     monkeypatch.setattr(profile_mod, "measure_profile", measure_profile)
     return prof, calls, tmp_path / "cache"

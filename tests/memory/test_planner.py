@@ -18,7 +18,14 @@ from edgerev.layers import HybridBlock
 from edgerev.memory.measure import profile as profile_mod
 from edgerev.memory.measure.account import StepShape, account_step
 from edgerev.memory.measure.peak import fake_step_peak
-from edgerev.memory.measure.profile import cache_dir, estimate_profile, fixed_bytes, load_or_measure
+from edgerev.memory.measure.profile import (
+    TIMED_BATCHES,
+    cache_dir,
+    estimate_profile,
+    fixed_bytes,
+    load_or_measure,
+    timed_batches,
+)
 from edgerev.memory.plan import autoplan
 from edgerev.memory.plan.autoplan import SLICE_LADDER, Proposal, plan_model, plan_training, verify, widen_slices
 from edgerev.memory.solve import knapsack
@@ -431,6 +438,11 @@ def test_estimate_profile_runs_and_agrees_with_measured_bytes():
 # ---- the profile cache -------------------------------------------------------------------------------------------
 
 
+def timed(prof: Profile) -> Profile:
+    """``prof`` as if timed at the batches a plan of any batch asks for (:data:`TIMED_BATCHES`)."""
+    return dataclasses.replace(prof, batches=TIMED_BATCHES)
+
+
 class FakeMeasure:
     """Stands in for ``measure_profile``: returns a measured profile (its exact modes only, or the modes asked for, as
     the real one) and counts the calls."""
@@ -438,7 +450,11 @@ class FakeMeasure:
     def __init__(self, prof: Profile) -> None:
         self.prof, self.calls, self.asked = prof, 0, []
 
-    def __call__(self, model, size, device="cpu", modes=None, exact=False, **kw) -> Profile:
+    def __call__(self, model, size, device="cpu", modes=None, exact=False, batches=TIMED_BATCHES, **kw) -> Profile:
+        assert tuple(batches) == self.prof.batches, "the fake measures at its profile's batches only"
+        return self._measured(model, size, device, modes, exact)
+
+    def _measured(self, model, size, device, modes, exact) -> Profile:
         self.calls += 1
         self.asked.append("exact" if exact else "all" if modes is None else "+".join(sorted(m.value for m in modes)))
         assert size == self.prof.size and device == self.prof.device
@@ -460,7 +476,7 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
 
 
 def test_load_or_measure_writes_then_reads_the_cache(cache, monkeypatch):
-    prof = measured()
+    prof = timed(measured())
     fake = FakeMeasure(prof)
     monkeypatch.setattr(profile_mod, "measure_profile", fake)
     model = small_model()
@@ -487,7 +503,7 @@ def test_load_or_measure_writes_then_reads_the_cache(cache, monkeypatch):
 def test_an_estimate_is_cached_in_the_process_and_on_disk(cache, monkeypatch):
     """A daemon plans every job; the estimate of one model at one size is made once (fleet rounds paid
     a minute and more per job for it)."""
-    prof = dataclasses.replace(measured(), source="estimated")
+    prof = dataclasses.replace(timed(measured()), source="estimated")
     fake = FakeMeasure(prof)
     monkeypatch.setattr(profile_mod, "estimate_profile", fake)
     monkeypatch.setattr(profile_mod, "_ESTIMATES", {})
@@ -498,7 +514,7 @@ def test_an_estimate_is_cached_in_the_process_and_on_disk(cache, monkeypatch):
     monkeypatch.setattr(profile_mod, "_ESTIMATES", {})  # another process: the file answers
     assert load_or_measure(small_model(), 16, estimate=True) == prof and fake.calls == 1
     # an estimate never stands in for a measured profile
-    measure = FakeMeasure(measured())
+    measure = FakeMeasure(timed(measured()))
     monkeypatch.setattr(profile_mod, "measure_profile", measure)
     load_or_measure(small_model(), 16)
     assert measure.calls == 1
@@ -508,7 +524,7 @@ def test_the_exact_modes_are_measured_first_and_the_approximate_ones_only_when_a
     """The planner asks for the exact modes first; the approximate ones, as long again to measure, are measured where
     no exact plan fits, and then only they: the profile of every mode is the exact one completed, and answers both
     questions from then on."""
-    prof = measured()
+    prof = timed(measured())
     fake = FakeMeasure(prof)
     monkeypatch.setattr(profile_mod, "measure_profile", fake)
     part = load_or_measure(small_model(), 16, exact=True)
@@ -539,7 +555,7 @@ def test_the_exact_and_the_approximate_modes_measured_apart_make_the_whole_profi
     exact = [{m.value for m in supported_modes(stage)} - knapsack.APPROXIMATE for stage in model.body.stages]
     assert part.source == "measured exact" and [set(s) for s in part.stages] == exact
     rest = profile_mod.measure_profile(model, 16, batches=(4, 8), repeats=1, modes=[Mode.STORE8, Mode.STORE4])
-    whole = profile_mod.completed(part, rest, batches=(4, 8))
+    whole = profile_mod.completed(part, rest)
     one = profile_mod.measure_profile(model, 16, batches=(4, 8), repeats=1)
     assert whole.source == one.source == "measured" and whole.every_mode
     assert [{m: (c.kept, c.forward, c.backward) for m, c in s.items()} for s in whole.stages] == \
@@ -550,6 +566,8 @@ def test_the_exact_and_the_approximate_modes_measured_apart_make_the_whole_profi
                 assert stage["store"].seconds.at(b) <= min(c.seconds.at(b) for c in stage.values()) + 1e-12
     with pytest.raises(EdgerevError, match="another model"):
         profile_mod.completed(part, dataclasses.replace(rest, key="0" * 16))
+    with pytest.raises(EdgerevError, match="timed at batches"):
+        profile_mod.completed(part, dataclasses.replace(rest, batches=(16, 32)))
 
 
 def test_a_measured_plan_measures_the_approximate_modes_only_where_no_exact_plan_fits(cache, monkeypatch):
@@ -558,7 +576,8 @@ def test_a_measured_plan_measures_the_approximate_modes_only_where_no_exact_plan
     def scaled(curve: Curve, f: float) -> Curve:
         return Curve(*(Linear(fit.intercept * f, fit.slope * f) for fit in (curve.small, curve.large)))
 
-    # the small RevNeXt's copies made four times smaller, so that a budget fits them and no exact plan
+    # the small RevNeXt's copies made four times smaller, so that a budget fits them and no exact plan (timed at 4
+    # and 8, as a plan of micro-batches up to 8 asks: FakeMeasure checks it)
     prof = dataclasses.replace(measured(), stages=[
         {m: ModeCost(*(scaled(k, 0.25) for k in (c.kept, c.forward, c.backward)), c.seconds)
          if m in knapsack.APPROXIMATE else c for m, c in stage.items()} for stage in measured().stages])
@@ -573,6 +592,26 @@ def test_a_measured_plan_measures_the_approximate_modes_only_where_no_exact_plan
     assert fake.asked == ["exact", "store4+store8"] and knapsack.APPROXIMATE & set(tight.modes)
 
 
+def test_a_profile_is_timed_at_the_batches_its_plans_run_and_measured_again_for_larger_ones(cache, monkeypatch):
+    """A plan of micro-batches up to 8 has its profile timed at 4 and 8 (a quarter of the work of 16 and 32, and no
+    line extrapolated down to batches it never runs); a later plan of larger batches measures it again at 16 and 32,
+    and that profile then answers for every batch."""
+    assert [timed_batches(b) for b in (None, 1, 2, 3, 8, 31, 32, 512)] == \
+        [(16, 32), (1, 2), (1, 2), (1, 3), (4, 8), (15, 31), (16, 32), (16, 32)]
+    small = FakeMeasure(measured())  # timed at 4 and 8
+    monkeypatch.setattr(profile_mod, "measure_profile", small)
+    assert load_or_measure(small_model(), 16, exact=True, batch=8).batches == (4, 8)
+    assert load_or_measure(small_model(), 16, exact=True, batch=5).batches == (4, 8) and small.calls == 1  # read back
+    large = FakeMeasure(timed(measured()))
+    monkeypatch.setattr(profile_mod, "measure_profile", large)
+    assert load_or_measure(small_model(), 16, exact=True, batch=64).batches == TIMED_BATCHES and large.calls == 1
+    assert load_or_measure(small_model(), 16, exact=True, batch=8).batches == TIMED_BATCHES and large.calls == 1
+    assert profile_mod.cached_profile(small_model(), 16, exact=True).batches == TIMED_BATCHES
+    # the approximate modes are measured at the batches of the exact ones they complete
+    full = load_or_measure(small_model(), 16, batch=8)
+    assert full.every_mode and full.batches == TIMED_BATCHES and large.asked == ["exact", "store4+store8"]
+
+
 @pytest.mark.parametrize("damage", [
     "not json at all {",
     "",
@@ -583,7 +622,7 @@ def test_a_measured_plan_measures_the_approximate_modes_only_where_no_exact_plan
     b"\xff\xfe\x00garbage",
 ])
 def test_a_damaged_cache_entry_is_measured_again(cache, monkeypatch, damage):
-    prof = measured()
+    prof = timed(measured())
     fake = FakeMeasure(prof)
     monkeypatch.setattr(profile_mod, "measure_profile", fake)
     model = small_model()
@@ -606,7 +645,7 @@ def test_a_damaged_cache_entry_is_measured_again(cache, monkeypatch, damage):
 
 @pytest.mark.parametrize("damage", ["[]", "null"])
 def test_a_cache_entry_that_is_not_an_object_is_measured_again(cache, monkeypatch, damage):
-    fake = FakeMeasure(measured())
+    fake = FakeMeasure(timed(measured()))
     monkeypatch.setattr(profile_mod, "measure_profile", fake)
     model = small_model()
     load_or_measure(model, 16)
@@ -669,7 +708,7 @@ def test_a_grown_head_keeps_its_bodys_profile_with_its_own_fixed_bytes(cache, mo
     """A device that learns a class grows its head; a fleet model has more rows than a device's own: the
     stages cost the same, so the profile (a minute and more to estimate on a small CPU) is not made again,
     but the weights' bytes are the model's."""
-    prof = measured()
+    prof = timed(measured())
     fake = FakeMeasure(prof)
     monkeypatch.setattr(profile_mod, "measure_profile", fake)
     arch, overrides = SMALL_REVNEXT

@@ -4,7 +4,8 @@ the statistics of a plain model's stages for checkpoint segments (:func:`stage_s
 Each stage is run on its own, inside a one-stage engine sequence, at two batch sizes: bytes and
 seconds are fitted as ``intercept + slope * batch`` (per sample of the *model's* batch, so batch
 pooling is accounted for). Bytes come from the live-tensor tracker, seconds from the wall clock
-after warm-up steps. A profile is cached per (model, input size, device) as JSON and reused.
+after a warm-up step, at the batches the plans run (:func:`timed_batches`). A profile is cached per (model, input
+size, device) as JSON and reused by plans of batches it was timed for.
 Without measurement (``estimate=True``) bytes come from the same tracker under fake tensors and
 seconds from the same fake run's FLOPs and kernel launches at nominal rates (a step of many small kernels
 is slow on any device: on a GPU each launch costs about as much as a small kernel's arithmetic): the
@@ -217,10 +218,25 @@ def _measure_mode(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: b
     return ModeCost(kept, fwd, bwd, Linear.fit(b1, secs[b1], b2, secs[b2]))
 
 
-def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: tuple[int, int] = (16, 32),
-                    repeats: int = 5, modes: list[Mode] | None = None, exact: bool = False,
+TIMED_BATCHES = (16, 32)  # the batches a profile's seconds are timed at, for plans of micro-batches this large
+
+
+def timed_batches(batch: int | None = None) -> tuple[int, int]:
+    """The two batches a profile is timed at for plans whose micro-batches are at most ``batch``:
+    :data:`TIMED_BATCHES`, or for a smaller step ``batch`` and half of it. A step of batch 8 is timed at 4 and 8
+    (a quarter of the work, a minute less for RevNeXt at 64x64 on a small CPU) and its line is not extrapolated to
+    batches it never runs; ``None``: any batch."""
+    if batch is None or batch >= TIMED_BATCHES[1]:
+        return TIMED_BATCHES
+    b = max(2, batch)
+    return b // 2, b
+
+
+def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: tuple[int, int] = TIMED_BATCHES,
+                    repeats: int = 3, modes: list[Mode] | None = None, exact: bool = False,
                     progress: Callable[[int, int], None] | None = None) -> Profile:
-    """Measure every stage in every mode it supports (or in ``modes``) on this machine.
+    """Measure every stage in every mode it supports (or in ``modes``) on this machine: its seconds at each of
+    ``batches`` the least of ``repeats`` runs after a warm-up.
 
     A stage of the same :func:`stage_key` as one measured before (RevNeXt's blocks within a level) takes its costs:
     the same bytes, and seconds that differ only by the clock's noise. ``exact``: the exact modes only, as
@@ -249,15 +265,18 @@ def measure_profile(model: nn.Module, size: int, device: str = "cpu", batches: t
     finally:
         model.load_state_dict(state)
     return Profile(type(model).__name__, size, device, model_key(model, size, device),
-                   profile_source(False, exact), fixed_bytes(model), stages, names)
+                   profile_source(False, exact), fixed_bytes(model), stages, names, batches=tuple(batches))
 
 
-def completed(part: Profile, rest: Profile, batches: tuple[int, int] = (16, 32)) -> Profile:
+def completed(part: Profile, rest: Profile) -> Profile:
     """A profile of every mode from ``part``'s exact modes and ``rest``'s approximate ones (measured later, by
-    ``measure_profile(modes=...)`` at the same ``batches``): ``store`` stays the fastest, as in one measurement."""
+    ``measure_profile(modes=...)`` at ``part``'s batches): ``store`` stays the fastest, as in one measurement."""
     if (part.key, len(part.stages)) != (rest.key, len(rest.stages)):
         raise EdgerevError(f"cannot complete the profile {part.key} with the profile {rest.key}: another model")
-    stages = [_store_is_fastest({**a, **b}, batches) for a, b in zip(part.stages, rest.stages)]
+    if part.batches != rest.batches:
+        raise EdgerevError(f"cannot complete a profile timed at batches {part.batches} with one timed at "
+                           f"{rest.batches}")
+    stages = [_store_is_fastest({**a, **b}, part.batches) for a, b in zip(part.stages, rest.stages)]
     return replace(part, source=profile_source(False, False), stages=stages)
 
 
@@ -423,33 +442,38 @@ def _read(path: Path, key: str, kind: str) -> Profile | None:
 
 
 def _cached(model: nn.Module, size: int, device: str, root: Path, estimate: bool,
-            exact: bool = False) -> tuple[Path, Profile | None]:
+            exact: bool = False, batch: int | None = None) -> tuple[Path, Profile | None]:
     """Where a profile of (model, size, device) of the kind asked for is cached under ``root``, and the cached
-    profile that answers: one of every mode answers a question for the exact modes too."""
+    profile that answers: one of every mode answers a question for the exact modes too, and a measured one answers
+    for micro-batches up to ``batch`` when it was timed that far (:func:`timed_batches`; ``None``: any batch)."""
     key = model_key(model, size, device)
     kinds = tuple(profile_source(estimate, e) for e in ((False, True) if exact else (False,)))
+    needed = timed_batches(batch)[1]
     for kind in kinds:
         prof = _read(_path(model, size, device, root, kind), key, kind)
-        if prof is not None:
+        if prof is not None and (estimate or prof.batches[1] >= needed):
             return _path(model, size, device, root, kinds[-1]), prof
     return _path(model, size, device, root, kinds[-1]), None
 
 
 def cached_profile(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
-                   estimate: bool = False, exact: bool = False) -> Profile | None:
+                   estimate: bool = False, exact: bool = False, batch: int | None = None) -> Profile | None:
     """The profile :func:`load_or_measure` would reuse, or None; nothing is measured (``edgerev doctor``)."""
-    prof = _cached(model, size, device, cache or cache_dir(), estimate, exact)[1]
+    prof = _cached(model, size, device, cache or cache_dir(), estimate, exact, batch)[1]
     return None if prof is None else _own_bytes(prof, model)
 
 
 def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Path | None = None,
                     estimate: bool = False, exact: bool = False,
-                    progress: Callable[[int, int], None] | None = None) -> Profile:
+                    progress: Callable[[int, int], None] | None = None, batch: int | None = None) -> Profile:
     """The cached profile for (model, size, device), measuring it (or estimating it) the first time.
 
     ``exact``: the exact modes are enough (a profile of every mode answers too): the planner asks for the
     approximate ones only where no exact plan fits, and they take as long again as the exact ones. A profile of
     every mode asked for where the exact modes were measured before measures only the approximate ones.
+
+    ``batch``: the largest micro-batch the plan may run (``None``: any). A measured profile is timed at
+    :func:`timed_batches` of it, and one timed at smaller batches than that is measured again.
 
     Estimates are cached too (their own file, and in this process): an estimate depends only on the
     model's structure, the input size and torch, yet runs every stage in every mode under fake tensors,
@@ -460,16 +484,18 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
     if estimate and key in _ESTIMATES:
         return _own_bytes(copy.deepcopy(_ESTIMATES[key]), model)
     root = cache or cache_dir()
-    path, prof = _cached(model, size, device, root, estimate, exact)
+    path, prof = _cached(model, size, device, root, estimate, exact, batch)
     if prof is None:
-        part = None if estimate or exact else _cached(model, size, device, root, False, True)[1]
+        part = None if estimate or exact else _cached(model, size, device, root, False, True, batch)[1]
         if estimate:
             prof = estimate_profile(model, size, device, exact=exact, progress=progress)
         elif part is not None:  # the exact modes measured by an earlier plan: the approximate ones now
             approximate = [m for m in Mode if m.bits is not None]
-            prof = completed(part, measure_profile(model, size, device, modes=approximate, progress=progress))
+            prof = completed(part, measure_profile(model, size, device, batches=part.batches, modes=approximate,
+                                                   progress=progress))
         else:
-            prof = measure_profile(model, size, device, exact=exact, progress=progress)
+            prof = measure_profile(model, size, device, batches=timed_batches(batch), exact=exact,
+                                   progress=progress)
         try:
             root.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

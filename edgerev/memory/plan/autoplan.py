@@ -70,8 +70,9 @@ class _ModesSolver:
     kind = "stage modes"
 
     def __init__(self, model: nn.Module, size: int, device: str, profile: Profile | None, estimate: bool,
-                 progress: Progress = SILENT) -> None:
+                 progress: Progress = SILENT, batch: int | None = None) -> None:
         self.model, self.size, self.device, self.estimate = model, size, device, estimate
+        self.batch = batch  # the largest micro-batch planned: a measured profile is timed up to it
         self.profile = profile
         self._full = profile if profile is not None and profile.every_mode else None  # with the approximate modes
         self.progress = progress
@@ -80,7 +81,8 @@ class _ModesSolver:
         verb = "estimating" if self.estimate else "measuring"
         self.progress.phase(f"{verb} {what}")
         return profiles.load_or_measure(self.model, self.size, self.device, estimate=self.estimate, exact=exact,
-                                        progress=lambda i, n: self.progress.step(f"{verb} stage", i, n))
+                                        progress=lambda i, n: self.progress.step(f"{verb} stage", i, n),
+                                        batch=self.batch)
 
     def full(self) -> Profile:
         """The profile with every mode (measured or estimated when first needed: only where no exact plan fits)."""
@@ -298,9 +300,9 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
     step = step or StepShape(size)
     check = device == "cpu" if check is None else check
     segments = is_plain(model) if segments is None else segments
-    solver = _SegmentsSolver(model, size, device, stats, progress) if segments else \
-        _ModesSolver(model, size, device, profile, estimate, progress)
     batches = _batches(max_batch, batches)
+    solver = _SegmentsSolver(model, size, device, stats, progress) if segments else \
+        _ModesSolver(model, size, device, profile, estimate, progress, max(batches) if batches else None)
 
     def exact(p: Proposal) -> StepAccount:
         return accounted(model, step, p, loss_fn)

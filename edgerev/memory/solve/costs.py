@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from edgerev.errors import EdgerevError
 
 # 3: estimated seconds count kernel launches; byte fits at adaptive large batches; 4: CUDA's count the fused quantizer;
-# 5: a GPU's floor stages undo their gradient maps (edgerev.engine.floor_restores)
-PROFILE_VERSION = 5
+# 5: a GPU's floor stages undo their gradient maps (edgerev.engine.floor_restores);
+# 6: the batches a measured profile was timed at (Profile.batches)
+PROFILE_VERSION = 6
 #: what a profile's source ends with when it holds only the exact modes
 EXACT_ONLY = " exact"
 
@@ -87,6 +88,7 @@ class Profile:
     stages: list[dict[str, ModeCost]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     head_seconds: Linear = Linear(0.0, 0.0)
+    batches: tuple[int, int] = (16, 32)  # the two batches its seconds were timed at (measured profiles)
 
     @property
     def every_mode(self) -> bool:
@@ -109,8 +111,9 @@ class Profile:
             return ModeCost(**curves, seconds=lin(c["seconds"]))
 
         stages = [{m: cost(c) for m, c in s.items()} for s in d["stages"]]
+        b1, b2 = d.get("batches", (16, 32))  # a layout before version 6 was timed at 16 and 32
         return Profile(d["arch"], d["size"], d["device"], d["key"], d["source"], d["fixed_bytes"], stages,
-                       d["names"], lin(d["head_seconds"]))
+                       d["names"], lin(d["head_seconds"]), (int(b1), int(b2)))
 
 
 def rate(batch: int, step_seconds: float) -> float:
