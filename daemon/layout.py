@@ -58,6 +58,15 @@ class Layout:
     def default_inbox(self) -> Path:
         return self.root / "inbox"
 
+    @property
+    def jobs(self) -> Path:
+        return self.root / "jobs"
+
+    def job_dir(self, job_id: int) -> Path:
+        """A job's folder (its checkpoints, progress and model): named by the job alone, so that a data directory
+        moved elsewhere still finds it."""
+        return self.jobs / f"job-{job_id:05d}"
+
     def managed_dirs(self) -> tuple[Path, ...]:
         """The folders the daemon creates and owns (an inbox must never lie inside one)."""
         return (self.blobs, self.quarantine)

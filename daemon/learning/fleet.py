@@ -209,6 +209,13 @@ def _job_out(daemon: JobHost, job: Job) -> Path:
     return job_dir(daemon.config, job)
 
 
+def _running(store, config: DaemonConfig, job: Job) -> Job:
+    """``job`` set running in ``store``, its folder recorded."""
+    from edgerev_daemon.learning.jobs import checkpoint_dir
+
+    return store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=checkpoint_dir(config, job))
+
+
 def _train(daemon: JobHost, job: Job, base: Path, stop: Callable[[], bool] | None, config: DaemonConfig, what: str,
            failed: str) -> JobOutcome:
     """Train ``job`` from the model directory ``base`` as a job of ``daemon``; its outcome.
@@ -262,7 +269,7 @@ def train_round(daemon: JobHost, fm: FleetModel, stop: Callable[[], bool] = lamb
     out = _job_out(daemon, job)
     base = out.with_suffix(".base")
     if job.state == JobState.QUEUED:
-        job = daemon.store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
+        job = _running(daemon.store, daemon.config, job)
     started = time.perf_counter()
     if not (base / "model.json").is_file():
         write_model(base, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
@@ -369,7 +376,7 @@ def consider(daemon: JobHost, fm: FleetModel) -> Consideration:
     job = active or store.create_job(reason)
     out = job_dir(daemon.config, job)
     if job.state == JobState.QUEUED:
-        job = store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(out))
+        job = _running(store, daemon.config, job)
     log.info("job %d: %s", job.id, job.reason)
     current, _, _ = daemon.base()
     done = daemon.decided(job)

@@ -118,7 +118,12 @@ def recipe(config: DaemonConfig, init: Path | None) -> RunConfig:
 
 
 def job_dir(config: DaemonConfig, job: Job) -> Path:
-    return config.layout.root / "jobs" / f"job-{job.id:05d}"
+    return config.layout.job_dir(job.id)
+
+
+def checkpoint_dir(config: DaemonConfig, job: Job) -> str:
+    """The job's folder as the store records it: relative to the data directory, which may move."""
+    return str(job_dir(config, job).relative_to(config.layout.root))
 
 
 def job_data(store: Store, blobs: BlobStore, job: Job, base_batch: int, known: Sequence[str] = (),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import DaemonError
+from edgerev_daemon.layout import Layout
 from edgerev_daemon.learning.schedule import daemon_schedule, held_back, listed
 from edgerev_daemon.storage.records import JobState, Split
 from edgerev_daemon.storage.registry import Registry, RegistryError
@@ -101,7 +102,7 @@ def status(config: DaemonConfig, events: int = 10, clock: Callable[[], float] = 
             if quarantine.is_dir() else 0,
             "current": None if current is None else _current(current, cur, registry),
             "versions": [_version(v, registry) for v in versions],
-            "job": None if (active or last) is None else _job(active or last),
+            "job": None if (active or last) is None else _job(active or last, config.layout),
             "jobs_failed": sum(1 for j in store.jobs(limit=1000) if j.state == JobState.FAILED),
             "counts": counts,
             "snapshot": snapshot,  # read from the database file alone (a storage fault): recent commits may lack
@@ -252,14 +253,15 @@ def _current(name: str, version, registry: Registry) -> dict:
     }
 
 
-def _job(job) -> dict:
-    """A job as JSON; a running one with its trainer's latest report (``progress``: step, epoch, loss, ETA)."""
+def _job(job, layout: Layout) -> dict:
+    """A job as JSON; a running one with its trainer's latest report (``progress``: step, epoch, loss, ETA), read
+    from the job's folder in this data directory (wherever it was when the job began)."""
     from edgerev.train.progress import read_progress  # no torch
 
-    running = job.state == JobState.RUNNING and job.checkpoint_dir
+    running = job.state == JobState.RUNNING
     return {"id": job.id, "state": job.state.value, "reason": job.reason, "started_at": job.started_at,
             "finished_at": job.finished_at, "error": job.error,
-            "progress": read_progress(job.checkpoint_dir) if running else None}
+            "progress": read_progress(layout.job_dir(job.id)) if running else None}
 
 
 def progress_line(progress: dict | None) -> str | None:

@@ -120,7 +120,7 @@ class DiskUsage:
         db = layout.database
         store = sum(file_bytes(db.with_name(db.name + s)) for s in ("", "-wal", "-shm"))
         return Usage(blobs=self.blobs(), store=store, journal=file_bytes(layout.journal),
-                     versions=tree_bytes(layout.root / "versions"), jobs=tree_bytes(layout.root / "jobs"),
+                     versions=tree_bytes(layout.root / "versions"), jobs=tree_bytes(layout.jobs),
                      quarantine=tree_bytes(layout.quarantine))
 
 

@@ -20,6 +20,7 @@ import pytest
 from edgerev.train.progress import Progress, write_progress
 from edgerev_daemon import DaemonError, DataDirLock, EventKind, JobState, Store, prepare
 from edgerev_daemon.config import DaemonConfig, HttpConfig
+from edgerev_daemon.learning.jobs import checkpoint_dir
 from edgerev_daemon.service.http import METRICS_CONTENT_TYPE, StatusServer, escape_label_value, format_metrics
 from edgerev_daemon.service.status import format_status, status
 from edgerev_daemon.storage.records import NewSample
@@ -304,11 +305,11 @@ def test_a_linked_curves_file_is_not_followed(server, config, tmp_path):
 def test_a_running_job_shows_its_step_epoch_loss_and_eta(tmp_path):
     cfg = http_config(make_config(tmp_path))
     populate(cfg)
-    run_dir = tmp_path / "job"
-    run_dir.mkdir()
     with Store(cfg.layout.database, clock=Clock(2000.0)) as store:
         job = store.create_job("20 new samples")
-        store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=str(run_dir))
+        store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=checkpoint_dir(cfg, job))
+    run_dir = cfg.layout.job_dir(job.id)
+    run_dir.mkdir(parents=True)
     s = status(cfg)
     assert s["job"]["state"] == "running" and s["job"]["progress"] is None  # no report yet
     report = Progress("running", 150, 1000, 3, 20, 0.812, 0.21, 4.1, 207.3, 0.712, 0.93, 0.72, 2, 2500.0)
@@ -325,9 +326,14 @@ def test_a_running_job_shows_its_step_epoch_loss_and_eta(tmp_path):
                                                       "edgerev_job_eta_seconds")} == {
         "edgerev_job_step": 150, "edgerev_job_total_steps": 1000, "edgerev_job_epoch": 3,
         "edgerev_job_loss": 0.812, "edgerev_job_eta_seconds": 207.3}
-    with Store(cfg.layout.database) as store:
+    # the data directory moved elsewhere (a new disk): the job's progress is read where the folder now is
+    moved = replace(cfg, data_dir=str(tmp_path / "moved"))
+    cfg.layout.root.rename(moved.layout.root)
+    assert status(moved)["job"]["progress"] == report.to_json()
+    with Store(moved.layout.database) as store:
+        assert store.get_job(job.id).checkpoint_dir == f"jobs/job-{job.id:05d}"  # relative to the data directory
         store.set_job_state(job.id, JobState.DONE)
-    s = status(cfg)
+    s = status(moved)
     assert s["job"]["progress"] is None and "edgerev_job_step" not in parse_metrics(format_metrics(s))
     assert f"last job: {job.id} done" in format_status(s)
 
