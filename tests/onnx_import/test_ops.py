@@ -78,6 +78,13 @@ CASES = {
     "hard_sigmoid": lambda o: ([node("HardSigmoid", ["X"], alpha=0.3, beta=0.4)], []),
     "hard_swish": lambda o: ([node("HardSwish", ["X"])], []),
     "tanh": lambda o: ([node("Tanh", ["X"])], []),
+    "erf": lambda o: ([node("Erf", ["X"])], []),
+    "gelu_by_erf": lambda o: (  # the TorchScript exporter's GELU
+        [node("Div", ["X", "r2"], ["d"]), node("Erf", ["d"], ["e"]), node("Add", ["e", "one"], ["a"]),
+         node("Mul", ["X", "a"], ["m"]), node("Mul", ["m", "half"])],
+        [init("r2", np.float32(2 ** 0.5)), init("one", np.float32(1.0)), init("half", np.float32(0.5))]),
+    "gelu": lambda o: ([node("Gelu", ["X"])], []),
+    "gelu_tanh": lambda o: ([node("Gelu", ["X"], approximate="tanh")], []),
     "softmax_channels": lambda o: ([node("Softmax", ["X"], axis=1)], []),
     "log_softmax": lambda o: ([node("LogSoftmax", ["X"], axis=1)], []),
     "softmax_final": lambda o: (flat("Softmax", []), []),
@@ -201,10 +208,11 @@ CASES = {
 }
 
 
-#: cases whose op or form an opset introduced (HardSwish 14, Shape's start and end 15, LayerNormalization 17)
+#: cases whose op or form an opset introduced (HardSwish 14, Shape's start and end 15, LayerNormalization 17,
+#: Gelu 20)
 SINCE = {"hard_swish": 14, "layer_norm": 17, "layer_norm_channels": 17, "reshape_shape_slice": 15,
           "resize_sizes_from_shape": 15, "cast_like": 15,
-         "reshape_batch_from_shape": 15}
+         "reshape_batch_from_shape": 15, "gelu": 20, "gelu_tanh": 20}
 #: cases onnx's reference evaluator computes wrongly or not at all (ONNX Runtime checks them up to opset 21)
 REFERENCE_LACKS = {"conv_transpose_asymmetric": "grouped ConvTranspose", "pad_crop": "negative pads"}
 

@@ -251,6 +251,15 @@ def leaky_relu(b, node):
     return [b.call(F.leaky_relu, b.tensor(node.input[0]), float(b.attrs(node).get("alpha", 0.01)))]
 
 
+def gelu(b, node):
+    """ONNX Gelu (opset 20): ``approximate`` none (the error function) or tanh, as torch's."""
+    approximate = b.attrs(node).get("approximate", "none")
+    approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
+    if approximate not in ("none", "tanh"):
+        b.refuse(node, f"has approximate={approximate!r}; ONNX defines none and tanh")
+    return [b.call(F.gelu, b.tensor(node.input[0]), approximate=approximate)]
+
+
 def hard_sigmoid_op(b, node):
     a = b.attrs(node)
     return [b.call(hard_sigmoid, b.tensor(node.input[0]), float(a.get("alpha", 0.2)), float(a.get("beta", 0.5)))]
@@ -568,6 +577,7 @@ OPS = {
     "Conv": conv, "ConvTranspose": conv_transpose, "BatchNormalization": batch_norm, "LayerNormalization": layer_norm,
     "Relu": _unary(F.relu), "Clip": clip, "LeakyRelu": leaky_relu, "PRelu": prelu, "Sigmoid": _unary(torch.sigmoid),
     "HardSigmoid": hard_sigmoid_op, "HardSwish": _unary(F.hardswish), "Tanh": _unary(torch.tanh),
+    "Erf": _unary(torch.erf), "Gelu": gelu,
     "Softmax": softmax(torch.softmax), "LogSoftmax": softmax(torch.log_softmax),
     "Add": _binary(operator.add), "Sub": _binary(operator.sub), "Mul": _binary(operator.mul),
     "Div": _binary(operator.truediv),
