@@ -19,6 +19,7 @@ a squeeze-and-excitation net with HardSwish. For each:
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -774,3 +775,50 @@ def test_auto_on_an_edgerev_model_keeps_its_stage_modes():
     assert str(chosen) == "all" and account.micro_batch == 4
     floor = floor_plan(model, StepShape(SIZE, 4, momentum=True))[1]
     assert account.total >= floor.total
+
+
+class PooledNorm(nn.Module):
+    """A batch norm after a global pool, over one value per channel of a sample (RexNet's squeeze-excitation, RepViT's
+    classifier): torch refuses to train it at a batch of 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm1d(8)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.norm(F.adaptive_avg_pool2d(self.conv(x), 1).flatten(1)))
+
+
+def test_a_batch_norm_over_one_value_per_channel_is_planned_at_micro_batches_of_two():
+    """The planner's floor ran it at micro-batch 1 and failed with torch's raw error (RexNet, RepViT); now its least
+    micro-batch is 2, no plan splits a step into a micro-batch of 1, and a step of batch 1 is refused in one line."""
+    from edgerev.errors import UnsupportedModel
+    from edgerev.memory.measure.microbatch import split_batch
+    from edgerev.memory.plan.autoplan import least_micro_batch, trains_at
+
+    size = 16
+    assert least_micro_batch(planned(PooledNorm(), size), size) == 2
+    assert least_micro_batch(planned(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                                                   nn.LazyLinear(10)), size), size) == 1
+    with pytest.raises(UnsupportedModel, match="use a batch of 2 or more") as e:
+        plan_training(PooledNorm(), size, 10**8, max_batch=1, step=StepShape(size, batch=1))
+    assert "\n" not in str(e.value)
+    plans = {}
+    for batch in (2, 5, 8, 33):
+        step = StepShape(size, batch=batch, momentum=True)
+        roomy = plan_training(PooledNorm(), size, 10**8, max_batch=batch, step=step)
+        floor = floor_plan(PooledNorm(), step)[1].total
+        plans[batch] = plan_training(PooledNorm(), size, floor + (roomy.predicted_peak_bytes - floor) // 4,
+                                     max_batch=batch, step=step)
+        for p in (roomy, plans[batch]):
+            parts = split_batch(batch, -(-batch // p.batch))
+            assert trains_at(batch, p.batch, 2) and min(s.stop - s.start for s in parts) >= 2, (batch, p.batch)
+    assert plans[8].batch < 8  # the tight plan accumulates micro-batches, of two samples or more
+    model = planned(PooledNorm(), size)
+    plans[8].apply(model)
+    x, y = torch.randn(8, 3, size, size), torch.randint(0, 10, (8,))
+    micro = -(-8 // plans[8].batch)
+    res = train_step(model, torch.optim.SGD(model.parameters(), lr=0.01), x, (y,), micro_batches=micro)
+    assert res.micro_batches == micro > 1 and math.isfinite(res.loss)

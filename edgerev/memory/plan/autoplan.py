@@ -35,7 +35,9 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from edgerev._torchapi import shadowed
 from edgerev.engine import Mode, engine_body, floor_restores, supported_modes
+from edgerev.errors import UnsupportedModel
 from edgerev.layers.base import Invertible
 from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
@@ -64,6 +66,58 @@ class Proposal:
         apply_plan(model, self.modes, self.segments, self.slices, self.floor_restore)
 
 
+#: torch's refusal of a batch norm that would train over one value per channel
+ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+_LEAST: dict[str, int] = {}  # model key -> its least micro-batch, this process
+
+
+def least_micro_batch(model: nn.Module, size: int) -> int:
+    """The least micro-batch ``model`` trains at: 1, or 2 where a batch norm in training mode normalizes over one
+    value per channel of a sample (one after a global pool: RexNet's squeeze-excitation, RepViT's classifier), which
+    torch refuses at a batch of 1. Found by a forward on the meta device, once per model structure and size.
+
+    Raises:
+        UnsupportedModel: a batch of 2 does not train it either."""
+    key = profiles.model_key(model, size, "cpu")
+    if key not in _LEAST:
+        channels = model_spec(model).in_channels
+
+        def probe(copy: nn.Module) -> int:
+            copy.train()
+            for b in (1, 2):
+                try:
+                    with torch.no_grad():
+                        copy(torch.randn(b, channels, size, size))
+                    return b
+                except ValueError as e:
+                    if not str(e).startswith(ONE_VALUE_PER_CHANNEL):
+                        raise
+                    message = str(e)
+            raise UnsupportedModel(f"{type(model).__name__} cannot train at {size}x{size}: a batch norm of it "
+                                   f"normalizes over one value per channel at a batch of 2 ({message})")
+
+        _LEAST[key] = shadowed(model, probe)
+    return _LEAST[key]
+
+
+def trains_at(batch: int | None, micro_batch: int, least: int) -> bool:
+    """Does a step of ``batch`` in micro-batches of ``micro_batch`` (split as the trainer splits it,
+    :func:`~edgerev.memory.measure.microbatch.split_batch`) give every micro-batch ``least`` samples at least?"""
+    if micro_batch < least:
+        return False
+    if batch is None or micro_batch >= batch:
+        return batch is None or batch >= least
+    return batch // math.ceil(batch / micro_batch) >= least
+
+
+def _trainable(f: Proposal, batch: int | None) -> Proposal:
+    """Floor ``f`` at the least micro-batch from its own up that splits a step of ``batch`` into micro-batches of
+    ``f.batch`` samples at least (:func:`trains_at`; a batch of 5 in micro-batches of 2 would leave one of 1)."""
+    if f.batch == 1 or batch is None:
+        return f
+    return replace(f, batch=next(b for b in range(f.batch, batch + 1) if trains_at(batch, b, f.batch)))
+
+
 class _ModesSolver:
     """Stage modes for an invertible body (multiple-choice knapsack over a per-stage profile)."""
 
@@ -73,6 +127,7 @@ class _ModesSolver:
                  progress: Progress = SILENT, batch: int | None = None) -> None:
         self.model, self.size, self.device, self.estimate = model, size, device, estimate
         self.batch = batch  # the largest micro-batch planned: a measured profile is timed up to it
+        self.least = least_micro_batch(model, size)
         self.profile = profile
         self._full = profile if profile is not None and profile.every_mode else None  # with the approximate modes
         self.progress = progress
@@ -112,7 +167,7 @@ class _ModesSolver:
                 names = [m.value for m in supported_modes(stage)]
                 modes.append(next(m for m in order if m in names))
             if all(tuple(modes) != p.modes for p in out):
-                out.append(Proposal(1, tuple(modes), None, 0, 0.0, floor_restore=floor_restores(self.device)))
+                out.append(Proposal(self.least, tuple(modes), None, 0, 0.0, floor_restore=floor_restores(self.device)))
         return out
 
     def smallest(self) -> int:
@@ -168,6 +223,7 @@ class _SegmentsSolver:
     def __init__(self, model: nn.Module, size: int, device: str, stats: list[StageStats] | None = None,
                  progress: Progress = SILENT) -> None:
         self.model, self.size, self.device, self.stats = model, size, device, stats
+        self.least = least_micro_batch(model, size)
         self._floor: Proposal | None = None
         self.progress = progress
 
@@ -180,7 +236,7 @@ class _SegmentsSolver:
         """Batch 1 in each of the smallest segmentations, and in none (plain autograd: where weights, gradients and
         optimizer state are most of a step, a segment's recomputation or its copies can cost more than the
         activations it frees). The floor is the least of them, exactly, so never above plain autograd's."""
-        return [Proposal(1, None, c, 0, 0.0) for c in self.candidates()]
+        return [Proposal(self.least, None, c, 0, 0.0) for c in self.candidates()]
 
     def exact_floors(self) -> list[Proposal]:
         """The smallest segmentation without 4-bit copies: every piece checkpointed."""
@@ -188,7 +244,7 @@ class _SegmentsSolver:
 
     def smallest(self) -> int:
         try:
-            plan_segments(self.stats, 1, profiles.fixed_bytes(self.model), batches=[1])
+            plan_segments(self.stats, 1, profiles.fixed_bytes(self.model), batches=[self.least])
         except BudgetTooSmall as e:
             return e.smallest
         return 1
@@ -303,6 +359,12 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
     batches = _batches(max_batch, batches)
     solver = _SegmentsSolver(model, size, device, stats, progress) if segments else \
         _ModesSolver(model, size, device, profile, estimate, progress, max(batches) if batches else None)
+    if solver.least > 1:  # a batch norm over one value per channel: micro-batches that split into too few, refused
+        if step.batch is not None and step.batch < solver.least:
+            raise UnsupportedModel(f"{type(model).__name__} trains at micro-batches of {solver.least} samples at least "
+                                   f"(a batch norm of it normalizes over one value per channel of a sample): a step "
+                                   f"of batch {step.batch} cannot train it; use a batch of {solver.least} or more")
+        batches = [b for b in (batches or default_batches()) if trains_at(step.batch, b, solver.least)]
 
     def exact(p: Proposal) -> StepAccount:
         return accounted(model, step, p, loss_fn)
@@ -437,15 +499,16 @@ def _floor(solver, exact: Callable[[Proposal], StepAccount], batch: int | None =
     fits, the least, as without a budget."""
     if budget is not None:
         for group in (solver.exact_floors(), solver.floors()):
-            for f in group:
+            for f in (_trainable(f, batch) for f in group):
                 account = exact(f)
                 if account.total <= budget:
                     return f, account
                 whole = _whole(f, exact, batch, budget)  # its micro-batch-1 account bounds it: no account where over
                 if whole is not None and whole[1].total <= budget:
                     return whole
-    best = min(((f, exact(f)) for f in solver.floors()), key=lambda a: a[1].total)
-    for f in solver.floors():
+    floors = [_trainable(f, batch) for f in solver.floors()]
+    best = min(((f, exact(f)) for f in floors), key=lambda a: a[1].total)
+    for f in floors:
         whole = _whole(f, exact, batch, best[1].total)
         if whole is not None and whole[1].total < best[1].total:
             best = whole
@@ -471,9 +534,10 @@ def _whole(f: Proposal, exact: Callable[[Proposal], StepAccount], batch: int | N
         return None
     b = 2 if batch > WHOLE_AT_ONCE else batch  # a small batch's own account costs about what the walk's first ones do
     while b < batch:
-        account = exact(replace(f, batch=b))
-        if account.total - account.gradients > bound:
-            return None
+        if trains_at(batch, b, f.batch):  # else a micro-batch below the model's least (least_micro_batch)
+            account = exact(replace(f, batch=b))
+            if account.total - account.gradients > bound:
+                return None
         b *= 2
     whole = replace(f, batch=batch)
     return whole, exact(whole)
