@@ -284,7 +284,7 @@ def one(args, name: str, route: str, size: int) -> dict:
     cmd = [sys.executable, __file__, "--child-model", name, "--child-route", route, "--child-size", str(size),
            "--cpu-limit", str(args.cpu_limit), "--threads", str(args.threads), "--classes", str(args.classes),
            "--batch", str(args.batch), "--samples", str(args.samples), "--epochs", str(args.epochs),
-           "--lr", str(args.lr), "--fraction", str(args.fraction)]
+           "--fraction", str(args.fraction), *(("--lr", str(args.lr)) if args.lr is not None else ())]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     seconds = round(time.perf_counter() - start, 1)
@@ -326,7 +326,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8, help="training images (as many are held out)")
     ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="the learning rate (default: the recipe's for how the run starts, as a user gets it: 0.01 for "
+                         "a module with its weights, 0.001 for a file whose batch norms were folded)")
     ap.add_argument("--fraction", type=float, default=0.75, help="the planned budget, of the store-everything peak")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child-model", help=argparse.SUPPRESS)

@@ -146,11 +146,11 @@ class _ModesSolver:
         return self._full
 
     def floors(self) -> list[Proposal]:
-        """Batch 1 in the least-memory plans: per stage floor, else invert, else recompute, else a 4-bit copy;
-        the same without floor (whose batch slices of temporaries can outweigh the half-gradient copy it
-        saves when a whole activation is smaller than a slice); and every stage stored (plain autograd's step:
-        where weights, gradients and optimizer state are most of a step, it can hold the least). The floor is the
-        least of them, exactly, so never above plain autograd's."""
+        """The least micro-batch (1, or 2: :func:`least_micro_batch`) in the least-memory plans: per stage floor, else
+        invert, else recompute, else a 4-bit copy; the same without floor (whose batch slices of temporaries can
+        outweigh the half-gradient copy it saves when a whole activation is smaller than a slice); and every stage
+        stored (plain autograd's step: where weights, gradients and optimizer state are most of a step, it can hold the
+        least). The floor is the least of them, exactly, so never above plain autograd's."""
         return self._least((("floor", "invert", "recompute", "store4"), ("invert", "recompute", "store4"), ("store",)))
 
     def exact_floors(self) -> list[Proposal]:
@@ -233,9 +233,10 @@ class _SegmentsSolver:
                 tuple(Segment(i, i + 1, "checkpoint") for i in range(n)), (Segment(0, n, "store"),)]
 
     def floors(self) -> list[Proposal]:
-        """Batch 1 in each of the smallest segmentations, and in none (plain autograd: where weights, gradients and
-        optimizer state are most of a step, a segment's recomputation or its copies can cost more than the
-        activations it frees). The floor is the least of them, exactly, so never above plain autograd's."""
+        """The least micro-batch (1, or 2: :func:`least_micro_batch`) in each of the smallest segmentations, and in none
+        (plain autograd: where weights, gradients and optimizer state are most of a step, a segment's recomputation or
+        its copies can cost more than the activations it frees). The floor is the least of them, exactly, so never above
+        plain autograd's."""
         return [Proposal(self.least, None, c, 0, 0.0) for c in self.candidates()]
 
     def exact_floors(self) -> list[Proposal]:
@@ -352,6 +353,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
             is profiled.
     """
     progress.phase("capturing the model's graph")
+    name = type(model).__name__
     model = planned(model, size)  # any nn.Module: a model without an engine body is captured as a chain
     step = step or StepShape(size)
     check = device == "cpu" if check is None else check
@@ -361,7 +363,7 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
         _ModesSolver(model, size, device, profile, estimate, progress, max(batches) if batches else None)
     if solver.least > 1:  # a batch norm over one value per channel: micro-batches that split into too few, refused
         if step.batch is not None and step.batch < solver.least:
-            raise UnsupportedModel(f"{type(model).__name__} trains at micro-batches of {solver.least} samples at least "
+            raise UnsupportedModel(f"{name} trains at micro-batches of {solver.least} samples at least "
                                    f"(a batch norm of it normalizes over one value per channel of a sample): a step "
                                    f"of batch {step.batch} cannot train it; use a batch of {solver.least} or more")
         batches = [b for b in (batches or default_batches()) if trains_at(step.batch, b, solver.least)]
