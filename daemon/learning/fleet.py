@@ -209,12 +209,6 @@ def _job_out(daemon: JobHost, job: Job) -> Path:
     return job_dir(daemon.config, job)
 
 
-def _running(store, config: DaemonConfig, job: Job) -> Job:
-    """``job`` set running in ``store``, its folder recorded."""
-    from edgerev_daemon.learning.jobs import checkpoint_dir
-
-    return store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=checkpoint_dir(config, job))
-
 
 def _train(daemon: JobHost, job: Job, base: Path, stop: Callable[[], bool] | None, config: DaemonConfig, what: str,
            failed: str) -> JobOutcome:
@@ -247,7 +241,7 @@ def train_round(daemon: JobHost, fm: FleetModel, stop: Callable[[], bool] = lamb
     import time
 
     from edgerev.config import ConfigError
-    from edgerev_daemon.learning.jobs import check_training
+    from edgerev_daemon.learning.jobs import check_training, set_running
 
     check_source(daemon, fm, "round")
     try:
@@ -269,7 +263,7 @@ def train_round(daemon: JobHost, fm: FleetModel, stop: Callable[[], bool] = lamb
     out = _job_out(daemon, job)
     base = out.with_suffix(".base")
     if job.state == JobState.QUEUED:
-        job = _running(daemon.store, daemon.config, job)
+        job = set_running(daemon.store, daemon.config, job)
     started = time.perf_counter()
     if not (base / "model.json").is_file():
         write_model(base, fm, device_model(fm, fresh, local_state(daemon.config.layout.root)))
@@ -354,7 +348,7 @@ def consider(daemon: JobHost, fm: FleetModel) -> Consideration:
     """Put the aggregated model ``fm`` through this device's gate; promote it (the daemon's own promotion:
     export, version directory, ``current`` switched) when it passes. The decision and its reason are
     recorded on a version row either way."""
-    from edgerev_daemon.learning.jobs import job_dir
+    from edgerev_daemon.learning.jobs import job_dir, set_running
     from edgerev_daemon.learning.promote import figures, held_out, score
 
     check_source(daemon, fm, "model")
@@ -376,7 +370,7 @@ def consider(daemon: JobHost, fm: FleetModel) -> Consideration:
     job = active or store.create_job(reason)
     out = job_dir(daemon.config, job)
     if job.state == JobState.QUEUED:
-        job = _running(store, daemon.config, job)
+        job = set_running(store, daemon.config, job)
     log.info("job %d: %s", job.id, job.reason)
     current, _, _ = daemon.base()
     done = daemon.decided(job)

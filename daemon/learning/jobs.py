@@ -38,7 +38,7 @@ from edgerev_daemon.config import DaemonConfig
 from edgerev_daemon.errors import Stopped
 from edgerev_daemon.learning.schedule import held_back, listed
 from edgerev_daemon.storage.blobs import BlobStore
-from edgerev_daemon.storage.records import Job, Sample, Split
+from edgerev_daemon.storage.records import Job, JobState, Sample, Split
 from edgerev_daemon.storage.store import Store
 
 DECODE_CHUNK = 256  # samples decoded between two looks at the stop flag (about 25 ms of CPU)
@@ -121,9 +121,11 @@ def job_dir(config: DaemonConfig, job: Job) -> Path:
     return config.layout.job_dir(job.id)
 
 
-def checkpoint_dir(config: DaemonConfig, job: Job) -> str:
-    """The job's folder as the store records it: relative to the data directory, which may move."""
-    return str(job_dir(config, job).relative_to(config.layout.root))
+def set_running(store: Store, config: DaemonConfig, job: Job) -> Job:
+    """``job`` set running in ``store``, with its folder as the store records it: relative to the data directory,
+    which may move."""
+    return store.set_job_state(job.id, JobState.RUNNING,
+                               checkpoint_dir=str(job_dir(config, job).relative_to(config.layout.root)))
 
 
 def job_data(store: Store, blobs: BlobStore, job: Job, base_batch: int, known: Sequence[str] = (),

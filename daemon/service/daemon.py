@@ -55,7 +55,7 @@ from edgerev_daemon.learning import answers, questions
 from edgerev_daemon.learning.base import names_base, write_base
 from edgerev_daemon.learning.exporting import export
 from edgerev_daemon.learning.handoff import serve_requests
-from edgerev_daemon.learning.jobs import JobOutcome, check_training, checkpoint_dir, job_dir, run_job
+from edgerev_daemon.learning.jobs import JobOutcome, check_training, job_dir, run_job, set_running
 from edgerev_daemon.learning.profiling import ensure_profile
 from edgerev_daemon.learning.promote import decide, held_out, version_files
 from edgerev_daemon.learning.schedule import Schedule, daemon_schedule, listed
@@ -429,7 +429,7 @@ class Daemon:
         job = self.store.active_job() or self.store.create_job(reason)
         out = job_dir(self.config, job)
         if job.state == JobState.QUEUED:
-            job = self.store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=checkpoint_dir(self.config, job))
+            job = set_running(self.store, self.config, job)
         log.info("job %d: %s", job.id, reason)
         current, base_batch, current_name = self.base()
         done = self.decided(job)

@@ -35,7 +35,16 @@ from edgerev.engine import Execution, InvertibleSequence, Mode, engine_body, flo
 from edgerev.errors import EdgerevError
 from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
 from edgerev.memory.measure.tracker import MemoryTracker
-from edgerev.memory.solve.costs import PROFILE_VERSION, Curve, Linear, ModeCost, Profile, StageStats, profile_source
+from edgerev.memory.solve.costs import (
+    PROFILE_VERSION,
+    TIMED_BATCHES,
+    Curve,
+    Linear,
+    ModeCost,
+    Profile,
+    StageStats,
+    profile_source,
+)
 from edgerev.models.spec import model_spec
 from edgerev.quantize import LAUNCHES, fusing
 
@@ -216,9 +225,6 @@ def _measure_mode(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: b
         secs[b] = min(_run(stage, mode, shape, b, first, device, False, restore)[3] for _ in range(repeats))
     b1, b2 = batches
     return ModeCost(kept, fwd, bwd, Linear.fit(b1, secs[b1], b2, secs[b2]))
-
-
-TIMED_BATCHES = (16, 32)  # the batches a profile's seconds are timed at, for plans of micro-batches this large
 
 
 def timed_batches(batch: int | None = None) -> tuple[int, int]:

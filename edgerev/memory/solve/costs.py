@@ -16,6 +16,9 @@ from edgerev.errors import EdgerevError
 # 5: a GPU's floor stages undo their gradient maps (edgerev.engine.floor_restores);
 # 6: the batches a measured profile was timed at (Profile.batches)
 PROFILE_VERSION = 6
+#: the batches a measured profile's seconds are timed at, for plans of micro-batches this large (and every profile
+#: of a layout before version 6)
+TIMED_BATCHES = (16, 32)
 #: what a profile's source ends with when it holds only the exact modes
 EXACT_ONLY = " exact"
 
@@ -88,7 +91,7 @@ class Profile:
     stages: list[dict[str, ModeCost]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     head_seconds: Linear = Linear(0.0, 0.0)
-    batches: tuple[int, int] = (16, 32)  # the two batches its seconds were timed at (measured profiles)
+    batches: tuple[int, int] = TIMED_BATCHES  # the two batches its seconds were timed at (measured profiles)
 
     @property
     def every_mode(self) -> bool:
@@ -111,7 +114,7 @@ class Profile:
             return ModeCost(**curves, seconds=lin(c["seconds"]))
 
         stages = [{m: cost(c) for m, c in s.items()} for s in d["stages"]]
-        b1, b2 = d.get("batches", (16, 32))  # a layout before version 6 was timed at 16 and 32
+        b1, b2 = d.get("batches", TIMED_BATCHES)
         return Profile(d["arch"], d["size"], d["device"], d["key"], d["source"], d["fixed_bytes"], stages,
                        d["names"], lin(d["head_seconds"]), (int(b1), int(b2)))
 

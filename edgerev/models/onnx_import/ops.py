@@ -254,7 +254,6 @@ def leaky_relu(b, node):
 def gelu(b, node):
     """ONNX Gelu (opset 20): ``approximate`` none (the error function) or tanh, as torch's."""
     approximate = b.attrs(node).get("approximate", "none")
-    approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
     if approximate not in ("none", "tanh"):
         b.refuse(node, f"has approximate={approximate!r}; ONNX defines none and tanh")
     return [b.call(F.gelu, b.tensor(node.input[0]), approximate=approximate)]

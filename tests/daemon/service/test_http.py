@@ -20,7 +20,7 @@ import pytest
 from edgerev.train.progress import Progress, write_progress
 from edgerev_daemon import DaemonError, DataDirLock, EventKind, JobState, Store, prepare
 from edgerev_daemon.config import DaemonConfig, HttpConfig
-from edgerev_daemon.learning.jobs import checkpoint_dir
+from edgerev_daemon.learning.jobs import set_running
 from edgerev_daemon.service.http import METRICS_CONTENT_TYPE, StatusServer, escape_label_value, format_metrics
 from edgerev_daemon.service.status import format_status, status
 from edgerev_daemon.storage.records import NewSample
@@ -307,7 +307,7 @@ def test_a_running_job_shows_its_step_epoch_loss_and_eta(tmp_path):
     populate(cfg)
     with Store(cfg.layout.database, clock=Clock(2000.0)) as store:
         job = store.create_job("20 new samples")
-        store.set_job_state(job.id, JobState.RUNNING, checkpoint_dir=checkpoint_dir(cfg, job))
+        set_running(store, cfg, job)
     run_dir = cfg.layout.job_dir(job.id)
     run_dir.mkdir(parents=True)
     s = status(cfg)
