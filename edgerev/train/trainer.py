@@ -182,12 +182,19 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     else:
         from edgerev.models.resolve import resolve_model
 
+        from edgerev.models.names import SourceKind, source_kind
+
         old = ()
+        own_head = (given is not None or cfg.model.weights is not None
+                    or source_kind(cfg.model.arch) in (SourceKind.DIRECTORY, SourceKind.ONNX))
         classes = train_new.present()
         try:
+            rows = None if own_head else len(classes)
             model = (resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args,
-                                   num_classes=len(classes), trust_factories=cfg.model.factories) if given is None
-                     else resolve_model(given, num_classes=len(classes)))
+                                   num_classes=rows, trust_factories=cfg.model.factories) if given is None
+                     else resolve_model(given, num_classes=rows))
+            if own_head:
+                classes = _head_classes(model, train_new)
         except EdgerevError as e:
             raise RunError(f"model.arch: {e}") from None
         if given is not None:  # a module object: its model directory must rebuild it, or the run is refused now
@@ -210,6 +217,30 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     model.module.to(device)
     start = "scratch" if not pretrained else "folded" if _without_batch_norm(model.module) else "pretrained"
     return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha, start)
+
+
+def _head_classes(model: ModelHandle, data: LabeledImages) -> tuple[str, ...]:
+    """The classes of a run whose model came with its own head (a file, a model directory, a module object,
+    ``model.weights``), one per row, and the head sized for them (in place).
+
+    A source that names its classes (a model directory, an ONNX file's metadata or sidecar) keeps them in its
+    rows' order, each row with its weights, and grows a row per class of the data it does not name. A head
+    whose rows number the classes the data declares keeps them as the data's (a class without a training
+    sample keeps its row). Any other head is replaced by one with a row per class the data has samples of."""
+    present = data.present()
+    named = model.classes if len(model.classes) == model.num_classes else ()
+    if named:
+        new = tuple(c for c in present if c not in named)
+        if new and len(new) == len(present):
+            log.warning("none of the data's classes %s is among the %d the model names (%s ...): the head grows by "
+                        "%d rows", list(present)[:5], len(named), ", ".join(named[:3]), len(new))
+        classes = named + new
+        grow_head(model, named, classes)
+        return classes
+    if model.num_classes == len(data.classes):
+        return data.classes
+    model.set_head_rows(len(present))
+    return present
 
 
 def _pretrained(cfg: RunConfig, model: ModelHandle) -> str | None:

@@ -95,3 +95,47 @@ def test_a_recipe_s_rate_stays_whatever_the_model(tmp_path):
     out = edgerev.fit(trained_net(), out=tmp_path / "run", size=SIZE, config={**RECIPE, "optim": {
         "schedule": "constant", "lr": 0.05}})
     assert rates(out) == {0.05}
+
+
+def classifier(out) -> torch.Tensor:
+    """The trained classifier's rows, read back from the run's model directory."""
+    handle = edgerev.resolve_model(out)
+    return handle.module.get_submodule(handle.head).weight.detach()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_file_that_names_its_classes_keeps_each_row_and_grows_one_for_a_class_it_does_not_name(tmp_path):
+    import onnx
+
+    path = onnx_file(tmp_path / "owner.onnx", keep_batch_norm=True)  # two rows
+    file = onnx.load(str(path))
+    onnx.helper.set_model_props(file, {"classes": '["class1", "class0"]'})
+    onnx.save(file, str(path))
+    rows = classifier(edgerev.fit(path, out=tmp_path / "kept", size=SIZE, config={**RECIPE, "optim": {
+        "schedule": "constant", "lr": 1e-9}}))  # the data names class0 and class1: nothing grows, nothing moves
+    start = edgerev.resolve_model(path)
+    assert torch.allclose(rows, start.module.get_submodule(start.head).weight, atol=1e-6)
+    assert read_info(tmp_path / "kept")[0].classes == ("class1", "class0")  # the file's order, not the data's
+    three = {**RECIPE, "data": {**DATA, "train": {**DATA["train"], "num_classes": 3}},
+             "optim": {"schedule": "constant", "lr": 1e-9}}
+    grown = edgerev.fit(path, out=tmp_path / "grown", size=SIZE, config=three)
+    assert read_info(grown)[0].classes == ("class1", "class0", "class2")
+    assert torch.allclose(classifier(grown)[:2], rows, atol=1e-6)
+
+
+def test_a_module_whose_head_numbers_the_data_s_classes_keeps_it(tmp_path):
+    """A module with a row per class the data declares keeps its head, a class without a training sample too;
+    one with another count gets a head of a row per class with samples."""
+    from edgerev.train.config import SourceConfig
+    from edgerev.train.labeled import load_source
+
+    images = load_source(SourceConfig(kind="synthetic", samples=24, num_classes=4, classes=[0, 1, 2], seed=0), SIZE)
+    assert images.classes == ("class0", "class1", "class2", "class3") and len(images.present()) == 3
+    net = TinyNet(classes=4)
+    before = net.classifier.weight.detach().clone()
+    out = edgerev.fit(net, images, out=tmp_path / "four", size=SIZE, config={**RECIPE, "optim": {
+        "schedule": "constant", "lr": 1e-9}})
+    assert read_info(out)[0].classes == images.classes and torch.allclose(net.classifier.weight, before, atol=1e-6)
+    five = TinyNet(classes=5)
+    out = edgerev.fit(five, images, out=tmp_path / "five", size=SIZE, config=RECIPE)
+    assert read_info(out)[0].classes == ("class0", "class1", "class2") and five.classifier.out_features == 3
