@@ -100,12 +100,15 @@ class ModelHandle:
         return dataclasses.replace(self, **changes)
 
     def set_head_rows(self, rows: int) -> None:
-        """Replace the classifier by a fresh one of the same kind with ``rows`` rows (nothing when it has them).
+        """Replace the classifier by a fresh one of the same kind with ``rows`` rows (nothing when it has them, or
+        when a model without a linear head already returns ``rows`` logits).
 
         Raises:
-            SpecError: the model has no linear layer whose rows are its classes.
+            SpecError: the model has no linear layer whose rows are its classes, and returns another count.
         """
         if self.head is None:
+            if self.fixed_classes == rows:
+                return
             raise SpecError(f"{type(self.module).__name__} has no linear layer whose rows could be its {rows} classes")
         layer = self.module.get_submodule(self.head)
         if layer.out_features == rows:

@@ -249,10 +249,10 @@ def set_head_rows(model: nn.Module | ModelHandle, rows: int) -> None:
     (:meth:`ModelHandle.set_head_rows`).
 
     Raises:
-        ModelSourceError: the model has no linear layer whose rows could be its classes.
+        ModelSourceError: the model has no linear layer whose rows could be its classes, and returns another count.
     """
     handle = describe(model)
-    if handle.head is None:
+    if handle.head is None and handle.fixed_classes != rows:
         raise ModelSourceError(f"{type(handle.module).__name__} has no linear layer whose rows could be its "
                                f"{rows} classes")
     handle.set_head_rows(rows)

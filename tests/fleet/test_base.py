@@ -144,7 +144,7 @@ def test_a_classifier_of_any_name_travels_as_the_fleets_head(tmp_path):
 
 
 def test_a_base_the_fleet_cannot_average_or_build_is_refused_in_one_line(base, tmp_path):
-    with pytest.raises(FleetError, match="no linear layer"):
+    with pytest.raises(FleetError, match="has no linear classifier"):
         fleet_model(FleetModel("1/1", "tests.fleet.test_base:pooled", {}, 16, FLEET, {}))
     with pytest.raises(FleetError, match="does not exist"):
         fleet_model(FleetModel("1/1", FACTORY, {}, 16, FLEET, {}, weights=str(tmp_path / "missing.safetensors")))
