@@ -24,8 +24,10 @@ class ModelConfig:
     ``.onnx`` file or a factory ``package.module:callable`` (see :mod:`edgerev.models.resolve`); ``args``:
     the registry model's or the factory's keyword arguments (``num_classes`` comes from the data);
     ``weights``: pretrained weights for a registry model or a factory, a safetensors file or a
-    ``state_dict`` saved by ``torch.save`` (read with ``weights_only``); its classifier is then re-made
-    for the data's classes. ``init``: a model directory (a previous run's output) to continue from,
+    ``state_dict`` saved by ``torch.save`` (read with ``weights_only``); its classifier keeps its rows when
+    they number the classes the data declares, else is re-made for the classes with samples (a model
+    directory or an ONNX file that names its classes keeps them, each row with its weights, and grows a row
+    per class of the data it does not name). ``init``: a model directory (a previous run's output) to continue from,
     keeping its classes and growing its head for new ones. ``trust_factories``: factories
     ``package.module:callable`` that a model directory (``arch``, ``init``, a daemon's versions) may name.
     A model directory is data and never names code to run unless its owner allows it here (or an installed
@@ -146,6 +148,8 @@ class AugmentConfig:
 
 #: ``optim.lr`` when the recipe leaves it null, by how a run starts (:class:`OptimConfig`)
 DEFAULT_LR = {"scratch": 0.4, "pretrained": 0.01, "folded": 0.001}
+#: the gradient norm a run clips at when the recipe leaves ``optim.clip_grad_norm`` null, by how it starts
+DEFAULT_CLIP = {"scratch": None, "pretrained": None, "folded": 1.0}
 
 
 @dataclass(frozen=True)
@@ -153,19 +157,23 @@ class OptimConfig:
     """SGD; ``lr`` is the peak of the schedule (reached after ``warmup`` of the steps); null: chosen by how the
     run starts (:data:`DEFAULT_LR`): 0.4 for a model from random weights (the RevNeXt paper's peak), 0.01
     for fine-tuning a pretrained one (an ONNX file, a model directory, ``model.weights``, ``model.init``, a
-    module object whose batch norms hold trained statistics), 0.001 for a pretrained one without batch norm
-    (an ONNX file whose batch norms were folded into its convolutions: nothing renormalizes its activations,
-    and a fine-tuning rate of 0.01 took such files to NaN).
+    module object whose batch norms hold trained statistics), 0.001 for a pretrained one whose batch norms were
+    folded into its convolutions (no batch norm after most of its convolutions: nothing renormalizes its
+    activations, and a fine-tuning rate of 0.01 took such files to NaN).
 
     ``schedule``: ``onecycle`` (warm-up from ``lr/25``, cosine down), ``linear`` (the RevNeXt authors'
     cycle: from 0 up to ``lr``, then straight down to 0; their CIFAR-10 runs: ``warmup: 0.1``, i.e. 5 of
     50 epochs) or ``constant``.
 
-    ``clip_grad_norm``: scale each step's gradient down to this norm (None: never). edgerev's earlier
-    RevNeXt (a bare convolution as stem, a mean and a biased linear layer as head) diverged at the
-    paper's peak lr 0.4 without it (batch 256: the stem's output, then every activation, grew without
-    bound within 15 steps); the paper's stem and head remove the cause. The presets that use
-    lr >= 0.1 still set it.
+    ``clip_grad_norm``: scale each step's gradient down to this norm; null: chosen by how the run starts
+    (:data:`DEFAULT_CLIP`): 1.0 for a pretrained model whose batch norms were folded, never otherwise (``.inf``:
+    never, whatever the model). A folded network's gradient can be large where nothing renormalizes it:
+    torchvision's ResNet-50 exported with its batch norms folded (random weights, its statistics its own)
+    went from a loss of 9.5 to NaN in three steps at lr 0.001, its gradient's norm 1,094 at the first;
+    clipped at 1.0 the same steps took the loss to 0.99. edgerev's earlier RevNeXt (a bare convolution as
+    stem, a mean and a biased linear layer as head) diverged at the paper's peak lr 0.4 without it (batch
+    256: the stem's output, then every activation, grew without bound within 15 steps); the paper's stem
+    and head remove the cause. The presets that use lr >= 0.1 still set it.
     """
 
     lr: float | None = None
@@ -180,6 +188,10 @@ class OptimConfig:
     def peak(self, start: str) -> float:
         """``lr``, or when null the default for a run that starts ``start`` (a key of :data:`DEFAULT_LR`)."""
         return self.lr if self.lr is not None else DEFAULT_LR[start]
+
+    def clip(self, start: str) -> float | None:
+        """``clip_grad_norm``, or when null the default for a run that starts ``start`` (None: never)."""
+        return self.clip_grad_norm if self.clip_grad_norm is not None else DEFAULT_CLIP[start]
 
     def __post_init__(self) -> None:
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm",

@@ -215,7 +215,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     if replay is not None:
         train = LabeledImages.concat([train, replay.relabel(classes)])
     model.module.to(device)
-    start = "scratch" if not pretrained else "folded" if _without_batch_norm(model.module) else "pretrained"
+    start = "scratch" if not pretrained else "folded" if _folded(model.module) else "pretrained"
     return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha, start)
 
 
@@ -261,11 +261,17 @@ def _pretrained(cfg: RunConfig, model: ModelHandle) -> str | None:
     return f"model.arch {cfg.model.arch} (its batch norms hold trained statistics)" if moved else None
 
 
-def _without_batch_norm(module: nn.Module) -> bool:
-    """A network of convolutions with no batch norm: a pretrained file whose batch norms were folded."""
-    layers = list(module.modules())
-    return (any(isinstance(m, nn.modules.conv._ConvNd) for m in layers)
-            and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layers))
+def _folded(module: nn.Module) -> bool:
+    """A network of convolutions most of which no batch norm follows: a pretrained file whose batch norms were
+    folded (every one of them, or all but those no convolution precedes: MobileOne's identity branches keep 35
+    batch norms beside 191 convolutions). A network of batch-norm layers has about one per convolution (edgerev's
+    invertible layers counted as torch's: RevNeXt's 42 convolutions have 43)."""
+    from edgerev.layers.conv import InvConv2d
+    from edgerev.layers.norm import InvBatchNorm2d
+
+    convs = sum(isinstance(m, (nn.modules.conv._ConvNd, InvConv2d)) for m in module.modules())
+    norms = sum(isinstance(m, (nn.modules.batchnorm._BatchNorm, InvBatchNorm2d)) for m in module.modules())
+    return convs > 0 and 2 * norms < convs
 
 
 def _normalization(cfg: RunConfig, model: ModelHandle, images: LabeledImages, pretrained: str | None):
@@ -414,7 +420,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         dump_yaml(out / CONFIG, cfg)
-    cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start)))  # saved null: chosen again on resume
+    # a saved null is chosen again on resume
+    cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start), clip_grad_norm=cfg.optim.clip(s.start)))
     params = [p for p in model.parameters() if p.requires_grad]
     if not memory.momentum:  # trainable auto dropped it to train more parameters (said in the plan)
         cfg = replace(cfg, optim=replace(cfg.optim, momentum=0.0, nesterov=False))

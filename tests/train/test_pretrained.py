@@ -139,3 +139,38 @@ def test_a_module_whose_head_numbers_the_data_s_classes_keeps_it(tmp_path):
     five = TinyNet(classes=5)
     out = edgerev.fit(five, images, out=tmp_path / "five", size=SIZE, config=RECIPE)
     assert read_info(out)[0].classes == ("class0", "class1", "class2") and five.classifier.out_features == 3
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("keep_batch_norm, recipe_clip, clip", [(True, None, None), (False, None, 1.0),
+                                                                (False, 5.0, 5.0)])
+def test_a_folded_file_clips_its_gradient_unless_the_recipe_says(tmp_path, monkeypatch, keep_batch_norm,
+                                                                 recipe_clip, clip):
+    from edgerev.train import trainer
+
+    seen, step = [], trainer.train_step
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("clip_grad_norm"))
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", spy)
+    recipe = {**RECIPE, "optim": {"schedule": "constant", "clip_grad_norm": recipe_clip}}
+    edgerev.fit(onnx_file(tmp_path / "owner.onnx", keep_batch_norm=keep_batch_norm), out=tmp_path / "run",
+                size=SIZE, config=recipe)
+    assert seen and set(seen) == {clip}
+
+
+def test_folded_means_no_batch_norm_after_most_convolutions():
+    from torch import nn
+
+    from edgerev.models import create_model, list_models
+    from edgerev.train.trainer import _folded
+
+    assert not any(_folded(create_model(name)) for name in list_models())  # edgerev's invertible layers counted
+    assert not _folded(TinyNet()) and not _folded(nn.Sequential(nn.Linear(3, 2)))
+
+    def convs(n: int, norms: int) -> nn.Module:
+        return nn.Sequential(*[nn.Conv2d(3, 3, 1) for _ in range(n)], *[nn.BatchNorm2d(3) for _ in range(norms)])
+
+    assert _folded(convs(4, 0)) and _folded(convs(5, 2)) and not _folded(convs(4, 2))
