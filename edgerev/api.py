@@ -80,7 +80,7 @@ def _trainable_set(net: nn.Module, trainable: str, size: int, step, budget: int,
             from edgerev.memory.graph import planned
 
             fit = sets.choose_fit(net, step, budget, loss_fn=loss_fn)
-            return planned(net, size), fit.summary(step.momentum), replace(step, momentum=fit.momentum)
+            return planned(net, size), fit.summary(), fit.step(step)
         return sets.set_trainable(net, sets.parse_trainable(trainable), size=size), {"trainable": trainable}, step
     except sets.TrainableError as e:
         raise ConfigError(f"trainable: {e}") from None
@@ -104,8 +104,8 @@ def plan(model: str | Path | nn.Module, *, size: int, budget: int | str, batch: 
         estimate: estimate stage costs (fake tensors, FLOPs) instead of measuring them.
         verify: run real steps with the plan and add the measured figures to ``summary``.
         trainable: which parameters train: ``all``, ``head``, ``bias``, ``last:N`` or ``auto`` (the most parameters
-            that fit; where they do not all fit with ``momentum``, it is dropped when that trains more, and
-            ``summary["optimizer_state"]`` says ``dropped``).
+            that fit; where they do not all fit with ``momentum``, it is kept in bfloat16, or dropped, when that
+            trains more, and ``summary["optimizer_state"]`` says ``bfloat16`` or ``dropped``).
         weights: pretrained weights for a registry name or a factory.
         args: a registry model's or factory's keyword arguments.
         trust_factories: the factories a model directory ``model`` may name (:mod:`edgerev.models.trust`).

@@ -148,10 +148,15 @@ def test_plan_of_a_factory_with_a_trainable_set():
     assert head.summary["trainable"] == "head"
     with pytest.raises(ConfigError, match="^trainable: "):
         edgerev.plan(TINY, size=16, budget="8MiB", trainable="some")
-    # auto says what it chose: every parameter with momentum where that fits; below it, without momentum
+    # auto says what it chose: every parameter with momentum where that fits; below it, the momentum in bfloat16
+    # (half its bytes), then without momentum
     auto = edgerev.plan(TINY, size=16, budget="8MiB", batch=8, estimate=True, trainable="auto")
     assert (auto.summary["trainable"], auto.summary["optimizer_state"]) == ("all", "kept")
-    tight = every.summary["account"]["total"] - 1
+    total, state = every.summary["account"]["total"], every.summary["account"]["optimizer"]
+    half = edgerev.plan(TINY, size=16, budget=total - 1, batch=8, estimate=True, trainable="auto")
+    assert (half.summary["trainable"], half.summary["optimizer_state"]) == ("all", "bfloat16")
+    assert half.summary["account"]["optimizer"] == state // 2 and half.predicted_peak_bytes <= total - 1
+    tight = total - state // 2 - 1
     dropped = edgerev.plan(TINY, size=16, budget=tight, batch=8, estimate=True, trainable="auto")
     assert (dropped.summary["trainable"], dropped.summary["optimizer_state"]) == ("all", "dropped")
     assert dropped.summary["account"]["optimizer"] == 0 and dropped.predicted_peak_bytes <= tight

@@ -221,15 +221,16 @@ class TrainConfig:
     ``trainable``: which parameters train (:mod:`edgerev.train.trainable`): ``all``, ``head`` (the classifier),
     ``bias`` (every bias and the head), ``last:N`` (the last N pieces of the model's graph that have parameters) or
     ``auto`` (the most parameters whose step fits ``memory.budget`` at ``batch``; where they do not all fit with
-    ``optim.momentum``, the momentum buffers are dropped when that trains more, and the run's plan says
-    ``optimizer_state: dropped``); the frozen rest keeps no activation and no gradient. ``bn_stats``: ``updated``
-    (batch norms move their running statistics in training) or ``frozen`` (every batch norm normalizes with the
-    model's running statistics and leaves them as they are: a pretrained model's, or those a fleet measured for its
-    rounds, :mod:`edgerev.train.norms`). ``bn_measure``: before each evaluation (every epoch's and the final one),
-    the running statistics of the batch norms that train are measured anew on this many training images (a fixed
-    draw, in batches as training takes them; :func:`edgerev.train.norms.measure_running_statistics`): the running
-    average trails weights that change fast, so a run's first epochs were judged, and kept or stopped on, at
-    statistics of weights it no longer has; 0 keeps the running average."""
+    ``optim.momentum``, the momentum buffers are kept in bfloat16, or dropped, when that trains more, and the
+    run's plan says ``optimizer_state: bfloat16`` or ``dropped``); the frozen rest keeps no activation and no
+    gradient. ``bn_stats``: ``updated`` (batch norms move their running statistics in training) or ``frozen``
+    (every batch norm normalizes with the model's running statistics and leaves them as they are: a pretrained
+    model's, or those a fleet measured for its rounds, :mod:`edgerev.train.norms`). ``bn_measure``: before each
+    evaluation (every epoch's and the final one), the running statistics of the batch norms that train are measured
+    anew on this many training images (a fixed draw, in batches as training takes them;
+    :func:`edgerev.train.norms.measure_running_statistics`): the running average trails weights that change fast,
+    so a run's first epochs were judged, and kept or stopped on, at statistics of weights it no longer has; 0 keeps
+    the running average."""
 
     epochs: int = 10
     patience: int | None = None

@@ -8,7 +8,7 @@ with :func:`edgerev.memory.measure.account.account_step`: one count of what a st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -105,13 +105,17 @@ class MemoryPlan:
         cap: the CPU cap the steps run under (None: none).
         summary: the plan as the run's summary records it.
         momentum: whether the optimizer keeps the recipe's momentum (False also where the recipe has none):
-            ``train.trainable: auto`` drops it where that lets more parameters train.
+            ``train.trainable: auto`` drops it where that lets more parameters train (and :attr:`state_bytes` says
+            whether it keeps it in bfloat16).
+        state_bytes: bytes per element of the momentum buffer: 4 (float32), or 2 where ``train.trainable:
+            auto`` keeps it in bfloat16 (:func:`edgerev.train.optim.keep_state_in`).
     """
 
     micro_batches: int
     cap: CpuCap | None
     summary: dict
     momentum: bool
+    state_bytes: int = 4
 
 
 def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int,
@@ -120,7 +124,8 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     weak views' forward counted too), applied to ``model``.
 
     With ``train.trainable: auto`` the summary says what trains (``trainable``) and whether the optimizer keeps
-    its momentum (``optimizer_state``: ``kept``, ``dropped`` or ``none``), which ``momentum`` carries.
+    its momentum (``optimizer_state``: ``kept``, ``bfloat16``, ``dropped`` or ``none``), which ``momentum`` and
+    ``state_bytes`` carry.
 
     On CUDA the cap is set first and the plan is fitted to the allocator with real steps
     (:func:`~edgerev.memory.plan.device_fit.fit_to_device`): the summary's ``device_fit`` lists each plan measured.
@@ -153,8 +158,7 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
         from edgerev.train.trainable import choose_fit
 
         fit = choose_fit(model, shape, budget, cfg.train.bn_stats, loss_fn)
-        trainable = fit.summary(shape.momentum)
-        shape = replace(shape, momentum=fit.momentum)
+        trainable, shape = fit.summary(), fit.step(shape)
 
     def plan_at(b: int) -> TrainingPlan:
         return plan_training(model, cfg.data.size, b, str(device.type), estimate=mem.profile == "estimate",
@@ -173,4 +177,4 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     summary = {"mode": "planned", "budget_bytes": budget, "micro_batch": tp.batch, "micro_batches": micro,
                **trainable, **tp.summary, **fitted}
     cap = CpuCap(budget, tp.account.baseline) if device.type == "cpu" and tp.account is not None else None
-    return MemoryPlan(micro, cap, summary, shape.momentum)
+    return MemoryPlan(micro, cap, summary, shape.momentum, shape.state_bytes)

@@ -14,7 +14,7 @@ state, and a layer whose weight is frozen needs no saved input to compute it. Th
 - ``auto``: the most trainable parameters that fit the budget at the recipe's batch
   (:func:`choose_trainable`): the largest ``last:N``, or ``bias`` when it trains more; where the recipe's
   optimizer keeps a momentum buffer per weight and every parameter does not fit with it, the buffer is
-  dropped when that lets more parameters train (:func:`choose_fit`), and the run says so.
+  kept in bfloat16, or dropped, when that lets more parameters train (:func:`choose_fit`), and the run says so.
 
 The leading pieces of the chain without a trainable parameter are its frozen prefix: they run under
 ``no_grad`` and keep no activation and no gradient (:class:`~edgerev.memory.graph.ChainModel`).
@@ -240,30 +240,48 @@ def choose_trainable(model: nn.Module, step: StepShape, budget: int, bn_stats: s
     return best, results[best][0]
 
 
+#: what ``auto`` may keep of the recipe's momentum: its buffer as the weights' float32, in bfloat16, or none
+STATES = ("kept", "bfloat16", "dropped", "none")
+
+
 @dataclass(frozen=True)
 class Fit:
-    """What ``auto`` chose: the trainable set, whether the optimizer keeps its momentum (False also where the
-    recipe has none), and the account of that step at its least-memory plan."""
+    """What ``auto`` chose: the trainable set, the optimizer's state (of :data:`STATES`: ``kept`` in float32,
+    ``bfloat16``, ``dropped``, or ``none`` where the recipe has no momentum), and the account of that step at its
+    least-memory plan."""
 
     trainable: Trainable
-    momentum: bool
+    state: str
     account: StepAccount
 
-    def summary(self, recipe_momentum: bool) -> dict:
-        """What to say of the choice: the set, and the optimizer's state (``kept``, ``dropped`` or ``none``)."""
-        state = "none" if not recipe_momentum else "kept" if self.momentum else "dropped"
-        return {"trainable": str(self.trainable), "optimizer_state": state}
+    @property
+    def momentum(self) -> bool:
+        """Whether the optimizer keeps a momentum buffer."""
+        return self.state in ("kept", "bfloat16")
+
+    def step(self, step: StepShape) -> StepShape:
+        """``step`` with the optimizer's state chosen."""
+        from dataclasses import replace
+
+        return replace(step, momentum=self.momentum, state_bytes=2 if self.state == "bfloat16" else 4)
+
+    def summary(self) -> dict:
+        """What to say of the choice: the set, and the optimizer's state."""
+        return {"trainable": str(self.trainable), "optimizer_state": self.state}
 
 
 def choose_fit(model: nn.Module, step: StepShape, budget: int, bn_stats: str = "updated",
                loss_fn: Callable[..., Tensor] | None = None) -> Fit:
     """``auto`` with the optimizer's state: the most trainable parameters whose step fits ``budget``.
 
-    With the recipe's momentum where the set that trains the most parameters without it (:func:`choose_trainable`)
-    also fits with it; else that set without momentum. Dropping the momentum only ever frees memory, so no set
-    that fits with it trains more: SGD without momentum is what fine-tuning on a device under a few hundred
-    kilobytes does (Lin et al. 2022), a frozen weight is what TinyTL does, and the first keeps more weights
-    learning. The model is left with the chosen set.
+    The set that trains the most parameters is chosen first (every parameter where that fits with the recipe's
+    momentum in either precision, else :func:`choose_trainable`'s without momentum), then the most of its
+    momentum that fits beside it: the buffer in float32, else in bfloat16 (half its bytes; the update is
+    computed in float32, :func:`edgerev.train.optim.keep_state_in`), else none. Dropping the momentum only ever
+    frees memory, so no set that fits with it trains more: SGD without momentum is what fine-tuning on a device
+    under a few hundred kilobytes does (Lin et al. 2022), a frozen weight is what TinyTL does, and the first keeps
+    more weights learning; 8-bit optimizers (Dettmers et al. 2022) keep the state in fewer bits for the same
+    reason. The model is left with the chosen set.
 
     Raises:
         NothingFits: not even the last piece fits without momentum (its message names the budget that does).
@@ -274,11 +292,18 @@ def choose_fit(model: nn.Module, step: StepShape, budget: int, bn_stats: str = "
 
     if not step.momentum:
         chosen, account = choose_trainable(model, step, budget, bn_stats, loss_fn)
-        return Fit(chosen, False, account)
+        return Fit(chosen, "none", account)
+    full = replace(step, state_bytes=4)
+
+    def kept(chosen: Trainable) -> Fit | None:  # the most of the momentum that fits beside the set
+        account = least_account(run, chosen, full, bn_stats, loss_fn)
+        half = replace(account, optimizer=account.optimizer // 2)  # the state is held, not run: sizes alone
+        return next((Fit(chosen, state, a) for state, a in (("kept", account), ("bfloat16", half))
+                     if a.total <= budget), None)
+
     run = planned(model, step.size)
-    every = least_account(run, Trainable("all"), step, bn_stats, loss_fn)
-    if every.total <= budget:
-        return Fit(Trainable("all"), True, every)
+    found = kept(Trainable("all"))
+    if found is not None:
+        return found
     chosen, without = choose_trainable(model, replace(step, momentum=False), budget, bn_stats, loss_fn)
-    kept = least_account(run, chosen, step, bn_stats, loss_fn)
-    return Fit(chosen, True, kept) if kept.total <= budget else Fit(chosen, False, without)
+    return kept(chosen) or Fit(chosen, "dropped", without)

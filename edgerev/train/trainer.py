@@ -54,6 +54,7 @@ from edgerev.train.evaluate import EvaluationStopped, evaluate
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev.train.memory import loss_of, plan_memory, training_model
 from edgerev.train.norms import freeze_norms, measure_running_statistics
+from edgerev.train.optim import STATE_DTYPES, keep_state_in, sgd
 from edgerev.train.progress import Pacer, Plateau, Progress, write_progress
 from edgerev.train.schedule import Tail, lr_at, tail_after
 from edgerev.train.semi import UnlabeledOrder, per_step, pseudo_label, quotas, semi_summary, step_targets, weak_probs
@@ -180,9 +181,8 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
             info = replace(info, mean=tuple(cfg.model.mean), std=tuple(cfg.model.std))
         pretrained = f"model.init {cfg.model.init}"
     else:
-        from edgerev.models.resolve import resolve_model
-
         from edgerev.models.names import SourceKind, source_kind
+        from edgerev.models.resolve import resolve_model
 
         old = ()
         own_head = (given is not None or cfg.model.weights is not None
@@ -425,8 +425,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     params = [p for p in model.parameters() if p.requires_grad]
     if not memory.momentum:  # trainable auto dropped it to train more parameters (said in the plan)
         cfg = replace(cfg, optim=replace(cfg.optim, momentum=0.0, nesterov=False))
-    optimizer = torch.optim.SGD([{"params": params}], lr=cfg.optim.lr, momentum=cfg.optim.momentum,
-                                nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
+    optimizer = sgd(params, lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov,
+                    weight_decay=cfg.optim.weight_decay, state_bytes=memory.state_bytes)  # auto's bfloat16: 2
 
     per_epoch = max(1, len(s.train) // batch)
     if u:  # with FixMatch an epoch is one pass over the longer of the two: the labelled samples cycle meanwhile
@@ -437,6 +437,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     evaluation_due = False  # the evaluation of the epoch the checkpoint's step closed was cut short by a stop
     if resume:
         r = load_checkpoint(out, model, optimizer)
+        keep_state_in(optimizer, STATE_DTYPES[memory.state_bytes])  # torch cast the state to the weights' dtype
         step, micro = r.step, max(micro, int(r.extra.get("micro_batches", micro)))
         semi_epochs = list(r.extra.get("semi", []))
         evaluation_due = bool(r.extra.get("evaluation_due", False))

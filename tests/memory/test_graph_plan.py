@@ -599,34 +599,40 @@ def _least(cm: ChainModel, trainable: str, step: StepShape, loss_fn=None) -> int
 
 def test_auto_drops_the_momentum_only_where_that_trains_more():
     """With momentum, ``auto`` takes every parameter while it fits; then the largest set that fits without the
-    momentum, with it where that set fits with it (no set that fits with it trains more), and says which."""
+    momentum, with it where that set fits with it (no set that fits with it trains more): in float32, else in
+    bfloat16, else none, and says which."""
     model = build("rescnn")
     cm = planned(model, SIZE)
     kept, dropped = StepShape(SIZE, 6, momentum=True), StepShape(SIZE, 6, momentum=False)
+    half = StepShape(SIZE, 6, momentum=True, state_bytes=2)
     every = sum(p.numel() for p in cm.parameters())
-    all_kept, all_dropped = _least(cm, "all", kept), _least(cm, "all", dropped)
-    assert all_dropped < all_kept
-    for budget, momentum in ((all_kept, True), (all_dropped, False)):
+    all_kept, all_half, all_dropped = (_least(cm, "all", s) for s in (kept, half, dropped))
+    assert all_dropped < all_half < all_kept and all_kept - all_half == all_half - all_dropped == every * 2
+    for budget, state, state_bytes in ((all_kept, "kept", 4), (all_kept - 1, "bfloat16", 2), (all_half, "bfloat16", 2),
+                                       (all_half - 1, "dropped", 0), (all_dropped, "dropped", 0)):
         fit = choose_fit(model, kept, budget)
-        assert (str(fit.trainable), fit.momentum, trainable_count(cm)) == ("all", momentum, every)
-        assert fit.account.total <= budget and fit.account.optimizer == (every * 4 if momentum else 0)
-        assert fit.summary(True) == {"trainable": "all", "optimizer_state": "kept" if momentum else "dropped"}
-    for budget in (_least(cm, "last:2", kept), _least(cm, "last:1", dropped)):
-        counts = []
-        for step in (kept, dropped):
+        assert (str(fit.trainable), fit.state, trainable_count(cm)) == ("all", state, every), budget
+        assert fit.account.total <= budget and fit.account.optimizer == every * state_bytes
+        assert fit.summary() == {"trainable": "all", "optimizer_state": state}
+        assert fit.step(kept).momentum == (state != "dropped") and fit.step(kept).state_bytes == (state_bytes or 4)
+    steps = {"kept": kept, "bfloat16": half, "dropped": dropped}
+    for budget in (_least(cm, "last:2", kept), _least(cm, "last:2", half), _least(cm, "last:1", dropped)):
+        counts = {}
+        for state, step in steps.items():
             try:
                 choose_trainable(model, step, budget)
-                counts.append(trainable_count(cm))
+                counts[state] = trainable_count(cm)
             except NothingFits:
-                counts.append(-1)
+                counts[state] = -1
         fit = choose_fit(model, kept, budget)
-        assert trainable_count(cm) == max(counts) and fit.momentum == (counts[0] >= counts[1]), (budget, counts)
+        most = max(counts.values())
+        assert trainable_count(cm) == most and fit.state == next(s for s in steps if counts[s] == most), counts
         assert fit.account.total <= budget
     with pytest.raises(NothingFits) as info:
         choose_fit(model, kept, _least(cm, "last:1", dropped) - 1)
     assert info.value.smallest == _least(cm, "last:1", dropped)
     fit = choose_fit(model, dropped, all_dropped)  # a recipe without momentum: nothing to drop
-    assert (str(fit.trainable), fit.momentum, fit.summary(False)["optimizer_state"]) == ("all", False, "none")
+    assert (str(fit.trainable), fit.momentum, fit.summary()["optimizer_state"]) == ("all", False, "none")
 
 
 def _floors(cm: ChainModel):
@@ -687,9 +693,11 @@ def test_the_trainer_trains_a_models_head_under_a_budget_with_frozen_statistics(
     assert plan["account"]["optimizer"] == sum(p.numel() * 4 for p in model.fc.parameters())
 
 
-def test_the_trainer_drops_the_momentum_auto_chose_to_drop(tmp_path):
-    """Under a budget just below every parameter's step with momentum, ``auto`` trains every parameter with
-    plain SGD: the run says so, accounts no optimizer state and its steps stay under the budget."""
+@pytest.mark.parametrize("state", ["bfloat16", "dropped"])
+def test_the_trainer_keeps_the_momentum_auto_chose_to_keep(tmp_path, state):
+    """Under a budget just below every parameter's step with momentum, ``auto`` trains every parameter with the
+    momentum in bfloat16; below that step too, with plain SGD: the run says so, accounts the optimizer state it
+    keeps, its buffers are of that dtype (a resumed run's too) and its steps stay under the budget."""
     from edgerev.api import fit_run
     from edgerev.train.config import RunConfig, SourceConfig
     from edgerev.train.labeled import load_source
@@ -697,15 +705,25 @@ def test_the_trainer_drops_the_momentum_auto_chose_to_drop(tmp_path):
 
     images = load_source(SourceConfig(kind="synthetic", samples=24, num_classes=CLASSES, seed=1), SIZE)
     model = build("rescnn")
+    every = sum(p.numel() for p in model.parameters())
     # every parameter, with momentum, the batch of 8 at once, as the trainer's recipe makes the step
     floor = _least(planned(model, SIZE), "all", StepShape(SIZE, 8, momentum=True), loss_of(RunConfig()))
+    budget = floor - 1 if state == "bfloat16" else floor - every * 2 - 1
     before = {k: v.clone() for k, v in model.named_parameters()}
-    result = fit_run(model, images, out=tmp_path / "run", budget=floor - 1, trainable="auto", size=SIZE, epochs=1,
+    result = fit_run(model, images, out=tmp_path / "run", budget=budget, trainable="auto", size=SIZE, epochs=2,
                      batch=8, lr=0.05)
     plan = result.summary["plan"]
-    assert (plan["trainable"], plan["optimizer_state"]) == ("all", "dropped")
-    assert plan["account"]["optimizer"] == 0 and plan["measured_peak_bytes"] <= plan["budget_bytes"] == floor - 1
+    assert (plan["trainable"], plan["optimizer_state"]) == ("all", state)
+    assert plan["account"]["optimizer"] == (every * 2 if state == "bfloat16" else 0)
+    assert plan["measured_peak_bytes"] <= plan["budget_bytes"] == budget
     assert all(not torch.equal(v, before[k]) for k, v in model.named_parameters())
+    from safetensors.torch import load_file
+
+    from edgerev.train.state import FOLDER
+
+    saved = load_file(str(next((tmp_path / "run" / FOLDER).glob("*.safetensors"))))
+    buffers = {v.dtype for k, v in saved.items() if k.endswith("momentum_buffer")}
+    assert buffers == ({torch.bfloat16} if state == "bfloat16" else set()), buffers
 
 
 # ---- imported: the same nets through ONNX (edgerev.models.onnx_import) -----------------------------------------

@@ -48,6 +48,8 @@ class StepShape:
         size: input height and width.
         batch: samples per optimizer step (None: the micro-batch itself, a step without accumulation).
         momentum: the optimizer keeps one buffer per trainable weight (SGD with momentum).
+        state_bytes: bytes per element of that buffer: 4 (float32, the weights' own) or 2 (bfloat16,
+            :func:`edgerev.train.optim.keep_state_in`).
         teacher_bytes: the distillation teacher's weights and buffers (0: no teacher).
         teacher_classes: the teacher's logits per sample (0: no teacher).
         input_bytes: bytes per element of the input batch (float32).
@@ -59,6 +61,7 @@ class StepShape:
     size: int
     batch: int | None = None
     momentum: bool = False
+    state_bytes: int = 4
     teacher_bytes: int = 0
     teacher_classes: int = 0
     input_bytes: int = 4
@@ -67,6 +70,8 @@ class StepShape:
     def __post_init__(self) -> None:
         if self.size < 1 or (self.batch is not None and self.batch < 1):
             raise ValueError(f"a step needs a positive size and batch, got size {self.size}, batch {self.batch}")
+        if self.state_bytes not in (2, 4):
+            raise ValueError(f"the optimizer's state takes 2 or 4 bytes per element, got {self.state_bytes}")
         if self.unlabeled and (self.batch is None or not 0 < self.unlabeled < self.batch):
             raise ValueError(f"unlabelled views ({self.unlabeled}) are part of a step's batch ({self.batch}) beside "
                              "at least one labelled sample")
@@ -116,7 +121,7 @@ def held(model: nn.Module, shape: StepShape, micro_batch: int) -> dict[str, int]
     return {
         "weights": _nbytes(model.parameters()),
         "buffers": _nbytes(model.buffers()),
-        "optimizer": _nbytes(trainable) if shape.momentum else 0,
+        "optimizer": sum(p.numel() for p in trainable) * shape.state_bytes if shape.momentum else 0,
         "teacher": shape.teacher_bytes,
         "batch_input": batch * pixels * shape.input_bytes,
         "labels": batch * LABEL_BYTES,

@@ -1,0 +1,44 @@
+"""The optimizer a run steps with: torch's SGD, its momentum buffer in the weights' float32 or in bfloat16.
+
+``train.trainable: auto`` keeps the momentum in bfloat16 where the float32 buffer does not fit the budget beside
+the weights that train (:func:`edgerev.train.trainable.choose_fit`): half the optimizer's bytes. torch's SGD
+updates a buffer it finds in place and in the buffer's own dtype, so the buffer is made before the first step
+(zeros: the first update is the gradient, as from none) and cast again after a checkpoint is loaded (torch casts
+an optimizer's state to its weights' dtype). The arithmetic of each update stays in float32: the decayed
+gradient, the Nesterov look-ahead and the weight's change; only the running average is rounded to bfloat16's
+8 bits of mantissa when it is stored. torch's multi-tensor SGD takes one dtype per parameter group, so such a
+run steps one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: bytes per element of the momentum buffer -> its dtype
+STATE_DTYPES = {4: torch.float32, 2: torch.bfloat16}
+
+
+def sgd(params: list[nn.Parameter], *, lr: float, momentum: float, nesterov: bool, weight_decay: float,
+        state_bytes: int = 4) -> torch.optim.SGD:
+    """torch's SGD over ``params``, its momentum buffers held in ``state_bytes`` per element (4 or 2)."""
+    low = momentum > 0 and state_bytes != 4
+    optimizer = torch.optim.SGD([{"params": params}], lr=lr, momentum=momentum, nesterov=nesterov,
+                                weight_decay=weight_decay, **({"foreach": False} if low else {}))
+    keep_state_in(optimizer, STATE_DTYPES[state_bytes])
+    return optimizer
+
+
+def keep_state_in(optimizer: torch.optim.SGD, dtype: torch.dtype) -> None:
+    """Hold every momentum buffer of ``optimizer`` in ``dtype`` (nothing for the weights' own dtype, or for an
+    SGD without momentum): a zero buffer for a parameter without one, a buffer already there cast."""
+    for group in optimizer.param_groups:
+        if not group["momentum"]:
+            continue
+        for p in group["params"]:
+            if p.dtype == dtype:
+                continue
+            state = optimizer.state[p]
+            buf = state.get("momentum_buffer")
+            state["momentum_buffer"] = (torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                                        if buf is None else buf.to(dtype))

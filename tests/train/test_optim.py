@@ -1,0 +1,60 @@
+"""The optimizer's momentum in bfloat16 (``train.trainable: auto`` where the float32 buffer does not fit): torch's
+SGD with its buffer stored in bfloat16 and each update computed in float32, through a checkpoint and back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgerev.train.optim import keep_state_in, sgd
+from edgerev.train.state import load_checkpoint, save_checkpoint
+
+SETTINGS = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
+
+
+def reference(w: torch.Tensor, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """SGD with Nesterov momentum written out, the buffer rounded to ``dtype`` at each of its two in-place updates
+    as torch stores it (scaled, then the decayed gradient added)."""
+    w, buf = w.clone(), torch.zeros_like(w)
+    for g in grads:
+        d = g + SETTINGS["weight_decay"] * w
+        buf = ((buf * SETTINGS["momentum"]).to(dtype).float() + d).to(dtype).float()
+        w = w - SETTINGS["lr"] * (d + SETTINGS["momentum"] * buf)
+    return w
+
+
+@pytest.mark.parametrize("state_bytes, dtype", [(4, torch.float32), (2, torch.bfloat16)])
+def test_the_update_is_sgd_s_with_the_buffer_stored_in_its_dtype(state_bytes, dtype):
+    torch.manual_seed(0)
+    start = torch.randn(6, 5)
+    grads = [torch.randn(6, 5) for _ in range(4)]
+    w = torch.nn.Parameter(start.clone())
+    opt = sgd([w], **SETTINGS, state_bytes=state_bytes)
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    assert opt.state[w]["momentum_buffer"].dtype == dtype
+    torch.testing.assert_close(w.detach(), reference(start, grads, dtype), rtol=0, atol=1e-6)
+    if dtype == torch.bfloat16:  # the rounding is seen: not float32's update
+        assert not torch.allclose(w.detach(), reference(start, grads, torch.float32), rtol=0, atol=1e-4)
+
+
+def test_a_checkpoint_brings_the_bfloat16_buffer_back_in_bfloat16(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = sgd(list(model.parameters()), **SETTINGS, state_bytes=2)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path, 1, 0, model, opt)
+    again = sgd(list(model.parameters()), **SETTINGS, state_bytes=2)
+    load_checkpoint(tmp_path, model, again)  # torch casts the state to the weights' dtype
+    keep_state_in(again, torch.bfloat16)
+    for p in model.parameters():
+        assert again.state[p]["momentum_buffer"].dtype == torch.bfloat16
+        assert torch.equal(again.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+def test_without_momentum_nothing_is_kept():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = sgd([w], lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, state_bytes=2)
+    assert not opt.state
