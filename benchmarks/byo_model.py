@@ -27,9 +27,11 @@ For MobileNetV2, ResNet-18 and EfficientNet-B0 (:mod:`edgerev.models.designs`, t
   the TorchScript exporter without constant folding; and folded into the convolutions: the dynamo exporter's
   default) and imported; its head grows to ten
   classes and it is fine-tuned on 20 images of each of the digits 5-9 (with distillation from the imported
-  model and a replay of 20 images of each old digit; the folded one at a tenth of the learning rate: without
-  batch norm the same rate diverges); accuracy on held-out new and old digits, against the same recipe from
-  random weights (no teacher: there is none).
+  model and a replay of 20 images of each old digit) as the trainer's recipe fine-tunes each
+  (:data:`edgerev.train.config.DEFAULT_LR` and ``DEFAULT_CLIP``, relative to ``--finetune-lr``: the folded one at
+  a tenth of the rate, its gradient clipped to a norm of 1; without batch norm the same rate diverges);
+  accuracy on held-out new and old digits, against the same recipe from random weights (no teacher: there is
+  none).
 
 Each part writes its figures into the JSON as it ends (``--out``), and a part whose library pieces are missing
 records what is missing instead of failing the run.
@@ -372,8 +374,9 @@ def split_digits(size: int, shots: int, seed: int):
 
 
 def fit(model: nn.Module, data, epochs: int, lr: float, batch: int, seed: int, teacher: nn.Module | None = None,
-        distill: float = 0.0) -> None:
-    """SGD with Nesterov momentum and a cosine schedule; distillation from ``teacher`` when given."""
+        distill: float = 0.0, clip: float | None = None) -> None:
+    """SGD with Nesterov momentum and a cosine schedule; distillation from ``teacher`` when given; each step's
+    gradient clipped to the norm ``clip`` when given."""
     x, y = data
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
@@ -394,6 +397,8 @@ def fit(model: nn.Module, data, epochs: int, lr: float, batch: int, seed: int, t
                     targets += (teacher(xb),)
             opt.zero_grad(set_to_none=True)
             loss_fn(model(xb), *targets).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             sched.step()
 
@@ -405,10 +410,11 @@ def accuracy(model: nn.Module, data) -> float:
     return float((model(x).argmax(1) == y).float().mean())
 
 
-def _tune_imported(model: nn.Module, bn: str, lr: float, tune, old_test, new_test, a, path: Path) -> dict:
+def _tune_imported(model: nn.Module, bn: str, lr: float, clip: float | None, tune, old_test, new_test, a,
+                   path: Path) -> dict:
     """Export ``model`` with batch norm kept or folded, import it, grow its head, fine-tune with distillation."""
     export(model.eval(), a.fewshot_size, path, keep_bn=bn == "kept")
-    out = {"lr": lr}
+    out = {"lr": lr, "clip_grad_norm": clip}
     try:
         base = load_imported(path)
         out["start"] = "imported from ONNX"
@@ -423,7 +429,7 @@ def _tune_imported(model: nn.Module, bn: str, lr: float, tune, old_test, new_tes
     classes = tuple(str(c) for c in range(10))
     grow_head(base, classes[:5], classes)
     start = time.perf_counter()
-    fit(base, tune, a.finetune_epochs, lr, 20, a.seed, teacher=teacher, distill=1.0)
+    fit(base, tune, a.finetune_epochs, lr, 20, a.seed, teacher=teacher, distill=1.0, clip=clip)
     out["finetune_seconds"] = round(time.perf_counter() - start, 1)
     out["new"], out["old"] = accuracy(base, new_test), accuracy(base, old_test)
     if out["start"] == "imported from ONNX":
@@ -443,9 +449,12 @@ def fewshot(name: str, a, tmp: Path) -> dict:
     out = {"pretrain_seconds": round(time.perf_counter() - start, 1), "pretrained_old": accuracy(model, old_test),
            "pretrain_images": len(pre[0]), "finetune_images": len(tune[0]), "old_test": len(old_test[0]),
            "new_test": len(new_test[0])}
-    for bn, lr in (("kept", a.finetune_lr), ("folded", a.finetune_lr / 10)):
+    from edgerev.train.config import DEFAULT_CLIP, DEFAULT_LR
+
+    for bn, start in (("kept", "pretrained"), ("folded", "folded")):  # the trainer's recipe for each: its rate
+        lr = a.finetune_lr * DEFAULT_LR[start] / DEFAULT_LR["pretrained"]  # relative to --finetune-lr, and its clip
         try:
-            out[f"bn_{bn}"] = _tune_imported(model, bn, lr, tune, old_test, new_test, a,
+            out[f"bn_{bn}"] = _tune_imported(model, bn, lr, DEFAULT_CLIP[start], tune, old_test, new_test, a,
                                              tmp / f"{name}-digits-{bn}.onnx")
         except Exception as e:  # an import that refuses one export still leaves the other's figures
             out[f"bn_{bn}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}

@@ -146,16 +146,21 @@ class AugmentConfig:
         check(self.cutout >= 0, "cutout", f"must be >= 0, got {self.cutout}")
 
 
-#: ``optim.lr`` when the recipe leaves it null, by how a run starts (:class:`OptimConfig`)
-DEFAULT_LR = {"scratch": 0.4, "pretrained": 0.01, "folded": 0.001}
+#: ``optim.lr`` when the recipe leaves it null, by how a run starts (:class:`OptimConfig`); ``new``'s at a batch of
+#: :data:`NEW_LR_BATCH`, scaled with the batch
+DEFAULT_LR = {"scratch": 0.4, "new": 0.1, "pretrained": 0.01, "folded": 0.001}
+NEW_LR_BATCH = 256
 #: the gradient norm a run clips at when the recipe leaves ``optim.clip_grad_norm`` null, by how it starts
-DEFAULT_CLIP = {"scratch": None, "pretrained": None, "folded": 1.0}
+DEFAULT_CLIP = {"scratch": None, "new": None, "pretrained": None, "folded": 1.0}
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """SGD; ``lr`` is the peak of the schedule (reached after ``warmup`` of the steps); null: chosen by how the
-    run starts (:data:`DEFAULT_LR`): 0.4 for a model from random weights (the RevNeXt paper's peak), 0.01
+    run starts (:data:`DEFAULT_LR`): 0.4 for one of edgerev's models from random weights (the RevNeXt paper's
+    peak), 0.1 times the batch over 256 for a model from elsewhere from random weights (the linear scaling rule
+    of Goyal et al. 2017, from ResNet's 0.1 at 256, as torchvision's recipes train: 0.003 at a batch of 8; at 0.4
+    the zoo's SqueezeNet went to NaN and its ConvNeXts' losses to 70-200 within three steps), 0.01
     for fine-tuning a pretrained one (an ONNX file, a model directory, ``model.weights``, ``model.init``, a
     module object whose batch norms hold trained statistics), 0.001 for a pretrained one whose batch norms were
     folded into its convolutions (no batch norm after most of its convolutions: nothing renormalizes its
@@ -185,9 +190,12 @@ class OptimConfig:
     warmup: float = 0.25
     clip_grad_norm: float | None = None
 
-    def peak(self, start: str) -> float:
-        """``lr``, or when null the default for a run that starts ``start`` (a key of :data:`DEFAULT_LR`)."""
-        return self.lr if self.lr is not None else DEFAULT_LR[start]
+    def peak(self, start: str, batch: int = NEW_LR_BATCH) -> float:
+        """``lr``, or when null the default for a run that starts ``start`` (a key of :data:`DEFAULT_LR`) with
+        steps of ``batch`` samples."""
+        if self.lr is not None:
+            return self.lr
+        return DEFAULT_LR[start] * batch / NEW_LR_BATCH if start == "new" else DEFAULT_LR[start]
 
     def clip(self, start: str) -> float | None:
         """``clip_grad_norm``, or when null the default for a run that starts ``start`` (None: never)."""

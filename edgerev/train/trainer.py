@@ -128,7 +128,7 @@ class _Setup:
     teacher: nn.Module | None
     start_eval: dict | None
     source_sha: str | None
-    start: str  # how the run starts, a key of DEFAULT_LR: scratch, pretrained or folded
+    start: str  # how the run starts, a key of DEFAULT_LR: scratch, new, pretrained or folded
 
 
 def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, LabeledImages | None] | None,
@@ -215,7 +215,8 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     if replay is not None:
         train = LabeledImages.concat([train, replay.relabel(classes)])
     model.module.to(device)
-    start = "scratch" if not pretrained else "folded" if _folded(model.module) else "pretrained"
+    start = (("scratch" if _own(model) else "new") if not pretrained else "folded" if _folded(model.module)
+             else "pretrained")
     return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha, start)
 
 
@@ -259,6 +260,11 @@ def _pretrained(cfg: RunConfig, model: ModelHandle) -> str | None:
                 and (bool(m.running_mean.ne(0).any()) or bool(m.running_var.ne(1).any()))
                 for m in model.module.modules())
     return f"model.arch {cfg.model.arch} (its batch norms hold trained statistics)" if moved else None
+
+
+def _own(model: ModelHandle) -> bool:
+    """One of edgerev's models (its class is edgerev's: the registry's, built by name or given as a module)."""
+    return type(model.module).__module__.partition(".")[0] == "edgerev"
 
 
 def _folded(module: nn.Module) -> bool:
@@ -421,7 +427,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     if not resume:
         dump_yaml(out / CONFIG, cfg)
     # a saved null is chosen again on resume
-    cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start), clip_grad_norm=cfg.optim.clip(s.start)))
+    cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start, batch),
+                                     clip_grad_norm=cfg.optim.clip(s.start)))
     params = [p for p in model.parameters() if p.requires_grad]
     if not memory.momentum:  # trainable auto dropped it to train more parameters (said in the plan)
         cfg = replace(cfg, optim=replace(cfg.optim, momentum=0.0, nesterov=False))

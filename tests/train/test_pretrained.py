@@ -1,6 +1,6 @@
 """A pretrained model stays itself (issue 34): its normalization is the source's or the recipe's, and one computed
 from the device's images is said in one warning line; the rate is a fine-tuning one, lower without batch norm, and
-a model from random weights keeps the paper's."""
+a model from random weights keeps the paper's when it is edgerev's, one scaled to its batch when it is not."""
 
 from __future__ import annotations
 
@@ -88,7 +88,10 @@ def test_a_module_with_trained_statistics_fine_tunes_and_a_new_one_learns_from_s
     with caplog.at_level(logging.WARNING):
         new = edgerev.fit(TinyNet(classes=2), out=tmp_path / "new", size=SIZE, config=RECIPE)
         factory = edgerev.fit("tests.resolve_factories:tiny", out=tmp_path / "factory", size=SIZE, config=RECIPE)
-    assert rates(new) == rates(factory) == {0.4} and notes(caplog) == []  # from random weights: nothing to keep
+    # from random weights: nothing to keep, and a model from elsewhere at the rate scaled to its batch of 8
+    assert rates(new) == rates(factory) == {0.1 * 8 / 256} and notes(caplog) == []
+    own = edgerev.fit("layerwise", out=tmp_path / "own", size=SIZE, config=RECIPE)
+    assert rates(own) == {0.4}  # edgerev's own: the paper's peak
 
 
 def test_a_recipe_s_rate_stays_whatever_the_model(tmp_path):
