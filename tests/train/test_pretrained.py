@@ -50,7 +50,7 @@ def notes(caplog) -> list[str]:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the TorchScript exporter, as an owner's file was written
-@pytest.mark.parametrize("keep_batch_norm, rate", [(True, 0.01), (False, 0.001)])
+@pytest.mark.parametrize("keep_batch_norm, rate", [(True, 0.01), (False, 0.01)])
 def test_a_file_trains_at_a_fine_tuning_rate_and_says_its_normalization_was_computed(tmp_path, caplog,
                                                                                       keep_batch_norm, rate):
     source = onnx_file(tmp_path / "owner.onnx", keep_batch_norm=keep_batch_norm)
@@ -145,7 +145,7 @@ def test_a_module_whose_head_numbers_the_data_s_classes_keeps_it(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("keep_batch_norm, recipe_clip, clip", [(True, None, None), (False, None, 1.0),
+@pytest.mark.parametrize("keep_batch_norm, recipe_clip, clip", [(True, None, None), (False, None, 5.0),
                                                                 (False, 5.0, 5.0)])
 def test_a_folded_file_clips_its_gradient_unless_the_recipe_says(tmp_path, monkeypatch, keep_batch_norm,
                                                                  recipe_clip, clip):
