@@ -177,6 +177,19 @@ def test_a_torchvision_module_given_to_fit_comes_back_as_a_run_that_exports(tmp_
     _fit_and_export(torchvision.models.resnet18(num_classes=3), "torchvision.models:resnet18", {}, tmp_path)
 
 
+def test_a_model_without_a_linear_head_keeps_the_logits_it_has():
+    """SqueezeNet's classifier is a convolution: asked for the count it returns, nothing is refused (its builder took
+    num_classes already), so its model directory rebuilds it; another count is refused in one line."""
+    torchvision = pytest.importorskip("torchvision")
+    with torch.device("meta"):
+        handle = resolve_model(torchvision.models.squeezenet1_1(num_classes=10))
+    assert handle.head is None and handle.num_classes == 10
+    resolve_model(handle, num_classes=10)
+    assert rebuild_error(handle) is None
+    with pytest.raises(edgerev.EdgerevError, match="no linear layer whose rows could be its 4 classes"):
+        resolve_model(handle, num_classes=4)
+
+
 @pytest.mark.slow  # an epoch of timm's smallest LCNet and its export
 def test_a_timm_module_given_to_fit_comes_back_as_a_run_that_exports(tmp_path):
     """timm's MobileNetV3 needs block_args; timm.create_model with the name the model carries rebuilds it. At 64 px:
