@@ -180,8 +180,15 @@ def test_verification_catches_a_mismatch(exported):
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.head.weight += 1e-3  # revnext's head has no bias
-    with pytest.raises(ExportError, match=r"disagree .* exceeds the tolerance 0.000[0-9]+;"):
+    with pytest.raises(ExportError, match=r"disagree .* tolerance 0.000[0-9]+, and ONNX Runtime lies .* float64"):
         verify_onnx(r.path, other, meta, batches=(2,))
+
+
+def test_without_a_tolerance_the_float64_logits_tell_rounding_from_a_mismatch(exported):
+    """Every difference goes to the exact logits: ONNX Runtime's file rounds as PyTorch's float32 does."""
+    model, info, r = exported
+    meta = ModelMeta(classes=info.classes, input_size=info.input_size, mean=info.mean, std=info.std)
+    assert verify_onnx(r.path, model, meta, batches=(2,), tolerance=0.0) <= 1e-4
 
 
 def test_large_logits_verify_within_their_rounding_and_a_relative_mismatch_is_caught(exported, tmp_path):

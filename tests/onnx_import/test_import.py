@@ -319,3 +319,37 @@ def test_trains_on_cuda_and_exports(tmp_path):
     with torch.no_grad():
         expected = net(torch.from_numpy(x).cuda()).cpu().numpy()
     np.testing.assert_allclose(ort_run(out, x), expected, atol=1e-4)
+
+
+def test_an_export_that_rounds_as_float32_does_is_written_and_another_function_is_not(tmp_path, monkeypatch):
+    """Past the tolerance, the float64 logits tell rounding from another function: with no tolerance at all every
+    difference goes to them, and ONNX Runtime's rounding of this model is float32's; a file one weight off is not."""
+    import edgerev.export.imported as imported
+    from edgerev.errors import ExportError
+
+    net = load_onnx(torch_file(tmp_path))
+    assert export_imported(net, tmp_path / "tight.onnx", tolerance=0.0).path.is_file()
+    real = imported.updated_proto
+
+    def off(model):
+        proto = real(model)
+        w = next(t for t in proto.graph.initializer if len(t.dims) == 4)
+        a = onnx.numpy_helper.to_array(w).copy()
+        a.flat[0] += 0.05
+        w.CopyFrom(onnx.numpy_helper.from_array(a, w.name))
+        return proto
+
+    monkeypatch.setattr(imported, "updated_proto", off)
+    with pytest.raises(ExportError, match="lies .* from the float64 logits, more than 4 times PyTorch's float32"):
+        export_imported(net, tmp_path / "off.onnx")
+    assert not (tmp_path / "off.onnx").exists()
+
+
+def test_rounding_apart_measures_against_the_exact_logits():
+    from edgerev.export.runtime import rounding_apart
+
+    exact = np.array([[1000.0, -3.0]])
+    assert rounding_apart(exact + 0.2, exact + 0.1, exact) == pytest.approx((0.2, 0.4))  # within 4x: rounding
+    off, allowed = rounding_apart(exact + 1.0, exact + 0.1, exact)
+    assert not off <= allowed
+    assert not rounding_apart(exact + np.nan, exact, exact)[0] <= 0.0
