@@ -59,9 +59,14 @@ def capture(model: nn.Module, example: Tensor) -> fx.GraphModule:
 
     ``torch.fx`` first; where it cannot follow the forward's Python, ``torch.export`` on ``example``
     (its shapes are then fixed but for nothing the chain needs: every piece is a function of its input).
+    Either traces the model in training mode, whatever mode it is in: the graph is what a training step runs,
+    and a forward's Python that asks ``self.training`` is fixed where it is traced (timm's ``BatchNormAct2d``
+    chooses there between the batch's statistics and the running ones: a MobileOne given in eval mode trained
+    as a network normalized by its running statistics, at a loss of 20 where the module's was 2.4).
     """
+    modes = [(m, m.training) for m in model.modules()]
     try:
-        gm = fx.symbolic_trace(model)
+        gm = fx.symbolic_trace(model.train())
     except Exception as fx_error:  # noqa: BLE001 - any failure of the tracer means: try export
         try:
             gm = _export(model, example)
@@ -69,6 +74,9 @@ def capture(model: nn.Module, example: Tensor) -> fx.GraphModule:
             raise GraphError(f"cannot capture {type(model).__name__} as a graph: torch.fx failed "
                              f"({_first_line(fx_error)}) and torch.export failed ({_first_line(export_error)})"
                              ) from None
+    finally:
+        for m, mode in modes:  # each module as it was (a module in eval mode may hold batch norms in training)
+            m.training = mode
     _out_of_place(gm)
     return gm
 

@@ -505,6 +505,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         return True
     try:
         model.train()
+        run.train()  # the chain a model from outside runs as has a mode of its own (the module's when it was captured)
         if evaluation_due and not evaluate_epoch():  # the checkpoint still says it is due
             status = "stopped"
         while status == "done" and step < end():  # a resumed run may have reached its plateau or its tail's end

@@ -19,6 +19,7 @@ a squeeze-and-excitation net with HardSwish. For each:
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 
@@ -248,6 +249,63 @@ def test_a_model_fx_cannot_follow_is_captured_with_torch_export():
     F.cross_entropy(reference(x), y).backward()
     assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
     assert torch.allclose(model.conv.weight.grad, reference.conv.weight.grad, atol=1e-6)
+
+
+class AsksTraining(nn.Module):
+    """Normalizes by the batch's statistics or the running ones as its Python asks ``self.training`` (timm's
+    ``BatchNormAct2d`` does so); ``exported``: with control flow on a shape too, which only torch.export follows."""
+
+    def __init__(self, exported: bool = False):
+        super().__init__()
+        self.exported = exported
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, CLASSES)
+
+    def forward(self, x):
+        if self.exported and x.shape[-1] > 8:
+            x = x * 1.0
+        h = self.conv(x)
+        if self.training:
+            h = self.bn(h)
+        else:
+            h = F.batch_norm(h, self.bn.running_mean, self.bn.running_var, self.bn.weight, self.bn.bias)
+        return self.fc(F.relu(h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_a_module_in_eval_mode_is_captured_as_it_trains(exported):
+    """The chain is what a training step runs: traced in training mode whatever the module's (a graph fixes the
+    branch its Python takes); the module is left in eval mode."""
+    torch.manual_seed(0)
+    model = AsksTraining(exported)
+    with torch.no_grad():
+        model.bn.running_var.fill_(25.0)  # running statistics far from any batch's
+    model.eval()
+    model.bn.train()  # a module in eval mode holding a batch norm in training mode, as a calibration leaves it
+    cm = chain(model, SIZE)
+    assert not model.training
+    x, _ = batch()
+    cm.train()
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), copy.deepcopy(model).train()(x))
+
+
+def test_a_module_given_in_eval_mode_trains_as_in_training_mode(tmp_path):
+    """The trainer puts the chain in training mode too: torch.export's batch norms are the chain's own modules,
+    which the module's ``train()`` does not reach."""
+    from edgerev.api import fit_run
+    from edgerev.train.config import SourceConfig
+    from edgerev.train.labeled import load_source
+
+    images = load_source(SourceConfig(kind="synthetic", samples=16, num_classes=CLASSES, seed=1), SIZE)
+    losses = []
+    for mode in (True, False):
+        torch.manual_seed(0)
+        model = AsksTraining(exported=True).train(mode)
+        out = fit_run(model, images, out=tmp_path / f"run-{mode}", size=SIZE, epochs=2, batch=8, lr=0.05,
+                      config={"train": {"log_every": 1, "patience": None}})
+        rows = [json.loads(line) for line in (out.out / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in rows if r["kind"] == "train"])
+    assert losses[0] == losses[1]
 
 
 def test_in_place_writes_are_rewritten_and_writes_into_views_refused():
