@@ -24,7 +24,7 @@ from onnx import helper, numpy_helper
 from edgerev.atomic import atomic_write
 from edgerev.errors import ExportError
 from edgerev.export.metadata import set_props
-from edgerev.export.runtime import ROUNDING_FACTOR, first_line, inference_session, logits_apart, rounding_apart
+from edgerev.export.runtime import check_logits, first_line, inference_session
 from edgerev.models.onnx_import.model import ImportedModel
 
 #: spatial size verified where the file leaves height and width dynamic
@@ -155,18 +155,7 @@ def export_imported(model: ImportedModel, out_path: str | Path, *, batches: tupl
             raise ExportError(f"ONNX Runtime failed on {out_path} at batch {b}: {first_line(e)}") from None
         if got.shape != expected[b].shape:
             raise ExportError(f"{out_path} outputs shape {got.shape} at batch {b}, PyTorch {expected[b].shape}")
-        diff, allowed = logits_apart(got, expected[b], tolerance)
-        if not diff <= allowed:  # rounding, or another function: the exact logits tell
-            apart = (f"ONNX Runtime and PyTorch disagree on {out_path}: max abs difference {diff:.3g} at batch {b} "
-                     f"exceeds the tolerance {allowed:.3g}")
-            exact = _exact(reference, x)
-            if exact is None:
-                raise ExportError(f"{apart}; nothing written")
-            off, rounding = rounding_apart(got, expected[b], exact)
-            if not off <= rounding:
-                raise ExportError(f"{apart}, and ONNX Runtime lies {off:.3g} from the float64 logits, more than "
-                                  f"{ROUNDING_FACTOR:g} times PyTorch's float32 ({rounding / ROUNDING_FACTOR:.3g}); "
-                                  "nothing written")
+        diff = check_logits(got, expected[b], tolerance, lambda x=x: _exact(reference, x), str(out_path), b)
         worst = max(worst, diff)
     atomic_write(out_path, data)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)

@@ -46,7 +46,7 @@ from edgerev.errors import ExportError
 from edgerev.export.graph import give_head_a_bias
 from edgerev.export.images import normalize
 from edgerev.export.metadata import ModelMeta, set_props
-from edgerev.export.runtime import ROUNDING_FACTOR, first_line, inference_session, logits_apart, rounding_apart
+from edgerev.export.runtime import check_logits, first_line, inference_session
 from edgerev.models.directory import ModelInfo, load_handle
 from edgerev.models.handle import Exporter, ModelHandle, describe
 from edgerev.models.head import ScaledLinear
@@ -247,18 +247,8 @@ def verify_onnx(onnx_model: str | Path | bytes, model: nn.Module, meta: ModelMet
         if got.shape != ref.shape:
             raise ExportError(f"{what or 'the ONNX model'} returns logits of shape {got.shape} at batch {b}, "
                               f"PyTorch {ref.shape}")
-        diff, allowed = logits_apart(got, ref, tolerance)
-        if not diff <= allowed:  # NaN fails too; past the tolerance the exact logits tell rounding from others
-            apart = (f"ONNX Runtime and PyTorch disagree on {what or 'the model'}: max abs difference of logits "
-                     f"{diff:.3g} at batch {b} exceeds the tolerance {allowed:.3g}")
-            exact = _exact_logits(model, x)
-            if exact is None:
-                raise ExportError(f"{apart}; nothing written")
-            off, rounding = rounding_apart(got, ref, exact)
-            if not off <= rounding:
-                raise ExportError(f"{apart}, and ONNX Runtime lies {off:.3g} from the float64 logits, more than "
-                                  f"{ROUNDING_FACTOR:g} times PyTorch's float32 ({rounding / ROUNDING_FACTOR:.3g}); "
-                                  "nothing written")
+        diff = check_logits(got, ref, tolerance, lambda x=x: _exact_logits(model, x), what or "the model",
+                            b)
         worst = max(worst, diff)
     return worst
 

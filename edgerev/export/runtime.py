@@ -15,7 +15,7 @@ import logging
 import re
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +74,31 @@ def rounding_apart(got, expected, exact) -> tuple[float, float]:
     """
     got, expected, exact = (np.asarray(a, dtype=np.float64) for a in (got, expected, exact))
     return float(np.max(np.abs(got - exact))), ROUNDING_FACTOR * float(np.max(np.abs(expected - exact)))
+
+
+def check_logits(got, expected, tolerance: float, exact: Callable[[], np.ndarray | None], what: str,
+                 batch: int) -> float:
+    """The largest difference of ``got`` (ONNX Runtime's logits) from ``expected`` (PyTorch's float32), checked:
+    within ``tolerance`` (:func:`logits_apart`), or past it within float32's rounding of the ``exact`` float64
+    logits (:func:`rounding_apart`; ``exact()`` computes them, None where the model does not run in float64).
+
+    Raises:
+        ExportError: neither holds (``what`` names the file or model; nothing is written).
+    """
+    diff, allowed = logits_apart(got, expected, tolerance)
+    if diff <= allowed:  # NaN fails
+        return diff
+    apart = (f"ONNX Runtime and PyTorch disagree on {what}: max abs difference of logits {diff:.3g} at batch {batch} "
+             f"exceeds the tolerance {allowed:.3g}")
+    logits = exact()
+    if logits is None:
+        raise ExportError(f"{apart}; nothing written")
+    off, rounding = rounding_apart(got, expected, logits)
+    if not off <= rounding:
+        raise ExportError(f"{apart}, and ONNX Runtime lies {off:.3g} from the float64 logits, more than "
+                          f"{ROUNDING_FACTOR:g} times PyTorch's float32 ({rounding / ROUNDING_FACTOR:.3g}); "
+                          "nothing written")
+    return diff
 
 
 def first_line(e: BaseException) -> str:
