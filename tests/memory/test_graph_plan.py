@@ -26,15 +26,16 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from edgerev.config import ConfigError
 from edgerev.memory.graph import ChainModel, GraphError, chain, planned
 from edgerev.memory.measure import profile as profile_mod
 from edgerev.memory.measure.account import StepShape, account_step
 from edgerev.memory.measure.peak import apply_plan
-from edgerev.memory.plan.autoplan import floor_plan, plan_training
+from edgerev.memory.plan.autoplan import _SegmentsSolver, batch_statistics, floor_plan, plan_training
 from edgerev.memory.solve.costs import BudgetTooSmall, Segment
+from edgerev.memory.solve.segments import EXACT_SEGMENT_MODES, plan_segments
 from edgerev.train.cap import CpuCap, train_step
 from edgerev.train.config import TrainConfig
 from edgerev.train.trainable import (
@@ -470,6 +471,84 @@ def test_the_accounting_predicts_the_tracked_step_exactly(name, trainable):
         fake = account_step(cm, step, 3, apply)
         real = account_step(cm, step, 3, apply, real=True)
         assert fake == real, f"{name} {trainable} {plan}: predicted {fake.total}, tracked {real.total}"
+
+
+@pytest.mark.parametrize("name,trainable", grid(["all", "last:2"], {("senet", "all"), ("mobile", "last:2")}))
+def test_estimated_piece_statistics_have_the_measured_bytes_and_planning_runs_nothing(name, trainable, monkeypatch):
+    """An estimate prices a chain's pieces on copies without data: the bytes of every piece are the ones a real run
+    saves, its seconds grow with the batch, and a plan from estimates never runs a piece on real tensors."""
+    model = build(name)
+    cm = set_trainable(model, trainable, size=SIZE)
+    x = torch.randn(8, 3, SIZE, SIZE)
+    if hasattr(cm, "body_input"):
+        x = cm.body_input(x)
+    est = profile_mod.estimate_stage_stats(cm.body.stages, x)
+    real = profile_mod.stage_stats(cm.body.stages, x, repeats=0)
+    assert len(est) == len(real)
+    for e, r in zip(est, real):
+        assert (e.input_bytes, e.input_elements, e.graph_bytes, e.output_bytes) == \
+            (r.input_bytes, r.input_elements, r.graph_bytes, r.output_bytes)
+        assert e.forward_seconds.at(2) >= e.forward_seconds.at(1) >= 0
+        assert e.backward_seconds.at(2) >= e.backward_seconds.at(1) >= 0
+
+    def no_timing(*a, **k):
+        raise AssertionError("a plan from estimates ran a piece")
+
+    monkeypatch.setattr(profile_mod, "stage_stats", no_timing)
+    monkeypatch.setattr(profile_mod, "_time_stage", no_timing)
+    step = StepShape(SIZE, 6, momentum=True)
+    p = plan_training(model, SIZE, 1 << 30, estimate=True, max_batch=6, step=step)
+    assert p.predicted_peak_bytes <= 1 << 30 and p.batch >= 1
+
+class FunctionalNorm(nn.Module):
+    """A batch norm called as a function (timm's ``BatchNormAct2d`` traced into a chain is one): no module of it
+    is a torch batch norm."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(channels)), nn.Parameter(torch.zeros(channels))
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("var", torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.batch_norm(x, self.mean, self.var, self.weight, self.bias, self.training, 0.1, 1e-5)
+
+
+def test_batch_statistics_is_a_batch_norm_in_training_mode_module_or_function():
+    def net(norm):
+        return nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.Flatten(), nn.Linear(4 * (SIZE - 2) ** 2, CLASSES))
+
+    assert batch_statistics(planned(build("rescnn"), SIZE), SIZE)
+    assert batch_statistics(net(FunctionalNorm(4)), SIZE)
+    assert not batch_statistics(net(FunctionalNorm(4)).eval(), SIZE)
+    assert not batch_statistics(net(nn.GroupNorm(2, 4)), SIZE)
+    frozen = set_trainable(build("rescnn"), "all", "frozen", size=SIZE)
+    assert not batch_statistics(frozen, SIZE)
+
+
+def test_a_model_that_normalizes_by_the_batch_trains_at_the_largest_micro_batch_an_exact_plan_fits():
+    """Under the least budget that trains the whole batch of 6 (every piece checkpointed), a smaller micro-batch
+    that stores more is faster; a batch norm sees the micro-batch, so the planner takes the whole batch, and the
+    fastest where the batch norms are frozen."""
+    cm = planned(build("rescnn"), SIZE)
+    stats = profile_mod.estimate_stage_stats(cm.body.stages, torch.randn(8, 3, SIZE, SIZE))
+    fixed = profile_mod.fixed_bytes(cm)
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_segments(stats, 1, fixed, batches=[6], modes=EXACT_SEGMENT_MODES)
+    target, batches = info.value.smallest, [1, 2, 3, 6]
+    while True:  # the least budget whose exact plan at 6 the solver finds (its granules round)
+        try:
+            plan_segments(stats, target, fixed, batches=[6], modes=EXACT_SEGMENT_MODES)
+            break
+        except BudgetTooSmall:
+            target += max(1, target // 200)
+    fastest = plan_segments(stats, target, fixed, batches=batches, modes=EXACT_SEGMENT_MODES)
+    assert fastest.batch < 6, "the budget must make a smaller micro-batch the faster one"
+    assert _SegmentsSolver(cm, SIZE, "cpu", stats).solve(target, batches, 6).batch == 6
+    assert _SegmentsSolver(cm, SIZE, "cpu", stats).solve(target, batches, 3).batch == 3
+    cm.bn_stats = "frozen"
+    cm.train()
+    assert _SegmentsSolver(cm, SIZE, "cpu", stats).solve(target, batches, 6).batch == fastest.batch
 
 
 # ---- the cap's invariants ---------------------------------------------------------------------------------------

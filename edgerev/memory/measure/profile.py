@@ -1,5 +1,6 @@
 """Per-stage costs, measured: each engine mode (bytes kept, bytes live during its passes, seconds), and
-the statistics of a plain model's stages for checkpoint segments (:func:`stage_stats`).
+the statistics of a plain model's stages for checkpoint segments (:func:`stage_stats`; estimated,
+:func:`estimate_stage_stats`).
 
 Each stage is run on its own, inside a one-stage engine sequence, at two batch sizes: bytes and
 seconds are fitted as ``intercept + slope * batch`` (per sample of the *model's* batch, so batch
@@ -558,6 +559,58 @@ def stage_stats(stages: Sequence[nn.Module], x: Tensor, repeats: int = 2,
                               Linear.fit(b // 2, bwd[b // 2], b, bwd[b])))
         h = y.detach()
     return out
+
+
+def estimate_stage_stats(stages: Sequence[nn.Module], x: Tensor, device: str = "cpu",
+                         progress: Callable[[int, int], None] | None = None) -> list[StageStats]:
+    """:func:`stage_stats` without running anything: each stage on a copy without data
+    (:func:`edgerev._torchapi.shadowed`) at ``x``'s batch ``B`` and at half of it, its bytes per sample from the
+    tensors autograd saves at ``B``, its seconds from the FLOPs and kernel launches of the same runs at a
+    ``device``'s nominal rates (:func:`nominal_seconds`), as :func:`estimate_profile` prices an engine stage. Only
+    ``x``'s shape and dtype are read."""
+    b = x.shape[0]
+    if b < 2:
+        raise ValueError("estimate_stage_stats needs a batch of at least 2 (seconds are fitted over two batch sizes)")
+    out: list[StageStats] = []
+    shape, dtype = tuple(x.shape), x.dtype
+    for i, stage in enumerate(stages):
+        if progress is not None:
+            progress(i, len(stages))
+        runs = {n: shadowed(stage, functools.partial(_count_stage, shape=(n, *shape[1:]), dtype=dtype))
+                for n in (b // 2, b)}
+        graph, y_shape, y_dtype = runs[b][2:]
+        elements = math.prod(shape[1:])
+        fwd = {n: nominal_seconds(r[0].total, r[0].kernels, device) for n, r in runs.items()}
+        bwd = {n: nominal_seconds(r[1].total, r[1].kernels, device) for n, r in runs.items()}
+        out.append(StageStats(elements * dtype.itemsize, elements, graph / b,
+                              math.prod(y_shape[1:]) * y_dtype.itemsize, Linear.fit(b // 2, fwd[b // 2], b, fwd[b]),
+                              Linear.fit(b // 2, bwd[b // 2], b, bwd[b])))
+        shape, dtype = y_shape, y_dtype
+    return out
+
+
+def _count_stage(stage: nn.Module, shape: tuple[int, ...], dtype: torch.dtype
+                 ) -> tuple[FlopCounter, FlopCounter, int, tuple[int, ...], torch.dtype]:
+    """One forward and backward of ``stage`` on an input of ``shape`` made where it runs (under
+    :func:`edgerev._torchapi.shadowed`): the forward's and the backward's counters, the bytes autograd saved
+    beside the input, and the output's shape and dtype."""
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        saved[storage_key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    xin = torch.empty(shape, dtype=dtype).requires_grad_()
+    params = [p for p in stage.parameters() if p.requires_grad]
+    forward, backward = FlopCounter(), FlopCounter()
+    with replaying(stage):
+        with forward, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = stage(xin)
+        gy = torch.ones_like(y)
+        with backward:
+            torch.autograd.grad(y, [xin, *params], gy, allow_unused=True)
+    graph = sum(n for k, n in saved.items() if k != storage_key(xin))
+    return forward, backward, graph, tuple(y.shape), y.dtype
 
 
 def _time_stage(stage: nn.Module, xin: Tensor, repeats: int) -> tuple[float, float]:
