@@ -94,39 +94,66 @@ def _torchvision(model: nn.Module, num_classes: int, in_channels: int) -> tuple[
 
     cls = type(model)
     own = weight_shapes(model)
-    found: dict[Callable, str] = {}  # builder -> its registered name (one builder may be registered twice)
+    found: dict[Callable, tuple[str, dict]] = {}  # builder -> its registered name and arguments
     tried = []
+    kept = kept_arguments(model)
     for name in models.list_models():
         fn = models.get_model_builder(name)
         returns = inspect.signature(fn).return_annotation
         if returns not in (cls, cls.__name__, inspect.Signature.empty):
             continue  # a builder of another class: its annotation says so without building it
         tried.append(name)
-        built = _built_empty(fn, num_classes)
-        if type(built) is cls and not shapes_differ(own, weight_shapes(built)):
-            found.setdefault(fn, name)
+        for args in ({}, kept) if kept else ({},):
+            built = _built_empty(fn, num_classes, args)
+            if type(built) is cls and not shapes_differ(own, weight_shapes(built)):
+                found.setdefault(fn, (name, args))
+                break
     if len(found) > 1:
-        raise NoBuilder(f"torchvision builders {', '.join(sorted(found.values()))} all build this "
+        raise NoBuilder(f"torchvision builders {', '.join(sorted(n for n, _ in found.values()))} all build this "
                         f"{cls.__qualname__}; name the one that built it as a factory")
     if not found:
         more = f" and {len(tried) - 5} more" if len(tried) > 5 else ""
         which = f" (tried {', '.join(tried[:5])}{more})" if tried else ""
         raise NoBuilder(f"no torchvision builder makes a {cls.__qualname__} with these weights' names and "
                         f"shapes{which}")
-    (fn, name), = found.items()
+    (fn, (name, args)), = found.items()
     public = f"torchvision.models:{name}" if getattr(models, name, None) is fn else f"{fn.__module__}:{fn.__qualname__}"
-    return public, {}
+    return public, args
 
 
-def _built_empty(fn: Callable[..., nn.Module], num_classes: int) -> nn.Module | None:
-    """What ``fn(num_classes=...)`` builds, its weights without memory: on the meta device, or, for a builder that
-    computes its layout from tensors' values (torchvision's RegNet), with only ``torch.empty`` (what layers make their
-    weights with) on the meta device; None when it cannot build one of these rows."""
+#: the types of a constructor argument :func:`kept_arguments` recovers (what a model directory's JSON holds)
+_KEPT_TYPES = (bool, int, float, str)
+
+
+def kept_arguments(model: nn.Module) -> dict:
+    """The arguments of ``model``'s constructor that it keeps as attributes of the same name, where they differ from
+    the constructor's defaults: many modules keep theirs (torchvision's GoogLeNet keeps ``aux_logits``). Only
+    values of :data:`_KEPT_TYPES` whose default is of the same type; a builder given them is still checked to build
+    the weights' names and shapes."""
+    try:
+        params = inspect.signature(type(model).__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    own = vars(model)
+    kept = {}
+    for name, p in params.items():
+        value = own.get(name)
+        if (p.default is inspect.Parameter.empty or type(p.default) not in _KEPT_TYPES
+                or type(value) is not type(p.default) or value == p.default):
+            continue
+        kept[name] = value
+    return kept
+
+
+def _built_empty(fn: Callable[..., nn.Module], num_classes: int, args: dict | None = None) -> nn.Module | None:
+    """What ``fn(num_classes=..., **args)`` builds, its weights without memory: on the meta device, or, for a builder
+    that computes its layout from tensors' values (torchvision's RegNet), with only ``torch.empty`` (what layers make
+    their weights with) on the meta device; None when it cannot build one of these rows."""
     for where in (torch.device("meta"), _EmptyOnMeta()):
         try:
             with where, warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a builder's deprecation notes are not the owner's business
-                return fn(num_classes=num_classes)
+                return fn(num_classes=num_classes, **(args or {}))
         except Exception:  # noqa: BLE001, S112  (a builder that cannot build this way does not build this module)
             continue
     return None

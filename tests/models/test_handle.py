@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import edgerev
 from edgerev.models.handle import Exporter, ModelHandle
@@ -224,6 +225,34 @@ def test_a_timm_module_of_other_input_channels_records_them():
     assert (h.arch, dict(h.args), h.in_channels) == ("timm:create_model",
                                                      {"model_name": "mobilenetv3_small_050", "in_chans": 1}, 1)
     assert rebuild_error(h) is None
+
+
+def test_a_torchvision_module_built_with_arguments_it_keeps_is_rebuilt_with_them():
+    """GoogLeNet built without its auxiliary classifiers keeps ``aux_logits=False`` as an attribute: its builder is
+    found with it, and its model directory rebuilds it; built with the defaults it records none."""
+    torchvision = pytest.importorskip("torchvision")
+    with torch.device("meta"):
+        handle = resolve_model(torchvision.models.googlenet(num_classes=10, aux_logits=False, init_weights=True))
+        default = resolve_model(torchvision.models.googlenet(num_classes=10, init_weights=True))
+    assert (handle.arch, dict(handle.args)) == ("torchvision.models:googlenet", {"aux_logits": False})
+    assert rebuild_error(handle) is None
+    assert (default.arch, dict(default.args)) == ("torchvision.models:googlenet", {})
+
+
+def test_kept_arguments_are_the_attributes_named_as_arguments_that_differ_from_their_defaults():
+    from edgerev.models.builders import kept_arguments
+
+    class Net(nn.Module):
+        def __init__(self, width: int = 4, flag: bool = True, name: str = "a", scale: float = 1.0, layers=None,
+                     ratio: float = 0.5, depth: int = 2) -> None:
+            super().__init__()
+            self.width, self.flag, self.name, self.scale, self.layers = width, flag, name, scale, layers
+            self.ratio = int(ratio)  # another type than its default's: not the argument
+            self.conv = nn.Conv2d(3, width, 1)
+
+    assert kept_arguments(Net()) == {}
+    assert kept_arguments(Net(width=8, flag=False, name="b", scale=2.0, layers=[1], ratio=3.0, depth=5)) == \
+        {"width": 8, "flag": False, "name": "b", "scale": 2.0}
 
 
 def test_a_torchvision_module_no_builder_makes_is_refused_in_one_line():
