@@ -37,7 +37,8 @@ TARGETS = {"estimate": 10.0, "verify": 30.0}
 
 
 def build(name: str):
-    """The module for a benchmark name: a registry name, ``designs:<fn>`` or ``tv:<fn>`` (10 classes)."""
+    """The module for a benchmark name: a registry name, ``designs:<fn>``, ``tv:<fn>`` (torchvision) or ``timm:<name>``
+    (10 classes)."""
     import torch
 
     torch.manual_seed(0)
@@ -48,7 +49,12 @@ def build(name: str):
     if name.startswith("tv:"):
         import torchvision
 
-        return getattr(torchvision.models, name.split(":", 1)[1])(num_classes=10)
+        kwargs = {"aux_logits": False, "init_weights": True} if name == "tv:googlenet" else {}
+        return getattr(torchvision.models, name.split(":", 1)[1])(num_classes=10, **kwargs)
+    if name.startswith("timm:"):
+        import timm
+
+        return timm.create_model(name.split(":", 1)[1], pretrained=False, num_classes=10)
     return name
 
 
