@@ -66,7 +66,8 @@ def capture(model: nn.Module, example: Tensor) -> fx.GraphModule:
     """
     modes = [(m, m.training) for m in model.modules()]
     try:
-        gm = fx.symbolic_trace(model.train())
+        model.train()
+        gm = fx.GraphModule(model, _Tracer().trace(model), type(model).__name__)
     except Exception as fx_error:  # noqa: BLE001 - any failure of the tracer means: try export
         try:
             gm = _export(model, example)
@@ -79,6 +80,16 @@ def capture(model: nn.Module, example: Tensor) -> fx.GraphModule:
             m.training = mode
     _out_of_place(gm)
     return gm
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer, with every batch norm a module of the graph, whatever package it comes from: timm's
+    ``BatchNormAct2d`` traced through is a ``F.batch_norm`` call whose training flag and momentum are fixed where it
+    was traced, so a checkpointed segment's re-run moved its running statistics a second time (``replaying`` sets a
+    module's momentum to 0) and ``bn_stats: frozen`` (eval mode) did not reach it."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, nn.modules.batchnorm._BatchNorm) or super().is_leaf_module(m, qualname)
 
 
 def _first_line(e: BaseException) -> str:

@@ -514,6 +514,43 @@ class FunctionalNorm(nn.Module):
         return F.batch_norm(x, self.mean, self.var, self.weight, self.bias, self.training, 0.1, 1e-5)
 
 
+class BatchNormAct(nn.BatchNorm2d):
+    """A batch norm of another package whose forward calls the function with its own training flag and momentum
+    (timm's ``BatchNormAct2d``), then an activation."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return F.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                                   momentum, self.eps))
+
+
+def act_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), BatchNormAct(4), nn.Conv2d(4, 4, 3, padding=1),
+                         BatchNormAct(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, CLASSES))
+
+
+@pytest.mark.parametrize("plan", ["store", "checkpoint-each", "checkpoint-one"])
+def test_a_batch_norm_of_another_package_moves_its_statistics_once_a_step_and_freezes(plan):
+    """A batch norm stays a module of the chain: a checkpointed re-run leaves its running statistics where plain
+    autograd's step puts them (traced through, its fixed momentum moved them twice), and a frozen set freezes it."""
+    model, reference = act_net(), act_net()
+    x, y = batch()
+    F.cross_entropy(reference(x), y).backward()
+    cm = planned(model, SIZE)
+    apply_plan(cm, None, plans(len(cm.body.stages))[plan])
+    F.cross_entropy(cm(x), y).backward()
+    for (name, got), want in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(got, want), f"{plan}: {name}"
+    frozen = set_trainable(act_net(), "all", "frozen", size=SIZE)
+    before = [b.clone() for b in frozen.buffers()]
+    F.cross_entropy(frozen(x), y).backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, frozen.buffers()))
+    assert not batch_statistics(frozen, SIZE) and batch_statistics(planned(act_net(), SIZE), SIZE)
+
+
 def test_batch_statistics_is_a_batch_norm_in_training_mode_module_or_function():
     def net(norm):
         return nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.Flatten(), nn.Linear(4 * (SIZE - 2) ** 2, CLASSES))
