@@ -583,6 +583,7 @@ def test_a_model_that_normalizes_by_the_batch_trains_at_the_largest_micro_batch_
     assert fastest.batch < 6, "the budget must make a smaller micro-batch the faster one"
     assert _SegmentsSolver(cm, SIZE, "cpu", stats).solve(target, batches, 6).batch == 6
     assert _SegmentsSolver(cm, SIZE, "cpu", stats).solve(target, batches, 3).batch == 3
+    assert _SegmentsSolver(cm, SIZE, "cpu", stats).solve(target, [1, 2, 4, 5], 6).batch == 2  # 4s, 5s: 3s
     cm.bn_stats = "frozen"
     cm.train()
     assert _SegmentsSolver(cm, SIZE, "cpu", stats).solve(target, batches, 6).batch == fastest.batch

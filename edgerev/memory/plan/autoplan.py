@@ -313,8 +313,9 @@ class _SegmentsSolver:
         """The fastest segments in exact modes (stored or checkpointed); 8- or 4-bit copies only where no exact
         segmentation fits at any micro-batch: their costs price a copy at memory speed, cheaper than any re-run, so
         they would otherwise win wherever they fit. A model whose batch norms normalize by the batch
-        (:func:`batch_statistics`) trains at the largest micro-batch (up to the step's batch ``step_batch``) at which an
-        exact segmentation fits, however fast smaller ones would be: a micro-batch is the batch its batch norms see, and
+        (:func:`batch_statistics`) trains at the largest micro-batch the step's batch ``step_batch`` splits into evenly
+        (:func:`~edgerev.memory.measure.microbatch.split_batch`) at which an exact segmentation fits, however fast
+        smaller ones would be: a micro-batch is the batch its batch norms see, and
         the fewer its samples the noisier their statistics (MobileOne-S0 at 64x64, batch 8 on eight images: whole, its
         loss fell from 2.37 to 1.77 in six steps; in micro-batches of 4 it stayed at 2.2-2.3). Autograd adds each
         parameter's gradient in as it comes: accumulating micro-batches hold nothing beyond a bare step, whatever
@@ -323,8 +324,8 @@ class _SegmentsSolver:
         sweep = {"batches": batches} if batches else {}
         if self.batch_statistics():  # the largest micro-batch an exact segmentation fits at
             for b in sorted(batches or default_batches(), reverse=True):
-                if step_batch is not None and b > step_batch:
-                    continue
+                if step_batch is not None and (b > step_batch or step_batch // math.ceil(step_batch / b) != b):
+                    continue  # the trainer splits a step into even micro-batches: 8 in 6s runs as two of 4
                 try:
                     p = plan_segments(self.stats, target, fixed, modes=EXACT_SEGMENT_MODES, batches=[b])
                 except BudgetTooSmall:
