@@ -132,6 +132,23 @@ def test_plan_takes_a_module_object():
     assert p.batch >= 1 and p.summary["arch"] == "resnet18"
 
 
+@pytest.mark.parametrize("source", ["module", "registry"])
+def test_planning_leaves_the_model_as_it_was(source):
+    """Planning, and verifying the plan with real steps on random images, moves no batch-norm statistic and leaves
+    no gradient nor another mode: a network whose statistics moved would be taken for a pretrained one by the
+    trainer."""
+    torch.manual_seed(0)
+    net = TinyNet() if source == "module" else resolve_model("revnet", args={"width": 4}, num_classes=3).module
+    net.eval()
+    buffers = {k: v.clone() for k, v in net.named_buffers()}
+    weights = {k: v.clone() for k, v in net.named_parameters()}
+    p = edgerev.plan(net, size=16, budget="64MiB", batch=4, estimate=True, verify=True)
+    assert not any(m.training for m in net.modules())
+    assert p.summary["measured_peak_bytes"] > 0
+    assert all(torch.equal(v, buffers[k]) for k, v in net.named_buffers()), "a statistic moved"
+    assert all(torch.equal(v, weights[k]) and v.grad is None for k, v in net.named_parameters())
+
+
 def test_cli_memory_takes_a_factory(capsys):
     rc = main(["memory", "--arch", TINY, "--batch", "2", "--size", "16", "--fake", "--json"])
     row = json.loads(capsys.readouterr().out)

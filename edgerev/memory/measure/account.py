@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from edgerev._torchapi import shadowed
 from edgerev.engine import engine_body, floor_restores
-from edgerev.memory.measure.microbatch import accumulate, split_batch
+from edgerev.memory.measure.microbatch import accumulate, restore_buffers, save_buffers, split_batch
 from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models.spec import model_spec
 
@@ -148,7 +148,8 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         loss_fn: the trainer's loss, called as ``loss_fn(logits, labels[, teacher_logits])``
             (default: cross-entropy).
         real: run ``model`` itself on real tensors (CPU) and measure, instead of predicting on a copy without
-            data: the check of a prediction (``edgerev plan --verify``).
+            data: the check of a prediction (``edgerev plan --verify``); its batch norms' statistics, gradients
+            and modes are put back.
         stage_peaks: filled with the step's peak while each stage of the engine body ran (its forward and its
             backward; baseline included), by stage index: what the stage's own batch slices decide.
 
@@ -192,11 +193,21 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         finally:
             if body is not None:
                 body.set_execution(before)  # the model itself, when real, runs as it did
-        if real:
-            run.zero_grad(set_to_none=True)
         return tracker
 
-    tracker = run_step(model) if real else shadowed(model, run_step)
+    if real:  # the model itself: its statistics, gradients and modes are left as they were
+        buffers, modes = save_buffers(model), [(m, m.training) for m in model.modules()]
+        grads = [(p, p.grad) for p in model.parameters()]
+        try:
+            tracker = run_step(model)
+        finally:
+            restore_buffers(model, buffers)
+            for p, g in grads:
+                p.grad = g
+            for m, mode in modes:
+                m.training = mode
+    else:
+        tracker = shadowed(model, run_step)
     if stage_peaks is not None:
         stage_peaks.update(tracker.section_peaks)
     trainable = [p for p in model.parameters() if p.requires_grad]

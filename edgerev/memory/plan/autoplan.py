@@ -44,6 +44,7 @@ from edgerev.layers.base import Invertible
 from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
 from edgerev.memory.measure.account import StepAccount, StepShape, account_step, beyond_model
+from edgerev.memory.measure.microbatch import restore_buffers, save_buffers
 from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
 from edgerev.memory.plan.progress import SILENT, Progress
 from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
@@ -785,22 +786,33 @@ def minimal_segments(model: nn.Module, size: int) -> tuple[tuple, int]:
 
 def verify(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: int, device: str = "cpu",
            steps: int = 2, segments: tuple | None = None, slices: tuple[int, ...] | None = None) -> dict:
-    """Run real training steps with the plan: measured peak bytes and seconds per step."""
+    """Run real training steps with the plan: measured peak bytes and seconds per step. The plan stays set on
+    ``model``; its batch norms' statistics, gradients and modes are left as they were (steps on random images moved
+    the statistics off their defaults, and a trainer then took a random network for a pretrained one)."""
     apply_plan(model, modes, segments, slices)
-    peak = step_peak(model, batch, size, device).peak_bytes
-    spec = model_spec(model)
-    x = torch.randn(batch, spec.in_channels, size, size, device=device)
-    y = torch.randint(0, spec.num_classes, (batch,), device=device)
-    times = []
-    for _ in range(steps + 1):
-        model.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    buffers, modes = save_buffers(model), [(m, m.training) for m in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        peak = step_peak(model, batch, size, device).peak_bytes
+        spec = model_spec(model)
+        x = torch.randn(batch, spec.in_channels, size, size, device=device)
+        y = torch.randint(0, spec.num_classes, (batch,), device=device)
+        times = []
+        for _ in range(steps + 1):
+            model.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    finally:
+        restore_buffers(model, buffers)
+        for p, g in grads:
+            p.grad = g
+        for m, mode in modes:
+            m.training = mode
     step = min(times[1:])
     return {"measured_peak_bytes": peak, "measured_step_seconds": step, "measured_samples_per_second": batch / step}
 
