@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import copy
 import json
 import math
 import platform
@@ -177,7 +178,9 @@ def step_times(source, size: int, budget: int, batch: int, repeats: int = 3) -> 
 
     p = edgerev.plan(source, size=size, budget=budget, batch=batch, estimate=True, verify=True)
     planned = p.summary["measured_step_seconds"] * batch / min(p.batch, batch)
-    module = edgerev.resolve_model(source).module.train()  # a fresh copy: the planned one carries its plan
+    # a copy: the planned module carries its plan, and the steps below move its batch norms' statistics, which
+    # would make the trainer take the random network given to it next for a pretrained one
+    module = copy.deepcopy(edgerev.resolve_model(source).module).train()
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, 2, (batch,))
     times = []
     for _ in range(repeats + 1):
