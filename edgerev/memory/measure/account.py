@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from edgerev._torchapi import shadowed
 from edgerev.engine import engine_body, floor_restores
-from edgerev.memory.measure.microbatch import accumulate, restore_buffers, save_buffers, split_batch
+from edgerev.memory.measure.microbatch import accumulate, left_as_it_was, split_batch
 from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models.spec import model_spec
 
@@ -196,16 +196,8 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         return tracker
 
     if real:  # the model itself: its statistics, gradients and modes are left as they were
-        buffers, modes = save_buffers(model), [(m, m.training) for m in model.modules()]
-        grads = [(p, p.grad) for p in model.parameters()]
-        try:
+        with left_as_it_was(model):
             tracker = run_step(model)
-        finally:
-            restore_buffers(model, buffers)
-            for p, g in grads:
-                p.grad = g
-            for m, mode in modes:
-                m.training = mode
     else:
         tracker = shadowed(model, run_step)
     if stage_peaks is not None:

@@ -10,7 +10,8 @@ them back (:func:`restore_buffers`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,3 +77,19 @@ def restore_buffers(model: nn.Module, state: dict[str, Tensor]) -> None:
     with torch.no_grad():
         for k, v in model.named_buffers():
             v.copy_(state[k])
+
+
+@contextlib.contextmanager
+def left_as_it_was(model: nn.Module) -> Iterator[None]:
+    """Real steps on ``model`` that must leave no trace (a measurement): its buffers (batch norms' statistics),
+    gradients and modules' modes are put back on exit. Its weights are not saved: nothing inside may step them."""
+    buffers, modes = save_buffers(model), [(m, m.training) for m in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        restore_buffers(model, buffers)
+        for p, g in grads:
+            p.grad = g
+        for m, mode in modes:
+            m.training = mode

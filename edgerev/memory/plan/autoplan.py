@@ -44,7 +44,7 @@ from edgerev.layers.base import Invertible
 from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
 from edgerev.memory.measure.account import StepAccount, StepShape, account_step, beyond_model
-from edgerev.memory.measure.microbatch import restore_buffers, save_buffers
+from edgerev.memory.measure.microbatch import left_as_it_was
 from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
 from edgerev.memory.plan.progress import SILENT, Progress
 from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
@@ -316,11 +316,10 @@ class _SegmentsSolver:
         they would otherwise win wherever they fit. A model whose batch norms normalize by the batch
         (:func:`batch_statistics`) trains at the largest micro-batch the step's batch ``step_batch`` splits into evenly
         (:func:`~edgerev.memory.measure.microbatch.split_batch`) at which an exact segmentation fits, however fast
-        smaller ones would be: a micro-batch is the batch its batch norms see, and
-        the fewer its samples the noisier their statistics (MobileOne-S0 at 64x64, batch 8 on eight images: whole, its
-        loss fell from 2.37 to 1.77 in six steps; in micro-batches of 4 it stayed at 2.2-2.3). Autograd adds each
-        parameter's gradient in as it comes: accumulating micro-batches hold nothing beyond a bare step, whatever
-        ``step_batch``."""
+        smaller ones would be: a micro-batch is the batch its batch norms see, and the fewer its samples the noisier
+        their statistics (MobileOne-S0 at 64x64, batch 8 on eight images: whole, its loss fell from 2.37 to 1.77 in
+        six steps; in micro-batches of 4 it stayed at 2.2-2.3). Autograd adds each parameter's gradient in as it
+        comes: accumulating micro-batches hold nothing beyond a bare step, whatever ``step_batch``."""
         fixed = profiles.fixed_bytes(self.model)
         sweep = {"batches": batches} if batches else {}
         if self.batch_statistics():  # the largest micro-batch an exact segmentation fits at
@@ -790,9 +789,7 @@ def verify(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: in
     ``model``; its batch norms' statistics, gradients and modes are left as they were (steps on random images moved
     the statistics off their defaults, and a trainer then took a random network for a pretrained one)."""
     apply_plan(model, modes, segments, slices)
-    buffers, modes = save_buffers(model), [(m, m.training) for m in model.modules()]
-    grads = [(p, p.grad) for p in model.parameters()]
-    try:
+    with left_as_it_was(model):
         peak = step_peak(model, batch, size, device).peak_bytes
         spec = model_spec(model)
         x = torch.randn(batch, spec.in_channels, size, size, device=device)
@@ -807,12 +804,6 @@ def verify(model: nn.Module, modes: tuple[str, ...] | None, batch: int, size: in
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-    finally:
-        restore_buffers(model, buffers)
-        for p, g in grads:
-            p.grad = g
-        for m, mode in modes:
-            m.training = mode
     step = min(times[1:])
     return {"measured_peak_bytes": peak, "measured_step_seconds": step, "measured_samples_per_second": batch / step}
 
