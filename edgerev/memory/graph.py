@@ -35,6 +35,7 @@ from torch import Tensor, fx, nn
 from edgerev.engine import Execution, InvertibleSequence, engine_body
 from edgerev.errors import EdgerevError, UnsupportedModel
 from edgerev.layers.base import replaying
+from edgerev.memory.measure.microbatch import left_as_it_was
 from edgerev.memory.solve.costs import Segment
 from edgerev.models.handle import describes
 
@@ -64,20 +65,19 @@ def capture(model: nn.Module, example: Tensor) -> fx.GraphModule:
     chooses there between the batch's statistics and the running ones: a MobileOne given in eval mode trained
     as a network normalized by its running statistics, at a loss of 20 where the module's was 2.4).
     """
-    modes = [(m, m.training) for m in model.modules()]
-    try:
+    # each module's mode as it was (a module in eval mode may hold batch norms in training), and the statistics
+    # torch.export's run of the model moved
+    with left_as_it_was(model):
         model.train()
-        gm = fx.GraphModule(model, _Tracer().trace(model), type(model).__name__)
-    except Exception as fx_error:  # noqa: BLE001 - any failure of the tracer means: try export
         try:
-            gm = _export(model, example)
-        except Exception as export_error:  # noqa: BLE001
-            raise GraphError(f"cannot capture {type(model).__name__} as a graph: torch.fx failed "
-                             f"({_first_line(fx_error)}) and torch.export failed ({_first_line(export_error)})"
-                             ) from None
-    finally:
-        for m, mode in modes:  # each module as it was (a module in eval mode may hold batch norms in training)
-            m.training = mode
+            gm = fx.GraphModule(model, _Tracer().trace(model), type(model).__name__)
+        except Exception as fx_error:  # noqa: BLE001 - any failure of the tracer means: try export
+            try:
+                gm = _export(model, example)
+            except Exception as export_error:  # noqa: BLE001
+                raise GraphError(f"cannot capture {type(model).__name__} as a graph: torch.fx failed "
+                                 f"({_first_line(fx_error)}) and torch.export failed ({_first_line(export_error)})"
+                                 ) from None
     _out_of_place(gm)
     return gm
 
@@ -98,27 +98,19 @@ def _first_line(e: BaseException) -> str:
 
 
 def _export(model: nn.Module, example: Tensor) -> fx.GraphModule:
-    """A graph from ``torch.export``, its parameters and buffers rebound to ``model``'s own tensors, each
-    training-mode batch norm a module again (so a re-run leaves its running statistics alone)."""
-    was_training = model.training
+    """A graph from ``torch.export`` of ``model`` in training mode, its parameters and buffers rebound to
+    ``model``'s own tensors, each training-mode batch norm a module again (so a re-run leaves its running statistics
+    alone). Tracing runs the batch norms: the caller puts their statistics back (:func:`capture`)."""
     export = getattr(torch.export, "export_for_training", None) or torch.export.export  # torch 2.6: training IR
-    state = {k: v.clone() for k, v in model.named_buffers()}
-    try:
-        model.train()
-        batch = torch.export.Dim("batch")  # a batch of two: export specializes a dimension of size one
-        exported = export(model, (example.expand(2, *example.shape[1:]).contiguous(),),
-                          dynamic_shapes=({0: batch},), strict=False).module()
-        graph = exported.graph
-        graph._codegen = fx.graph.CodeGen()  # plain arguments and result instead of export's flattened ones
-        out = next(n for n in graph.nodes if n.op == "output")
-        if isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1:
-            out.args = (out.args[0][0],)
-        gm = fx.GraphModule(exported, graph)  # a plain module again (the exported one refuses train())
-    finally:
-        model.train(was_training)
-        with torch.no_grad():  # tracing ran the batch norms: their statistics must not move
-            for k, v in model.named_buffers():
-                v.copy_(state[k])
+    batch = torch.export.Dim("batch")  # a batch of two: export specializes a dimension of size one
+    exported = export(model, (example.expand(2, *example.shape[1:]).contiguous(),),
+                      dynamic_shapes=({0: batch},), strict=False).module()
+    graph = exported.graph
+    graph._codegen = fx.graph.CodeGen()  # plain arguments and result instead of export's flattened ones
+    out = next(n for n in graph.nodes if n.op == "output")
+    if isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1:
+        out.args = (out.args[0][0],)
+    gm = fx.GraphModule(exported, graph)  # a plain module again (the exported one refuses train())
     owned = dict(model.named_parameters(remove_duplicate=False))
     owned.update(dict(model.named_buffers(remove_duplicate=False)))
     for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:

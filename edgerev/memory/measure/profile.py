@@ -541,16 +541,8 @@ def stage_stats(stages: Sequence[nn.Module], x: Tensor, repeats: int = 2,
     for i, stage in enumerate(stages):
         if progress is not None:
             progress(i, len(stages))
-        saved: dict[int, int] = {}
-
-        def pack(t: Tensor, saved: dict[int, int] = saved) -> Tensor:
-            saved[storage_key(t)] = t.untyped_storage().nbytes()
-            return t
-
         xin = h.detach().requires_grad_()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), replaying(stage):
-            y = stage(xin)
-        graph = sum(n for k, n in saved.items() if k != storage_key(xin))
+        y, graph = _saving_forward(stage, xin)
         fwd, bwd = {}, {}
         for n in (b // 2, b):
             fwd[n], bwd[n] = _time_stage(stage, xin[:n].detach().requires_grad_(), repeats)
@@ -594,23 +586,29 @@ def _count_stage(stage: nn.Module, shape: tuple[int, ...], dtype: torch.dtype
     """One forward and backward of ``stage`` on an input of ``shape`` made where it runs (under
     :func:`edgerev._torchapi.shadowed`): the forward's and the backward's counters, the bytes autograd saved
     beside the input, and the output's shape and dtype."""
+    xin = torch.empty(shape, dtype=dtype).requires_grad_()
+    params = [p for p in stage.parameters() if p.requires_grad]
+    forward, backward = FlopCounter(), FlopCounter()
+    with forward:
+        y, graph = _saving_forward(stage, xin)
+    gy = torch.ones_like(y)
+    with backward:
+        torch.autograd.grad(y, [xin, *params], gy, allow_unused=True)
+    return forward, backward, graph, tuple(y.shape), y.dtype
+
+
+def _saving_forward(stage: nn.Module, xin: Tensor) -> tuple[Tensor, int]:
+    """``stage(xin)`` with its graph, its running statistics left alone (:func:`replaying`), and the bytes of the
+    distinct storages autograd saved for the backward beside ``xin``'s."""
     saved: dict[int, int] = {}
 
     def pack(t: Tensor) -> Tensor:
         saved[storage_key(t)] = t.untyped_storage().nbytes()
         return t
 
-    xin = torch.empty(shape, dtype=dtype).requires_grad_()
-    params = [p for p in stage.parameters() if p.requires_grad]
-    forward, backward = FlopCounter(), FlopCounter()
-    with replaying(stage):
-        with forward, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = stage(xin)
-        gy = torch.ones_like(y)
-        with backward:
-            torch.autograd.grad(y, [xin, *params], gy, allow_unused=True)
-    graph = sum(n for k, n in saved.items() if k != storage_key(xin))
-    return forward, backward, graph, tuple(y.shape), y.dtype
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), replaying(stage):
+        y = stage(xin)
+    return y, sum(n for k, n in saved.items() if k != storage_key(xin))
 
 
 def _time_stage(stage: nn.Module, xin: Tensor, repeats: int) -> tuple[float, float]:
