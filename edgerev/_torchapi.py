@@ -14,9 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import torch
@@ -233,4 +234,33 @@ def is_fake(t: Tensor) -> bool:
     return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 
-__all__ = ["fake_copy", "fake_mode", "is_fake", "meta_copy", "shadowed", "storage_bytes", "storage_key"]
+__all__ = ["fake_copy", "fake_mode", "is_fake", "left_as_it_was", "meta_copy", "restore_buffers", "save_buffers",
+           "shadowed", "storage_bytes", "storage_key"]
+
+
+def save_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """A copy of every buffer of ``model`` (batch norms' running statistics among them)."""
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
+def restore_buffers(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Put back the buffers :func:`save_buffers` copied."""
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(state[k])
+
+
+@contextlib.contextmanager
+def left_as_it_was(model: nn.Module) -> Iterator[None]:
+    """Real steps on ``model`` that must leave no trace (a measurement): its buffers (batch norms' statistics),
+    gradients and modules' modes are put back on exit. Its weights are not saved: nothing inside may step them."""
+    buffers, modes = save_buffers(model), [(m, m.training) for m in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        restore_buffers(model, buffers)
+        for p, g in grads:
+            p.grad = g
+        for m, mode in modes:
+            m.training = mode

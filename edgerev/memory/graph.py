@@ -32,10 +32,10 @@ import weakref
 import torch
 from torch import Tensor, fx, nn
 
+from edgerev._torchapi import left_as_it_was
 from edgerev.engine import Execution, InvertibleSequence, engine_body
 from edgerev.errors import EdgerevError, UnsupportedModel
 from edgerev.layers.base import replaying
-from edgerev.memory.measure.microbatch import left_as_it_was
 from edgerev.memory.solve.costs import Segment
 from edgerev.models.handle import describes
 

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev._torchapi import storage_bytes
+from edgerev._torchapi import restore_buffers, save_buffers, storage_bytes
 from edgerev.engine import engine_body
 from edgerev.errors import EdgerevError
-from edgerev.memory.measure.microbatch import accumulate, restore_buffers, save_buffers, split_batch
+from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (MemoryBudgetExceeded, torch.cuda.OutOfMemoryError)

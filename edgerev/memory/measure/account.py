@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev._torchapi import shadowed
+from edgerev._torchapi import left_as_it_was, shadowed
 from edgerev.engine import engine_body, floor_restores
-from edgerev.memory.measure.microbatch import accumulate, left_as_it_was, split_batch
+from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryTracker
 from edgerev.models.spec import model_spec
 

@@ -4,17 +4,15 @@ A step of ``n`` samples runs as micro-batches (:func:`split_batch`), each forwar
 gradients summed (:func:`accumulate`). :func:`edgerev.train.cap.train_step` runs it on the batch;
 :func:`edgerev.memory.measure.account.account_step` runs the same function on fake tensors to say what a step
 holds at its peak, and :func:`edgerev.memory.plan.device_fit.cuda_step_peak` on the device under its cap. A step
-that is tried and must leave no trace keeps the batch norms' running statistics (:func:`save_buffers`) and puts
-them back (:func:`restore_buffers`).
+that is tried and must leave no trace keeps the batch norms' running statistics
+(:func:`edgerev._torchapi.save_buffers`) and puts them back (:func:`edgerev._torchapi.restore_buffers`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from edgerev.finite import FiniteChecks, deferred_checks
@@ -65,31 +63,3 @@ class StepLoss:
             NonFiniteError: a check found NaN or infinity (the first, in the order they ran).
         """
         return 0.0 if self.loss is None else self.checks.read(self.loss)
-
-
-def save_buffers(model: nn.Module) -> dict[str, Tensor]:
-    """A copy of every buffer of ``model`` (batch norms' running statistics among them)."""
-    return {k: v.clone() for k, v in model.named_buffers()}
-
-
-def restore_buffers(model: nn.Module, state: dict[str, Tensor]) -> None:
-    """Put back the buffers :func:`save_buffers` copied."""
-    with torch.no_grad():
-        for k, v in model.named_buffers():
-            v.copy_(state[k])
-
-
-@contextlib.contextmanager
-def left_as_it_was(model: nn.Module) -> Iterator[None]:
-    """Real steps on ``model`` that must leave no trace (a measurement): its buffers (batch norms' statistics),
-    gradients and modules' modes are put back on exit. Its weights are not saved: nothing inside may step them."""
-    buffers, modes = save_buffers(model), [(m, m.training) for m in model.modules()]
-    grads = [(p, p.grad) for p in model.parameters()]
-    try:
-        yield
-    finally:
-        restore_buffers(model, buffers)
-        for p, g in grads:
-            p.grad = g
-        for m, mode in modes:
-            m.training = mode

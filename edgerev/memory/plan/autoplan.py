@@ -37,14 +37,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from edgerev._torchapi import shadowed
+from edgerev._torchapi import left_as_it_was, shadowed
 from edgerev.engine import Mode, engine_body, floor_restores, supported_modes
 from edgerev.errors import UnsupportedModel
 from edgerev.layers.base import Invertible
 from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
 from edgerev.memory.measure.account import StepAccount, StepShape, account_step, beyond_model
-from edgerev.memory.measure.microbatch import left_as_it_was
 from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
 from edgerev.memory.plan.progress import SILENT, Progress
 from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats

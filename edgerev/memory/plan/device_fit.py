@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from edgerev._torchapi import restore_buffers, save_buffers
 from edgerev.memory.measure.account import StepShape, held, weak_forward
-from edgerev.memory.measure.microbatch import accumulate, restore_buffers, save_buffers, split_batch
+from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.plan.autoplan import TrainingPlan
 from edgerev.memory.solve.costs import BudgetTooSmall
 
