@@ -370,7 +370,8 @@ def summary(result: dict) -> list[str]:
         lines.append(f"{name} ({c['alloc_conf'] or 'allocator default'}): cap {_mb(c['cap_bytes'])} MiB, "
                      f"micro-batch {c['micro_batch']} of {c['batch']}, predicted {_mb(c['predicted_peak_bytes'])}; "
                      f"{pl['steps']} steps, {pl['oom_retries']} OOM retries, allocated "
-                     f"{_mb(pl.get('allocated_peak_bytes'))}, reserved {_mb(pl.get('reserved_peak_bytes'))}")
+                     f"{_mb(pl.get('allocated_peak_bytes'))}, reserved {_mb(pl.get('reserved_peak_bytes'))}; "
+                     f"{1000 * pl['seconds_per_step']:.1f} ms a step, CUDA graphs {pl.get('cuda_graphs')}")
         lines.append(f"  forced micro-batch {last.get('batch')}: retries {last.get('retries')}, ran as "
                      f"{last.get('micro_batches')} micro-batches, stepped {last.get('stepped')}; recovered "
                      f"{c.get('recovered')}; part peaks allocated {_mb(c.get('allocated_peak_bytes'))}, reserved "
@@ -380,7 +381,7 @@ def summary(result: dict) -> list[str]:
         lines.append(f"train: {t['arch']} {t['args']} at {t['size']}x{t['size']}, {t['epochs']} epochs of "
                      f"{t['train_samples']} generated images under {_mb(t['cap_bytes'])} MiB: accuracy "
                      f"{t['final']['acc']:.4f} in {t['seconds']} s ({t['steps']} steps, micro-batch "
-                     f"{t['plan'].get('micro_batch')})")
+                     f"{t['plan'].get('micro_batch')}; CUDA graphs {t['plan'].get('cuda_graphs')})")
     for name, p in parts_.items():
         if p["status"] != "ok":
             lines.append(f"{name}: {p['status']}: {p.get('error')}")

@@ -280,6 +280,7 @@ def cap(args, save: Save) -> dict:
     import torch
 
     from edgerev.train.cap import CpuCap, train_step
+    from edgerev.train.graphs import StepGraphs
     from edgerev.train.memory import plan_memory
 
     cfg = recipe(args)
@@ -305,12 +306,13 @@ def cap(args, save: Save) -> dict:
     x = torch.randn(batch, model.in_channels, cfg.data.size, cfg.data.size, device=device)
     y = torch.randint(0, model.num_classes, (batch,), device=device)
     retries, splits, losses = 0, [], []
+    graphs = StepGraphs() if _cuda(args.device) and cfg.train.cuda_graphs else None  # as the trainer replays them
     t0 = time.perf_counter()
     for _ in range(args.steps):
         if time.perf_counter() - t0 > 0.5 * args.part_seconds:  # leave time for the forced steps
             break
         r = train_step(model, optimizer, x, y, micro_batches=micro_batches, cap=cpu_cap,
-                       clip_grad_norm=o.clip_grad_norm)
+                       clip_grad_norm=o.clip_grad_norm, graphs=graphs)
         retries += r.retries
         micro_batches = r.micro_batches  # as the trainer carries it
         splits.append(r.micro_batches)
@@ -320,7 +322,9 @@ def cap(args, save: Save) -> dict:
                          "seconds_per_step": (time.perf_counter() - t0) / max(1, len(splits)),
                          "loss_first_last": [losses[0], losses[-1]] if losses else None,
                          "tracker_peak_bytes": cpu_cap.peak if cpu_cap is not None else None,
-                         **_peaks(args.device)}
+                         "cuda_graphs": graphs.report() if graphs is not None else None, **_peaks(args.device)}
+    if graphs is not None:
+        graphs.release()  # the forced steps are another shape: the trainer lets the graph go too
     del x, y
     save(result)
 

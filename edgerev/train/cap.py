@@ -35,8 +35,9 @@ from torch import Tensor, nn
 from edgerev._torchapi import restore_buffers, save_buffers, storage_bytes
 from edgerev.engine import engine_body
 from edgerev.errors import EdgerevError
-from edgerev.memory.measure.microbatch import accumulate, split_batch
+from edgerev.memory.measure.microbatch import StepLoss, accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
+from edgerev.train.graphs import StepGraphs
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (MemoryBudgetExceeded, torch.cuda.OutOfMemoryError)
 
@@ -157,7 +158,8 @@ class StepResult:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor | tuple[Tensor, ...], *,
                micro_batches: int = 1, loss_fn: Callable[..., Tensor] = F.cross_entropy,
-               clip_grad_norm: float | None = None, cap: CpuCap | None = None) -> StepResult:
+               clip_grad_norm: float | None = None, cap: CpuCap | None = None,
+               graphs: StepGraphs | None = None) -> StepResult:
     """One optimizer step on ``(x, target)``, split into micro-batches as memory requires.
 
     Args:
@@ -168,6 +170,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
         cap: the CPU cap: its budget over its baseline, verified once per new (shapes, plan) and trusted
             afterwards (see :class:`CpuCap`; :meth:`CpuCap.over_alive` for a baseline of what is alive now).
             None: no CPU cap; on CUDA, set the cap once with :func:`apply_cuda_cap`.
+        graphs: on CUDA, replay the step as a CUDA graph while its shapes, plan and weights repeat
+            (:class:`edgerev.train.graphs.StepGraphs`: the micro-batch loop is replayed, the update runs as here);
+            None: every step launches its kernels one by one.
 
     The step reads the host once, at its end: its loss with the model's value checks (:mod:`edgerev.finite`).
 
@@ -176,9 +181,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             the update: end the run there (its weights are what the bad values made of them).
     """
     n = x.shape[0]
+    targets = target if isinstance(target, tuple) else (target,)
+    if graphs is not None and cap is None:
+        replayed = graphs.step(model, x, targets, micro_batches, loss_fn, split_batch(n, micro_batches))
+        if replayed is not None:
+            return _update(model, optimizer, clip_grad_norm, replayed, micro_batches, 0)
     buffers = save_buffers(model)
     retries = 0
-    targets = target if isinstance(target, tuple) else (target,)
     while True:
         optimizer.zero_grad(set_to_none=True)
         key = CpuCap.key(model, x, targets, micro_batches) if cap is not None else None
@@ -205,7 +214,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
                 cap.peak = max(cap.peak, tracker.peak)
             else:
                 cap.trusted_steps += 1
-        if clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad_norm)
-        optimizer.step()
-        return StepResult(total.read(), micro_batches, retries)  # the step's one read of the host
+        if graphs is not None:
+            graphs.ran_eagerly(model, x, targets, micro_batches, loss_fn)
+        return _update(model, optimizer, clip_grad_norm, total, micro_batches, retries)
+
+
+def _update(model: nn.Module, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None, total: StepLoss,
+            micro_batches: int, retries: int) -> StepResult:
+    """The optimizer's step on the summed gradients (clipped first when asked), then the step's one read of the
+    host: its loss and value checks."""
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad_norm)
+    optimizer.step()
+    return StepResult(total.read(), micro_batches, retries)

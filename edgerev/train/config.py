@@ -241,7 +241,12 @@ class TrainConfig:
     anew on this many training images (a fixed draw, in batches as training takes them;
     :func:`edgerev.train.norms.measure_running_statistics`): the running average trails weights that change fast,
     so a run's first epochs were judged, and kept or stopped on, at statistics of weights it no longer has; 0 keeps
-    the running average."""
+    the running average.
+
+    ``cuda_graphs``: on CUDA, each step whose shapes, plan and weights repeat the previous step's is replayed as a
+    CUDA graph instead of launching its kernels one by one (:mod:`edgerev.train.graphs`: the same gradients, several
+    times faster where a step's kernels are small); not in a run with unlabelled views or a teacher, whose extra
+    forwards between steps would need memory beside the graph's; false: never."""
 
     epochs: int = 10
     patience: int | None = None
@@ -256,6 +261,7 @@ class TrainConfig:
     trainable: str = "all"
     bn_stats: str = "updated"
     bn_measure: int = 512
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         from edgerev.train.trainable import TrainableError, check_bn_stats, parse_trainable  # no torch

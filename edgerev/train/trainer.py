@@ -51,6 +51,7 @@ from edgerev.train.cap import train_step
 from edgerev.train.config import RunConfig, SourceConfig, default_threads
 from edgerev.train.continual import grow_head, load_replay, save_replay
 from edgerev.train.evaluate import EvaluationStopped, evaluate
+from edgerev.train.graphs import StepGraphs
 from edgerev.train.labeled import LabeledImages, load_source
 from edgerev.train.memory import loss_of, plan_memory, training_model
 from edgerev.train.norms import freeze_norms, measure_running_statistics
@@ -455,6 +456,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     quota = quotas(s.train.labels, len(info.classes), u, cfg.semi.class_cap) if u else None
     draw = UnlabeledOrder(len(pool), u, cfg.train.seed) if u else None
     loss_fn = loss_of(cfg, u)
+    # a run whose steps take other forwards between them (FixMatch's weak views, a teacher's logits) launches
+    # its kernels: those forwards' memory would come beside the graph's pool, which the plan does not count
+    graphs = (StepGraphs() if cfg.train.cuda_graphs and device.type == "cuda" and not u and s.teacher is None
+              else None)
     reporter = _Reporter(out, total, step, progress, report)
     bar = reporter.bar
     plateau = Plateau(cfg.train.patience, (r for r in metrics.rows if r["kind"] == "eval"))
@@ -493,6 +498,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     def evaluate_epoch() -> bool:
         """The held-out evaluation of the epoch ``step`` closes, logged and given to the plateau; False when a
         stop cut it short (nothing of it is kept)."""
+        if graphs is not None:
+            graphs.release()  # the evaluation's batches are another shape: its memory, not the graph's pool
         try:
             _measure_norms(cfg, s, model, info)
             ev = evaluate(model, s.val, info, device, cfg.train.eval_batch, old=s.old, stop=stop)
@@ -542,7 +549,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             try:
                 with plain(run, cfg.memory.mode == "plain"):
                     res = train_step(run, optimizer, x, target, micro_batches=micro, loss_fn=loss_fn,
-                                     clip_grad_norm=cfg.optim.clip_grad_norm, cap=cap)
+                                     clip_grad_norm=cfg.optim.clip_grad_norm, cap=cap, graphs=graphs)
             except NonFiniteError as e:
                 raise _diverged(step, lr, str(e)) from None
             if not math.isfinite(res.loss):
@@ -571,6 +578,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                 status = "stopped"
                 break
     finally:
+        if graphs is not None:
+            graphs.release()
         bar.close()
         metrics.close()
     last_epoch = max(1, -(-step // per_epoch))
@@ -587,6 +596,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
                     if annealed else "")}
     if cap is not None and cap.peak:  # what the tracker saw in this session's verified steps, against the plan's
         plan_summary = {**plan_summary, "measured_peak_bytes": cap.peak}
+    if graphs is not None:
+        plan_summary = {**plan_summary, "cuda_graphs": graphs.report()}
     semi = semi_summary(semi_epochs, len(pool), u) if u else None
     summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step,
                       early, stop, semi)
