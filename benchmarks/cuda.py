@@ -371,7 +371,7 @@ def summary(result: dict) -> list[str]:
                      f"micro-batch {c['micro_batch']} of {c['batch']}, predicted {_mb(c['predicted_peak_bytes'])}; "
                      f"{pl['steps']} steps, {pl['oom_retries']} OOM retries, allocated "
                      f"{_mb(pl.get('allocated_peak_bytes'))}, reserved {_mb(pl.get('reserved_peak_bytes'))}; "
-                     f"{1000 * pl['seconds_per_step']:.1f} ms a step, CUDA graphs {pl.get('cuda_graphs')}")
+                     f"{1000 * pl['seconds_per_step']:.1f} ms a step")
         lines.append(f"  forced micro-batch {last.get('batch')}: retries {last.get('retries')}, ran as "
                      f"{last.get('micro_batches')} micro-batches, stepped {last.get('stepped')}; recovered "
                      f"{c.get('recovered')}; part peaks allocated {_mb(c.get('allocated_peak_bytes'))}, reserved "

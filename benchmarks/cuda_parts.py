@@ -280,7 +280,6 @@ def cap(args, save: Save) -> dict:
     import torch
 
     from edgerev.train.cap import CpuCap, train_step
-    from edgerev.train.graphs import StepGraphs
     from edgerev.train.memory import plan_memory
 
     cfg = recipe(args)
@@ -306,13 +305,12 @@ def cap(args, save: Save) -> dict:
     x = torch.randn(batch, model.in_channels, cfg.data.size, cfg.data.size, device=device)
     y = torch.randint(0, model.num_classes, (batch,), device=device)
     retries, splits, losses = 0, [], []
-    graphs = StepGraphs() if _cuda(args.device) and cfg.train.cuda_graphs else None  # as the trainer replays them
     t0 = time.perf_counter()
     for _ in range(args.steps):
         if time.perf_counter() - t0 > 0.5 * args.part_seconds:  # leave time for the forced steps
             break
         r = train_step(model, optimizer, x, y, micro_batches=micro_batches, cap=cpu_cap,
-                       clip_grad_norm=o.clip_grad_norm, graphs=graphs)
+                       clip_grad_norm=o.clip_grad_norm)
         retries += r.retries
         micro_batches = r.micro_batches  # as the trainer carries it
         splits.append(r.micro_batches)
@@ -322,9 +320,7 @@ def cap(args, save: Save) -> dict:
                          "seconds_per_step": (time.perf_counter() - t0) / max(1, len(splits)),
                          "loss_first_last": [losses[0], losses[-1]] if losses else None,
                          "tracker_peak_bytes": cpu_cap.peak if cpu_cap is not None else None,
-                         "cuda_graphs": graphs.report() if graphs is not None else None, **_peaks(args.device)}
-    if graphs is not None:
-        graphs.release()  # the forced steps are another shape: the trainer lets the graph go too
+                         **_peaks(args.device)}
     del x, y
     save(result)
 
@@ -445,7 +441,7 @@ def train(args, save: Save) -> dict:
             "batch": cfg.train.batch, "train_samples": cfg.data.train.samples,
             "val_samples": cfg.data.val.samples if cfg.data.val else None, "cap_bytes": int(cfg.memory.budget),
             "plan": {k: plan.get(k) for k in ("micro_batch", "micro_batches", "predicted_peak_bytes",
-                                              "measured_peak_bytes")}, **r}
+                                              "measured_peak_bytes", "cuda_graphs")}, **r}
 
 
 PARTS: dict[str, Callable] = {"environment": environment, "memory": memory, "predict": predict,

@@ -172,7 +172,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             None: no CPU cap; on CUDA, set the cap once with :func:`apply_cuda_cap`.
         graphs: on CUDA, replay the step as a CUDA graph while its shapes, plan and weights repeat
             (:class:`edgerev.train.graphs.StepGraphs`: the micro-batch loop is replayed, the update runs as here);
-            None: every step launches its kernels one by one.
+            not for a step under a CUDA cap (the graph's pool lends nothing to the update beside it); None: every
+            step launches its kernels one by one.
 
     The step reads the host once, at its end: its loss with the model's value checks (:mod:`edgerev.finite`).
 

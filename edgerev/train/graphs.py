@@ -25,8 +25,14 @@ A step is replayed when
 Otherwise it runs op by op. One graph is held at a time: its memory pool keeps the step's peak of temporaries
 reserved between steps, so a new key releases the old graph before anything else runs, and the trainer
 releases it (:meth:`StepGraphs.release`) before work of another shape (an evaluation). A step that cannot be
-captured (an op that reads the host, a library kernel that refuses capture, memory that does not fit the cap)
-runs eagerly from then on, with the reason kept in :attr:`StepGraphs.refused`; its key is never tried again.
+captured (an op that reads the host, a library kernel that refuses capture, memory that does not fit) runs
+eagerly from then on, with the reason kept in :attr:`StepGraphs.refused`; its key is never tried again.
+
+Not under a memory cap. The graph's pool lends none of its blocks to anything outside the step, and what the
+step leaves to the allocator's other blocks (the optimizer's update, the batch) must fit beside it: under the
+GTX 750 recipe's 400 MiB cap on an H200 a capture ran out of memory twice and one step's micro-batch was halved
+(126 ms a step became 197 ms), and with expandable segments the optimizer's update ran out of memory beside a
+pool of 153 MiB. So the trainer replays only a run without ``memory.budget``; a capped run launches its kernels.
 """
 
 from __future__ import annotations
@@ -136,17 +142,21 @@ class StepGraphs:
         if self._stream is None:
             self._stream = torch.cuda.Stream(x.device)  # one capture stream: its library workspaces are made once
         graph = torch.cuda.CUDAGraph()
+        refused = None
         try:
             with torch.cuda.graph(graph, stream=self._stream):
                 loss = accumulate(model, static_x, static_t, parts, loss_fn)
         except Exception as e:  # noqa: BLE001 (whatever refused the capture, the step runs eagerly)
+            text = str(e).strip()
+            refused = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+        if refused is not None:  # out of the except block: its traceback no longer holds the graph and its pool
             for p in params:
                 p.grad = None
             del graph
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(x.device)
             torch.cuda.empty_cache()
-            self.refused[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self.refused[key] = refused
             return None
         self.captures += 1
         return _Captured(key, graph, static_x, static_t, loss, [(p, p.grad) for p in params if p.grad is not None])

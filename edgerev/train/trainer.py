@@ -407,6 +407,15 @@ class _Reporter:
             self.hook(p)
 
 
+def step_graphs(cfg: RunConfig, device: torch.device, unlabeled: int, teacher: bool) -> StepGraphs | None:
+    """The run's CUDA graphs (``train.cuda_graphs``), or None where its steps launch their kernels: off CUDA, under
+    ``memory.budget``, and where other forwards run between the steps (FixMatch's weak views, a teacher's logits):
+    the graph's memory pool lends nothing to what runs beside it (:mod:`edgerev.train.graphs`)."""
+    if not cfg.train.cuda_graphs or device.type != "cuda" or cfg.memory.budget is not None or unlabeled or teacher:
+        return None
+    return StepGraphs()
+
+
 def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | None, progress: bool | None,
            data: tuple[LabeledImages, LabeledImages | None] | None, report: Callable[[Progress], None] | None,
            clock: Callable[[], float], given: nn.Module | ModelHandle | None = None,
@@ -456,10 +465,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     quota = quotas(s.train.labels, len(info.classes), u, cfg.semi.class_cap) if u else None
     draw = UnlabeledOrder(len(pool), u, cfg.train.seed) if u else None
     loss_fn = loss_of(cfg, u)
-    # a run whose steps take other forwards between them (FixMatch's weak views, a teacher's logits) launches
-    # its kernels: those forwards' memory would come beside the graph's pool, which the plan does not count
-    graphs = (StepGraphs() if cfg.train.cuda_graphs and device.type == "cuda" and not u and s.teacher is None
-              else None)
+    graphs = step_graphs(cfg, device, u, s.teacher is not None)
     reporter = _Reporter(out, total, step, progress, report)
     bar = reporter.bar
     plateau = Plateau(cfg.train.patience, (r for r in metrics.rows if r["kind"] == "eval"))

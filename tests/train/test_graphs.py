@@ -2,12 +2,15 @@
 and no replay of a step whose shapes, plan, weights or modes changed. The replays need CUDA (marked gpu); what
 decides a replay is tested on the CPU."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from edgerev import create_model
 from edgerev.config import from_dict
+from edgerev.engine import InvertibleSequence
 from edgerev.train.cap import train_step
 from edgerev.train.config import RunConfig
 from edgerev.train.graphs import StepGraphs, step_key
@@ -68,47 +71,57 @@ def test_on_the_cpu_graphs_change_nothing():
         assert torch.equal(a, b)
 
 
-def _steps(model, graphs, batches, micro=1, clip=None, between=None):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
+def _lockstep(batches, configure=lambda m: None, micro=1, clip=None, between=None, loss_fn=F.cross_entropy):
+    """Each step twice from the same weights, statistics and momentum: with graphs on one model, eagerly on a
+    second one copied from the first just before. Their losses, gradients and updated weights must agree to
+    rounding (a whole run is not compared: a GPU's rounding grows over steps); returns the graphs."""
+    graphs = StepGraphs()
+    a, b = _small("cuda"), _small("cuda")
+    configure(a)
+    configure(b)
+    oa = torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9)
+    ob = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9)
     for i, (x, y) in enumerate(batches):
         if between is not None:
-            between(i, model, opt)
-        losses.append(train_step(model, opt, x, y, micro_batches=micro, clip_grad_norm=clip, graphs=graphs).loss)
-    return losses, [p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()]
+            between(i, a, oa)
+        b.load_state_dict(a.state_dict())
+        ob.load_state_dict(oa.state_dict())
+        ra = train_step(a, oa, x, y, micro_batches=micro, clip_grad_norm=clip, loss_fn=loss_fn, graphs=graphs)
+        rb = train_step(b, ob, x, y, micro_batches=micro, clip_grad_norm=clip, loss_fn=loss_fn)
+        assert ra.loss == pytest.approx(rb.loss, rel=1e-5, abs=1e-6), i
+        for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+            scale = float(q.grad.abs().max()) if q.grad is not None else 0.0
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5 * scale + 1e-12), (i, name)
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), (i, name)
+        for p, q in zip(a.buffers(), b.buffers(), strict=True):
+            assert torch.allclose(p.float(), q.float(), rtol=1e-5, atol=1e-6), i
+    return graphs
 
 
-def _same(a, b):
-    la, wa, ba = a
-    lb, wb, bb = b
-    assert la == pytest.approx(lb, rel=1e-5, abs=1e-6)
-    for p, q in zip(wa + ba, wb + bb, strict=True):
-        assert torch.allclose(p.float(), q.float(), rtol=1e-4, atol=1e-5)
+def _configure(mode):
+    def configure(model):
+        if mode == "plain":  # every invertible sequence through plain autograd, for the model's whole life
+            for seq in model.modules():
+                if isinstance(seq, InvertibleSequence):
+                    seq.set_execution(dataclasses.replace(seq.execution, plain=True))
+        else:
+            model.set_modes(mode)
+    return configure
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["invert", "floor", "store8", "plain"])
-def test_replayed_steps_train_as_eager_steps(mode):
-    """Six steps of SGD with momentum and clipping, two micro-batches: one eager step warms the key up, then one
-    capture and five replays; weights, batch-norm statistics and losses as six eager steps give."""
-    from edgerev import plain
-
-    batches = [_batch("cuda", n=16, seed=s) for s in range(6)]
-    runs = []
-    for graphs in (None, StepGraphs()):
-        model = _small("cuda")
-        if mode != "plain":
-            model.set_modes(mode)
-        with plain(model, mode == "plain"):
-            runs.append(_steps(model, graphs, batches, micro=2, clip=1.0))
-        if graphs is not None:
-            assert (graphs.captures, graphs.replays, graphs.refused) == (1, 5, {})
-    _same(*runs)
+def test_replayed_steps_are_the_eager_steps(mode):
+    """SGD with momentum and clipping, two micro-batches: one eager step warms the key up, then one capture and
+    five replays, each step's loss, gradients, weights and statistics those of the eager step."""
+    graphs = _lockstep([_batch("cuda", n=16, seed=s) for s in range(6)], _configure(mode), micro=2, clip=1.0)
+    assert (graphs.captures, graphs.replays, graphs.refused) == (1, 5, {})
 
 
 @pytest.mark.gpu
 def test_a_changed_step_is_not_replayed():
-    """A step of another shape, a replaced weight or gradients let go of between steps: never the old replay."""
+    """A step of another shape, gradients let go of between steps, a replaced weight: each step is still the eager
+    one (a replay of a graph that reads the old weight, or whose gradients nobody holds, would not be)."""
     batches = [_batch("cuda", n=16, seed=s) for s in range(8)]
     batches[4] = _batch("cuda", n=8, seed=4)  # another shape: the held graph is released, the step runs eagerly
 
@@ -117,16 +130,12 @@ def test_a_changed_step_is_not_replayed():
             opt.zero_grad(set_to_none=True)  # as a user's loop might: the replay puts its gradients back
         if i == 7:
             p = model.head.weight
-            p.data = p.data.clone()  # the graph reads the old tensor: this step must not replay it
+            p.data = p.data.clone().mul_(1.5)  # a new tensor, other values: the graph read the old one
 
-    runs = []
-    for graphs in (None, StepGraphs()):
-        runs.append(_steps(_small("cuda"), graphs, batches, between=between))
-        if graphs is not None:
-            # steps 0-3: eager, capture and replay, replay, replay (its gradients let go of); 4: eager (another
-            # shape); 5: eager (a new warm-up); 6: capture and replay; 7: eager (a new weight)
-            assert graphs.captures == 2 and graphs.replays == 4
-    _same(*runs)
+    graphs = _lockstep(batches, between=between)
+    # steps 0-3: eager, capture and replay, replay, replay (its gradients let go of); 4: eager (another shape);
+    # 5: eager (a new warm-up); 6: capture and replay; 7: eager (a new weight)
+    assert (graphs.captures, graphs.replays) == (2, 4)
 
 
 @pytest.mark.gpu
@@ -139,35 +148,47 @@ def test_a_step_that_cannot_be_captured_runs_eagerly():
             raise AssertionError
         return loss
 
-    batches = [_batch("cuda", seed=s) for s in range(4)]
-    runs = []
-    for graphs in (None, StepGraphs()):
-        model = _small("cuda")
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        losses = [train_step(model, opt, x, y, loss_fn=host_reading, graphs=graphs).loss for x, y in batches]
-        runs.append((losses, [p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()]))
-        if graphs is not None:
-            assert graphs.captures == 0 and graphs.replays == 0 and len(graphs.refused) == 1
-            assert graphs.report()["refused"][0]
-    _same(*runs)
+    graphs = _lockstep([_batch("cuda", seed=s) for s in range(4)], loss_fn=host_reading)
+    assert graphs.captures == 0 and graphs.replays == 0 and len(graphs.refused) == 1
+    assert graphs.report()["refused"][0]
+
+
+def test_which_runs_replay_their_steps():
+    """Graphs on CUDA only, and not under a budget, with unlabelled views or a teacher, or when switched off."""
+    from edgerev.train.trainer import step_graphs
+
+    def cfg(**train_and_memory):
+        d = {"model": {"arch": "revnext"}, "data": {"size": 16}}
+        for key, value in train_and_memory.items():
+            section, name = key.split("__")
+            d.setdefault(section, {})[name] = value
+        return from_dict(RunConfig, d)
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert isinstance(step_graphs(cfg(), cuda, 0, False), StepGraphs)
+    assert step_graphs(cfg(), cpu, 0, False) is None
+    assert step_graphs(cfg(memory__budget="400MiB"), cuda, 0, False) is None
+    assert step_graphs(cfg(train__cuda_graphs=False), cuda, 0, False) is None
+    assert step_graphs(cfg(), cuda, 16, False) is None
+    assert step_graphs(cfg(), cuda, 0, True) is None
 
 
 @pytest.mark.gpu
 def test_the_trainer_replays_its_steps(tmp_path):
-    """A run on CUDA with graphs ends with the weights and metrics of the same run without them, and says so."""
+    """A run on CUDA replays its steps, says so, and learns as the same run launched op by op."""
     from edgerev.train.trainer import train
 
     def recipe(graphs):
         return {"model": {"arch": "revnext", "args": {"width": 8, "blocks": [1, 1, 1, 1, 1]}}, "device": "cuda",
-                "data": {"size": 16, "train": {"samples": 128, "num_classes": 4, "noise": 20.0},
-                         "val": {"samples": 64, "num_classes": 4, "noise": 20.0, "start": 100_000}},
+                "data": {"size": 16, "train": {"samples": 256, "num_classes": 4, "noise": 20.0},
+                         "val": {"samples": 128, "num_classes": 4, "noise": 20.0, "start": 100_000}},
                 "augment": {"pad": 1, "flip": 0.0}, "optim": {"lr": 0.05},
-                "train": {"epochs": 2, "batch": 32, "log_every": 2, "cuda_graphs": graphs}}
+                "train": {"epochs": 3, "batch": 32, "log_every": 2, "cuda_graphs": graphs}}
 
     results = [train(from_dict(RunConfig, recipe(g)), tmp_path / str(g), progress=False) for g in (False, True)]
     off, on = (r.summary for r in results)
     assert "cuda_graphs" not in off["plan"]
-    assert on["plan"]["cuda_graphs"]["replays"] > 0 and on["plan"]["cuda_graphs"]["refused"] == []
-    # the same kernels on the same values; a GPU's reductions may still round apart over a run's steps
-    assert on["final"]["acc"] == pytest.approx(off["final"]["acc"], abs=2 / 64 + 1e-9)
-    assert on["final"]["loss"] == pytest.approx(off["final"]["loss"], rel=1e-3)
+    # one eager step per epoch after its evaluation, then a capture: 3 captures, 24 steps
+    assert on["plan"]["cuda_graphs"] == {"captures": 3, "replays": 21, "refused": []}
+    assert on["final"]["acc"] > 0.6  # four classes: chance is 0.25 (the CPU's run of this recipe passes 0.6)
+    assert on["final"]["acc"] == pytest.approx(off["final"]["acc"], abs=0.1)  # a GPU's rounding grows over a run
