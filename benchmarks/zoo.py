@@ -17,13 +17,15 @@ each file exported from the module after :func:`calibrate` (as a trained network
 public API:
 
 1. plan: :func:`edgerev.plan` with estimated costs, once at a budget that holds everything (its peak is the
-   store-everything step) and once at ``--fraction`` of that peak; a budget below the planner's floor there is
-   recorded (``fraction_refused``) and the run goes on under the first; with ``--time``, a step of the plan at
-   the fraction (``edgerev.plan(verify=True)``: real steps of its micro-batch) against plain autograd's step of the
-   same model (``step_time_ratio``; the issue's figure is at most 1.5 at ``--fraction 0.5``, 224x224);
-2. train: :func:`edgerev.fit` under that budget, ``--epochs`` epochs over ``--samples`` generated images (so the
-   loss must fall: the same images come back each epoch), every step's loss logged; finite, and the mean of the
-   last two steps below the mean of the first two;
+   store-everything step) and once at ``--fraction`` of that peak, every parameter training with its momentum;
+   where that is below the planner's floor (``fraction_refused_all``), with ``trainable="auto"`` (the most parameters
+   that fit, the momentum in bfloat16 or dropped: ``fraction_trainable``, ``fraction_optimizer_state``), and where
+   even that is refused (``fraction_refused``) the run goes on under the first budget; with ``--time``, a step of
+   the plan at the fraction (``edgerev.plan(verify=True)``: real steps of its micro-batch) against plain autograd's
+   step of the same model (``step_time_ratio``; the issue's figure is at most 1.5 at ``--fraction 0.5``, 224x224);
+2. train: :func:`edgerev.fit` under that budget and trainable set, ``--epochs`` epochs over ``--samples``
+   generated images (so the loss must fall: the same images come back each epoch), every step's loss logged;
+   finite, and the mean of the last two steps below the mean of the first two;
 3. export: :func:`edgerev.export.export_onnx` (the trained module with the run's ``ModelInfo`` for ``torch``, the
    run directory for the files: it writes the trained weights back into the original graph);
 4. check: ONNX Runtime on the exported file against the trained module (``torch``: the module ``fit`` trained
@@ -166,7 +168,7 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else ""
 
 
-def step_times(source, size: int, budget: int, batch: int, repeats: int = 3) -> dict:
+def step_times(source, size: int, budget: int, batch: int, trainable: str = "all", repeats: int = 3) -> dict:
     """A step of ``batch`` samples as the plan under ``budget`` runs it (``edgerev.plan(verify=True)``: real steps
     of its micro-batch, its measured peak, scaled to ``batch`` samples: a batch of 8 planned at micro-batches of 6
     runs as two of 4, not two of 6), against plain autograd's step of the same model (fastest of ``repeats`` after
@@ -176,7 +178,7 @@ def step_times(source, size: int, budget: int, batch: int, repeats: int = 3) -> 
 
     import edgerev
 
-    p = edgerev.plan(source, size=size, budget=budget, batch=batch, estimate=True, verify=True)
+    p = edgerev.plan(source, size=size, budget=budget, batch=batch, estimate=True, verify=True, trainable=trainable)
     planned = p.summary["measured_step_seconds"] * batch / min(p.batch, batch)
     # a copy: the planned module carries its plan, and the steps below move its batch norms' statistics, which
     # would make the trainer take the random network given to it next for a pretrained one
@@ -239,25 +241,37 @@ def run(name: str, route: str, size: int, opts: dict, work: Path) -> dict:
         rec["store_all_peak_bytes"] = whole.predicted_peak_bytes
         budget = int(whole.predicted_peak_bytes * opts["fraction"])
         cpu = time.process_time()
+        trainable = "all"
+        tight = None
         try:
             tight = edgerev.plan(source, size=size, budget=budget, batch=batch, estimate=True)
+        except BudgetTooSmall as e:
+            # every weight with its gradient and momentum is more than the fraction: what else the field shrinks
+            # (which parameters train, the optimizer's state), as train.trainable auto chooses it
+            rec["fraction_refused_all"] = _first_line(e)
+            try:
+                tight = edgerev.plan(source, size=size, budget=budget, batch=batch, estimate=True, trainable="auto")
+                trainable = "auto"
+            except BudgetTooSmall as e2:
+                rec["fraction_refused"] = _first_line(e2)
+                budget = whole.predicted_peak_bytes
+        if tight is not None:
             rec["fraction_peak_bytes"] = tight.predicted_peak_bytes
             rec["fraction_segments"] = tight.summary.get("segments") or tight.summary.get("stages")
-        except BudgetTooSmall as e:
-            rec["fraction_refused"] = _first_line(e)
-            budget = whole.predicted_peak_bytes
+            rec["fraction_trainable"] = tight.summary.get("trainable", "all")
+            rec["fraction_optimizer_state"] = tight.summary.get("optimizer_state", "float32")
         rec["fraction_plan_seconds_cpu"] = round(time.process_time() - cpu, 2)
         rec["budget_bytes"] = budget
         if opts["time"] and "fraction_refused" not in rec:
             stage = "time"
-            rec.update(step_times(source, size, budget, batch))
+            rec.update(step_times(source, size, budget, batch, trainable))
 
         stage = "train"
         train, val = data(size, opts["samples"], opts["classes"])
         out = work / f"run-{name}-{route}"
         start = time.perf_counter()
         edgerev.fit(source, (train, val), out=out, budget=budget, size=size, epochs=opts["epochs"], batch=batch,
-                    lr=opts["lr"], device="cpu",
+                    lr=opts["lr"], device="cpu", trainable=trainable,
                     config={"memory": {"profile": "estimate"}, "train": {"log_every": 1, "patience": None},
                             "augment": {"pad": 0, "flip": 0.0}, "optim": {"schedule": "constant"}})
         rec["train_seconds"] = round(time.perf_counter() - start, 2)
@@ -363,6 +377,8 @@ def summary(records: list[dict]) -> dict:
     return {"runs": len(records), "counts": counts,
             "fraction_ok": round(counts["ok"] / len(records), 3) if records else None, "target_fraction_ok": 0.9,
             "planned_at_fraction": f"{sum('fraction_refused' not in r for r in planned)} of {len(planned)}",
+            "planned_at_fraction_training_all": f"{sum('fraction_refused_all' not in r for r in planned)} of "
+                                                f"{len(planned)}",
             **({"step_time_ratios": timed, "target_step_time_ratio": 1.5} if timed else {}),
             "not_ok": [{k: r.get(k) for k in ("model", "route", "size", "outcome", "stage", "line")}
                        for r in records if r["outcome"] != "ok"],
