@@ -144,7 +144,9 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         refused = None
         try:
-            with torch.cuda.graph(graph, stream=self._stream):
+            # thread_local: a call of another thread (a service's, beside the trainer) neither breaks the capture
+            # nor is refused because of it
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
                 loss = accumulate(model, static_x, static_t, parts, loss_fn)
         except Exception as e:  # noqa: BLE001 (whatever refused the capture, the step runs eagerly)
             text = str(e).strip()
