@@ -244,10 +244,10 @@ class TrainConfig:
     the running average.
 
     ``cuda_graphs``: on CUDA, each step whose shapes, plan and weights repeat the previous step's is replayed as a
-    CUDA graph instead of launching its kernels one by one (:mod:`edgerev.train.graphs`: the same gradients, several
-    times faster where a step's kernels are small); not under ``memory.budget`` (the graph's memory pool lends
-    nothing to the optimizer's update beside it) nor in a run with unlabelled views or a teacher (their forwards
-    between steps); false: never."""
+    CUDA graph instead of launching its kernels one by one (:mod:`edgerev.train.graphs`: the same gradients to
+    rounding, several times faster where a step's kernels are small); not under ``memory.budget`` (the graph's
+    memory pool lends nothing to the optimizer's update beside it) nor in a run with unlabelled views or a teacher
+    (their forwards between steps); false: never."""
 
     epochs: int = 10
     patience: int | None = None

@@ -4,9 +4,10 @@ On a GPU a small step is bound by its kernel launches, not by its arithmetic: ea
 kernels costs the host some microseconds to launch whatever it computes. A CUDA graph records the kernels of
 one step (``torch.cuda.graph``) and replays them all with one launch. On an H200, RevNeXt's step at batch 32,
 32x32 ran 8-17 times faster replayed than launched op by op in every engine mode, with the same gradients to
-the bit; at 240x240, where the kernels are large, 1.03-1.04 times (``benchmarks/cuda_graph.py``,
-docs/concepts/measurements.md). A replay runs the very kernels of the capture on the very tensors: it applies
-only while nothing it was recorded with changes, which :class:`StepGraphs` checks on every step.
+rounding (at most 2.9e-6 of a parameter's largest gradient apart); at 240x240, where the kernels are large,
+1.03-1.04 times (``benchmarks/cuda_graph.py``, docs/concepts/measurements.md). A replay runs the very kernels of
+the capture on the very tensors: it applies only while nothing it was recorded with changes, which
+:class:`StepGraphs` checks on every step.
 
 What is captured is the micro-batch loop (:func:`edgerev.memory.measure.microbatch.accumulate`): each
 micro-batch's forward, loss and backward, with the gradients summed into the parameters' ``.grad``. The

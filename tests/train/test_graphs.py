@@ -90,9 +90,11 @@ def _lockstep(batches, configure=lambda m: None, micro=1, clip=None, between=Non
         rb = train_step(b, ob, x, y, micro_batches=micro, clip_grad_norm=clip, loss_fn=loss_fn)
         assert ra.loss == pytest.approx(rb.loss, rel=1e-5, abs=1e-6), i
         for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+            # a capture's library kernels may round apart from an eager step's: 0.8e-6 to 2.9e-6 of a parameter's
+            # largest gradient on an H200 (benchmarks/cuda_graph.py); the update moves a weight by lr times that
             scale = float(q.grad.abs().max()) if q.grad is not None else 0.0
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5 * scale + 1e-12), (i, name)
-            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), (i, name)
+            assert torch.allclose(p, q, rtol=1e-6, atol=2 * 0.05 * (1e-5 * scale) + 1e-9), (i, name)
         for p, q in zip(a.buffers(), b.buffers(), strict=True):
             assert torch.allclose(p.float(), q.float(), rtol=1e-5, atol=1e-6), i
     return graphs
