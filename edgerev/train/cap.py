@@ -33,9 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgerev._torchapi import restore_buffers, save_buffers, storage_bytes
-from edgerev.engine import engine_body
 from edgerev.errors import EdgerevError
-from edgerev.memory.measure.microbatch import StepLoss, accumulate, split_batch
+from edgerev.memory.measure.microbatch import StepLoss, accumulate, split_batch, step_signature
 from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
 from edgerev.train.graphs import StepGraphs
 
@@ -137,10 +136,7 @@ class CpuCap:
 
     @staticmethod
     def key(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int) -> tuple:
-        body = engine_body(model)
-        plan = (tuple(body.modes), body.execution) if body is not None else ()
-        return (tuple(x.shape), x.dtype, tuple(tuple(t.shape) for t in targets), micro_batches, plan,
-                tuple((tuple(p.shape), p.requires_grad) for p in model.parameters()))
+        return step_signature(model, x, targets, micro_batches)
 
     def needs_check(self, key: tuple) -> bool:
         return key not in self._verified

@@ -45,21 +45,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from edgerev.engine import engine_body
 from edgerev.layers.base import chunk_bytes
-from edgerev.memory.measure.microbatch import StepLoss, accumulate
+from edgerev.memory.measure.microbatch import StepLoss, accumulate, step_signature
 
 
 def step_key(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int,
              loss_fn: Callable[..., Tensor]) -> tuple:
-    """What a replayed step depends on: if any of it changes, the recorded kernels are not this step's."""
-    body = engine_body(model)
-    plan = (tuple(body.modes), body.execution) if body is not None else ()
-    return (x.device, tuple(x.shape), x.dtype, tuple((tuple(t.shape), t.dtype) for t in targets), micro_batches,
-            plan, chunk_bytes(), id(loss_fn),
-            tuple((p.data_ptr(), tuple(p.shape), p.requires_grad) for p in model.parameters()),
-            tuple(b.data_ptr() for b in model.buffers()),
-            tuple(m.training for m in model.modules()))
+    """What a replayed step depends on: if any of it changes, the recorded kernels are not this step's. Beside the
+    step's signature (shapes, micro-batches, plan, trainable set): the device, the targets' dtypes, the default
+    slice budget, the loss, every parameter's and buffer's tensor (the graph reads and writes those addresses) and
+    every module's training mode."""
+    return (step_signature(model, x, targets, micro_batches), x.device, tuple(t.dtype for t in targets),
+            chunk_bytes(), id(loss_fn), tuple(p.data_ptr() for p in model.parameters()),
+            tuple(b.data_ptr() for b in model.buffers()), tuple(m.training for m in model.modules()))
 
 
 @dataclass

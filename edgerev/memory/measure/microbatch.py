@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from edgerev.engine import engine_body
 from edgerev.finite import FiniteChecks, deferred_checks
 
 
@@ -28,6 +29,17 @@ def split_batch(n: int, micro_batches: int) -> list[slice]:
         out.append(slice(start, stop))
         start = stop
     return out
+
+
+def step_signature(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int) -> tuple:
+    """What a step's tensors depend on, values aside: the input's and targets' shapes, the micro-batches, the engine's
+    modes and execution (plain autograd, slices, segments), and each parameter's shape and whether it trains. Two
+    steps of one signature allocate the same tensors (the CPU cap verifies each signature once; a CUDA graph is
+    replayed only for its own)."""
+    body = engine_body(model)
+    plan = (tuple(body.modes), body.execution) if body is not None else ()
+    return (tuple(x.shape), x.dtype, tuple(tuple(t.shape) for t in targets), micro_batches, plan,
+            tuple((tuple(p.shape), p.requires_grad) for p in model.parameters()))
 
 
 def accumulate(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], parts: list[slice],
