@@ -8,7 +8,7 @@ Each case is ``SIZE:VARIANT``: ``plain`` (autograd, every activation kept), an e
 slices), or ``plan@BUDGET`` (the step ``plan_training`` sets up under BUDGET, its slices as planned). The step
 is the trainer's micro-batch loop (``accumulate``) at ``--batch``: its forward, loss and backward, not the
 optimizer's update. For each case: the median eager step, the median replay of the same step captured once as a
-CUDA graph (``torch.cuda.graph``, after warm-up steps on a side stream), CUDA's allocated peak of each, the
+CUDA graph the way the trainer does it (``edgerev.train.graphs.StepGraphs``), CUDA's allocated peak of each, the
 CUDA kernels one eager step launches (``torch.profiler``), and the largest difference between the gradients an
 eager step and a replay give from the same weights and statistics. A case that cannot be captured is recorded
 with its error and the next one runs.
@@ -30,6 +30,7 @@ from edgerev import create_model, plain
 from edgerev.layers import chunk_budget
 from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.sizes import parse_bytes
+from edgerev.train.graphs import StepGraphs
 
 
 def _model(arch: str, size: int, batch: int, variant: str, device: str):
@@ -99,40 +100,37 @@ def case(arch: str, size: int, batch: int, variant: str, repeats: int, device: s
     reference = _grads(model)
     row["eager_loss"] = loss
 
+    graphs = StepGraphs()  # the trainer's own: its key, capture stream and mode, its release
+
+    def replayed():
+        with plain(model, variant == "plain"):
+            loss = graphs.step(model, x, (y,), len(parts), F.cross_entropy, parts)
+        if loss is None:
+            raise RuntimeError(f"not replayed: {graphs.report()['refused'] or 'the key did not repeat'}")
+        return loss
+
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                eager().read()
-        torch.cuda.current_stream().wait_stream(side)
-        model.zero_grad(set_to_none=True)
-        graph = torch.cuda.CUDAGraph()
+        with plain(model, variant == "plain"):  # the eager steps above were this key's warm-up
+            graphs.ran_eagerly(model, x, (y,), len(parts), F.cross_entropy)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with torch.cuda.graph(graph):
-            captured = step()
-        torch.cuda.synchronize()
+        replayed().read()  # the capture and its first replay
         row["graph_allocated_peak_bytes"] = torch.cuda.max_memory_allocated() - base
-        graph.replay()
-        captured.read()
         times = []
         for _ in range(repeats):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            graph.replay()
-            captured.read()
+            replayed().read()
             times.append(time.perf_counter() - t)
         row["graph_seconds"] = statistics.median(times)
         row["graph_speedup"] = round(row["eager_seconds"] / row["graph_seconds"], 3)
         model.load_state_dict(weights)
-        graph.replay()
-        row["graph_loss"] = captured.read()
+        row["graph_loss"] = replayed().read()
         got = _grads(model)
         row["graph_max_relative_difference"] = max(
             float((g - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in zip(got, reference, strict=True))
-        del graph, captured
+        graphs.release()
     except Exception as e:  # noqa: BLE001 (recorded; the next case runs)
         row["graph_error"] = f"{type(e).__name__}: {e}"[:600]
         row["graph_traceback"] = traceback.format_exc()[-2000:]

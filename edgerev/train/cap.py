@@ -111,9 +111,10 @@ class CpuCap:
     """The CPU cap of a run: ``budget`` bytes over a fixed ``baseline`` (what the step accounting says
     lives outside the step: weights, buffers, optimizer state, the teacher, the batch).
 
-    A step whose key (input and target shapes, micro-batches, the model's modes and execution, its
-    parameter shapes) was already verified under the tracker runs without it: its tensors are the
-    same. Anything that changes memory changes the key and is verified again.
+    A step whose signature (:func:`edgerev.memory.measure.microbatch.step_signature`: input and target shapes,
+    micro-batches, the model's modes and execution, its parameter shapes) was already verified under the
+    tracker runs without it: its tensors are the same. Anything that changes memory changes the signature and
+    is verified again.
 
     ``peak``: the most bytes the tracker saw alive in a verified step, baseline included (0 before the
     first): the measured figure to set against ``budget``.
@@ -133,10 +134,6 @@ class CpuCap:
         targets = target if isinstance(target, tuple) else (target,)
         state = [s for st in optimizer.state.values() for s in st.values() if isinstance(s, Tensor)]
         return cls(budget, storage_bytes([*model.parameters(), *model.buffers(), x, *targets, *state]))
-
-    @staticmethod
-    def key(model: nn.Module, x: Tensor, targets: tuple[Tensor, ...], micro_batches: int) -> tuple:
-        return step_signature(model, x, targets, micro_batches)
 
     def needs_check(self, key: tuple) -> bool:
         return key not in self._verified
@@ -187,7 +184,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
     retries = 0
     while True:
         optimizer.zero_grad(set_to_none=True)
-        key = CpuCap.key(model, x, targets, micro_batches) if cap is not None else None
+        key = step_signature(model, x, targets, micro_batches) if cap is not None else None
         checked = cap is not None and cap.needs_check(key)
         guard = cpu_cap(cap.budget, cap.baseline) if checked else contextlib.nullcontext()
         try:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev.memory.measure.microbatch import split_batch
+from edgerev.memory.measure.microbatch import split_batch, step_signature
 from edgerev.train.cap import CpuCap, cpu_cap
 
 
@@ -108,7 +108,7 @@ def weak_probs(model: nn.Module, x: Tensor, micro_batches: int, cap: CpuCap | No
     had (running statistics) is put back after, so the weak forward is no update.
     """
     buffers = {k: v.clone() for k, v in model.named_buffers()}
-    key = ("weak", tuple(x.shape), micro_batches, *CpuCap.key(model, x[:1], (), micro_batches))
+    key = ("weak", tuple(x.shape), micro_batches, *step_signature(model, x[:1], (), micro_batches))
     check = cap is not None and cap.needs_check(key)
     guard = cpu_cap(cap.budget, cap.baseline) if check else contextlib.nullcontext()
     out = []
