@@ -25,11 +25,12 @@ For MobileNetV2, ResNet-18 and EfficientNet-B0 (:mod:`edgerev.models.designs`, t
 - ``fewshot``: scikit-learn's digits (real 8x8 scans, upscaled to 32x32, three channels). Each design
   (``--fewshot-width``) is pretrained on digits 0-4 (70 % of them), exported to ONNX twice (batch norm kept:
   the TorchScript exporter without constant folding; and folded into the convolutions: the dynamo exporter's
-  default) and imported; its head grows to ten
-  classes and it is fine-tuned on 20 images of each of the digits 5-9 (with distillation from the imported
-  model and a replay of 20 images of each old digit) as the trainer's recipe fine-tunes each
-  (:data:`edgerev.train.config.DEFAULT_LR` and ``DEFAULT_CLIP``, relative to ``--finetune-lr``: the folded one's
-  gradient clipped to a norm of 5; without batch norm the same rate unclipped diverges);
+  default) and imported; its head grows to ten classes, the new rows are fitted to the imported features (the
+  trainer's ``continual.probe``; ``--no-probe``: left at their random initialization), and it is fine-tuned on
+  20 images of each of the digits 5-9 (with distillation from the imported model and a replay of 20 images of
+  each old digit) as the trainer's recipe fine-tunes each (:data:`edgerev.train.config.DEFAULT_LR` and
+  ``DEFAULT_CLIP``, relative to ``--finetune-lr``: the folded one's gradient clipped to a norm of 5; without
+  batch norm the same rate unclipped diverges);
   accuracy on held-out new and old digits, against the same recipe from random weights (no teacher: there is
   none).
 
@@ -62,7 +63,8 @@ from edgerev._torchapi import storage_bytes
 from edgerev.memory.measure.account import StepShape, account_step
 from edgerev.memory.measure.tracker import CudaPeak, MemoryTracker
 from edgerev.models.designs import DESIGNS
-from edgerev.train.continual import ContinualLoss, grow_head
+from edgerev.train.config import ContinualConfig
+from edgerev.train.continual import ContinualLoss, fit_new_rows, grow_head, head_inputs
 
 PARTS = ("fidelity", "memory", "torch", "time", "fewshot")
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
@@ -429,6 +431,9 @@ def _tune_imported(model: nn.Module, bn: str, lr: float, clip: float | None, tun
     classes = tuple(str(c) for c in range(10))
     grow_head(base, classes[:5], classes)
     start = time.perf_counter()
+    if a.probe:  # the trainer's continual.probe: the new rows fitted to the imported features first (on every
+        # image: the set has 20 of each class, fewer than the trainer's PROBE_IMAGES)
+        out["probe"] = fit_new_rows(base, head_inputs(base, tune[0].split(256)), tune[1], 5, 5e-4)
     fit(base, tune, a.finetune_epochs, lr, 20, a.seed, teacher=teacher, distill=1.0, clip=clip)
     out["finetune_seconds"] = round(time.perf_counter() - start, 1)
     out["new"], out["old"] = accuracy(base, new_test), accuracy(base, old_test)
@@ -497,6 +502,9 @@ def main() -> None:
     p.add_argument("--finetune-epochs", type=int, default=12)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--finetune-lr", type=float, default=0.01)
+    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=ContinualConfig().probe,
+                   help="fit an import's new head rows to its features before fine-tuning, as the trainer's "
+                        "continual.probe does (default: the trainer's default)")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     a.budgets = [float(b) for b in a.budgets.split(",") if b]

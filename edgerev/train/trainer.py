@@ -130,6 +130,7 @@ class _Setup:
     start_eval: dict | None
     source_sha: str | None
     start: str  # how the run starts, a key of DEFAULT_LR: scratch, new, pretrained or folded
+    fresh: int | None = None  # the head's first row without trained weights (grown or replaced), None: none
 
 
 def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, LabeledImages | None] | None,
@@ -177,6 +178,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
         start_eval = evaluate(start.module.to(device), val.restrict(old), info0, device, cfg.train.eval_batch, old=old,
                               stop=stop)
         grow_head(model, old, classes)
+        fresh = len(old) if len(classes) > len(old) else None
         info = replace(info0, classes=classes)
         if cfg.model.mean is not None:
             info = replace(info, mean=tuple(cfg.model.mean), std=tuple(cfg.model.std))
@@ -185,7 +187,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
         from edgerev.models.names import SourceKind, source_kind
         from edgerev.models.resolve import resolve_model
 
-        old = ()
+        old, fresh = (), None
         own_head = (given is not None or cfg.model.weights is not None
                     or source_kind(cfg.model.arch) in (SourceKind.DIRECTORY, SourceKind.ONNX))
         classes = train_new.present()
@@ -195,7 +197,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
                                    num_classes=rows, trust_factories=cfg.model.factories) if given is None
                      else resolve_model(given, num_classes=rows))
             if own_head:
-                classes = _head_classes(model, train_new)
+                classes, fresh = _head_classes(model, train_new)
         except EdgerevError as e:
             raise RunError(f"model.arch: {e}") from None
         if given is not None:  # a module object: its model directory must rebuild it, or the run is refused now
@@ -218,12 +220,13 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     model.module.to(device)
     start = (("scratch" if _own(model) else "new") if not pretrained else "folded" if _folded(model.module)
              else "pretrained")
-    return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha, start)
+    return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha, start, fresh)
 
 
-def _head_classes(model: ModelHandle, data: LabeledImages) -> tuple[str, ...]:
+def _head_classes(model: ModelHandle, data: LabeledImages) -> tuple[tuple[str, ...], int | None]:
     """The classes of a run whose model came with its own head (a file, a model directory, a module object,
-    ``model.weights``), one per row, and the head sized for them (in place).
+    ``model.weights``), one per row, and the head sized for them (in place); with them the first row the head
+    was given without trained weights (None: it kept every row it had).
 
     A source that names its classes (a model directory, an ONNX file's metadata or sidecar) keeps them in its
     rows' order, each row with its weights, and grows a row per class of the data it does not name. A head
@@ -238,11 +241,11 @@ def _head_classes(model: ModelHandle, data: LabeledImages) -> tuple[str, ...]:
                         "%d rows", list(present)[:5], len(named), ", ".join(named[:3]), len(new))
         classes = named + new
         grow_head(model, named, classes)
-        return classes
+        return classes, len(named) if new else None
     if model.num_classes == len(data.classes):
-        return data.classes
+        return data.classes, None
     model.set_head_rows(len(present))
-    return present
+    return present, 0
 
 
 def _pretrained(cfg: RunConfig, model: ModelHandle) -> str | None:
@@ -426,6 +429,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     except EvaluationStopped:  # nothing written yet: a resume, or a new start, prepares again
         return RunResult("stopped", out, 0, 0, {"stopped_in": "the starting model's evaluation"})
     model, info = s.model.module, s.info
+    probe = None if resume else _probe(cfg, s, device)  # a resumed run's checkpoint holds the fitted rows
     batch = min(cfg.train.batch, len(s.train))
     pool = _pool(unlabeled, cfg.data.size) if cfg.semi.enabled else None
     u = per_step(cfg.semi.ratio, batch, len(pool)) if pool is not None else 0  # unlabelled images per step
@@ -458,6 +462,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         step, micro = r.step, max(micro, int(r.extra.get("micro_batches", micro)))
         semi_epochs = list(r.extra.get("semi", []))
         evaluation_due = bool(r.extra.get("evaluation_due", False))
+        probe = r.extra.get("head_probe")
     metrics = MetricsLog(out / METRICS, step if resume else None)
     augment = Augment(cfg.augment.pad, cfg.augment.flip, cfg.augment.cutout)
     weak = Augment(cfg.augment.pad, cfg.augment.flip, 0)  # FixMatch's weak view: the recipe's shift and flip
@@ -576,7 +581,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             stopping = evaluation_due or (stop is not None and stop())
             if end_of_epoch or stopping or step % cfg.train.checkpoint_every == 0 or step == end():
                 save_checkpoint(out, step, epoch, model, optimizer, {"micro_batches": micro, "semi": semi_epochs}
-                                | ({"evaluation_due": True} if evaluation_due else {}))
+                                | ({"evaluation_due": True} if evaluation_due else {})
+                                | ({"head_probe": probe} if probe is not None else {}))
             if not evaluation_due and pacer.due(end_of_epoch) and step < end():  # the last report follows the loop
                 reporter(progress_of("running", epoch + 1, lr), end_of_epoch)
                 since_report = []
@@ -606,13 +612,37 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         plan_summary = {**plan_summary, "cuda_graphs": graphs.report()}
     semi = semi_summary(semi_epochs, len(pool), u) if u else None
     summary = _finish(cfg, out, s, model, info, metrics.rows, plan_summary, time.perf_counter() - started, step,
-                      early, stop, semi)
+                      early, stop, semi, probe)
     if summary is None:
         reporter(progress_of("stopped", last_epoch, lr_at(max(0, step - 1), total, cfg.optim, tail())), True)
         return RunResult("stopped", out, step, total, {"stopped_in": "the final evaluation"})
     reporter(progress_of("plateau" if early else "done", last_epoch,
                          lr_at(max(0, step - 1), total, cfg.optim, tail())), True)
     return RunResult(status, out, step, total, summary)
+
+
+#: images per class the new rows of a pretrained model's head are fitted on (:func:`_probe`)
+PROBE_IMAGES = 64
+
+
+def _probe(cfg: RunConfig, s: _Setup, device: torch.device) -> dict | None:
+    """A pretrained model's new head rows fitted to its features (``continual.probe``,
+    :func:`edgerev.train.continual.fit_new_rows`) on up to :data:`PROBE_IMAGES` unaugmented training images per
+    class, in batches of ``train.eval_batch``; what was fitted (the summary's ``head_probe``), None: nothing to
+    fit (no new row, a model from random weights, or ``continual.probe`` false)."""
+    if not cfg.continual.probe or s.fresh is None or s.start not in ("pretrained", "folded"):
+        return None
+    from edgerev.train.continual import fit_new_rows, head_inputs
+
+    sample = s.train.balanced_sample(PROBE_IMAGES * len(s.info.classes), cfg.train.seed)
+    b = cfg.train.eval_batch
+    features = head_inputs(s.model, (normalize(sample.images[k:k + b].to(device), s.info)
+                                     for k in range(0, len(sample), b)))
+    fit = fit_new_rows(s.model, features, sample.labels, s.fresh, cfg.optim.weight_decay)
+    log.info("the head's %d new rows fitted to the pretrained features of %d images (accuracy on them %s)%s",
+             fit["rows"], fit["images"], fit["accuracy"],
+             f": kept as they were, {fit['kept']}" if "kept" in fit else "")
+    return fit
 
 
 def _measure_norms(cfg: RunConfig, s: _Setup, model: nn.Module, info: ModelInfo) -> None:
@@ -638,14 +668,16 @@ def _measure_norms(cfg: RunConfig, s: _Setup, model: nn.Module, info: ModelInfo)
 
 def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelInfo, rows: list[dict],
             plan_summary: dict, seconds: float, step: int, early: dict | None,
-            stop: Callable[[], bool] | None = None, semi: dict | None = None) -> dict | None:
+            stop: Callable[[], bool] | None = None, semi: dict | None = None,
+            probe: dict | None = None) -> dict | None:
     """Final evaluation, the model directory, the replay sample, the summary and the plot.
 
     ``early``: ``{"epoch", "annealed_epochs", "reason"}`` when patience ran out (at the end of ``epoch``)
     before the epoch maximum, and the run annealed for ``annealed_epochs`` before it stopped. ``stop`` is
     asked between the batches of the evaluation and once it is done: True returns None before anything is
     written (the last step's checkpoint holds the run, and a resume comes straight here). ``semi``: the
-    unlabelled images used (the summary's ``semi``, None when none were)."""
+    unlabelled images used (the summary's ``semi``, None when none were). ``probe``: the new head rows fitted
+    before training (the summary's ``head_probe``, :func:`_probe`)."""
     device = next(model.parameters()).device
     try:
         _measure_norms(cfg, s, model, info)
@@ -661,7 +693,7 @@ def _finish(cfg: RunConfig, out: Path, s: _Setup, model: nn.Module, info: ModelI
         "arch": info.arch, "classes": list(info.classes), "old_classes": list(s.old), "steps": step,
         "train_samples": len(s.train), "val_samples": len(s.val),
         "seconds_this_session": round(seconds, 3), "final": final, "plan": plan_summary,
-        "source_sha256": s.source_sha, "stopped_early": early, "semi": semi,
+        "source_sha256": s.source_sha, "stopped_early": early, "semi": semi, "head_probe": probe,
     }
     if s.start_eval is not None:
         summary["start_old_acc"] = s.start_eval["acc"]

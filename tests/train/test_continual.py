@@ -6,8 +6,9 @@ import torch
 from edgerev.config import from_dict
 from edgerev.models import create_model
 from edgerev.models.directory import CheckpointError, load_model
+from edgerev.models.head import ScaledLinear
 from edgerev.train.config import RunConfig
-from edgerev.train.continual import ContinualLoss, distillation_loss, grow_head, load_replay
+from edgerev.train.continual import ContinualLoss, distillation_loss, fit_new_rows, grow_head, head_inputs, load_replay
 from edgerev.train.data import DataError
 from edgerev.train.labeled import LabeledImages
 from edgerev.train.trainer import train
@@ -28,6 +29,41 @@ def test_grown_head_keeps_old_logits():
     torch.testing.assert_close(after[:, :3], before, rtol=1e-6, atol=1e-6)  # a wider matmul may round differently
     with pytest.raises(CheckpointError, match="must start with the old ones"):
         grow_head(model, ("a", "b", "c", "d", "e"), ("b", "a", "c", "d", "e", "f"))
+
+
+@pytest.mark.parametrize("head", [torch.nn.Linear(6, 2), torch.nn.Linear(6, 2, bias=False), ScaledLinear(6, 2)])
+def test_new_rows_are_fitted_to_the_features_and_the_old_ones_stay(head):
+    """Two trained rows and three grown ones: the fit moves only the grown rows, to where they separate their
+    classes' features (read at the head's input), whatever the head's kind."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(6, 6, 1, bias=False)  # the identity: the features are the images
+    torch.nn.init.eye_(conv.weight[:, :, 0, 0])
+    model = torch.nn.Sequential(conv, torch.nn.Flatten(), head)
+    grow_head(model, ("a", "b"), ("a", "b", "c", "d", "e"))
+    grown = model[2]
+    before = {n: p.detach().clone() for n, p in grown.named_parameters()}
+    centres = torch.eye(6)[:5] * 4
+    labels = torch.arange(5).repeat_interleave(12)
+    images = (centres[labels] + 0.3 * torch.randn(60, 6))[:, :, None, None]
+    features = head_inputs(model, images.split(16))
+    assert torch.allclose(features, images.flatten(1))
+    fit = fit_new_rows(model, features, labels, first=2)
+    assert fit["rows"] == 3 and fit["images"] == 60 and "kept" not in fit
+    for n, p in grown.named_parameters():
+        assert torch.equal(p[:2], before[n][:2]) and not torch.equal(p[2:], before[n][2:])
+    with torch.no_grad():
+        assert float((model(images)[labels >= 2].argmax(1) == labels[labels >= 2]).float().mean()) == 1.0
+
+
+def test_a_fit_that_ends_not_finite_keeps_the_rows_and_nothing_to_fit_changes_nothing():
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    rows = model[2].weight.detach().clone()
+    features = torch.full((6, 4), float("inf"))
+    fit = fit_new_rows(model, features, torch.tensor([0, 1, 2, 0, 1, 2]), first=1)
+    assert fit["kept"] == "the features are not finite" and torch.equal(model[2].weight, rows)
+    assert fit_new_rows(model, torch.ones(6, 4), torch.zeros(6, dtype=torch.long), first=3)["rows"] == 0
+    assert fit_new_rows(model, torch.ones(0, 4), torch.zeros(0, dtype=torch.long), first=1)["rows"] == 0
+    assert torch.equal(model[2].weight, rows)
 
 
 def test_distillation_loss():

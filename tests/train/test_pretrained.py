@@ -124,6 +124,9 @@ def test_a_file_that_names_its_classes_keeps_each_row_and_grows_one_for_a_class_
     grown = edgerev.fit(path, out=tmp_path / "grown", size=SIZE, config=three)
     assert read_info(grown)[0].classes == ("class1", "class0", "class2")
     assert torch.allclose(classifier(grown)[:2], rows, atol=1e-6)
+    summary = lambda out: json.loads((out / "summary.json").read_text())  # noqa: E731
+    # the grown row was fitted to the file's features before training (continual.probe); nothing grew in "kept"
+    assert summary(grown)["head_probe"]["rows"] == 1 and summary(tmp_path / "kept")["head_probe"] is None
 
 
 def test_a_module_whose_head_numbers_the_data_s_classes_keeps_it(tmp_path):
@@ -142,6 +145,7 @@ def test_a_module_whose_head_numbers_the_data_s_classes_keeps_it(tmp_path):
     five = TinyNet(classes=5)
     out = edgerev.fit(five, images, out=tmp_path / "five", size=SIZE, config=RECIPE)
     assert read_info(out)[0].classes == ("class0", "class1", "class2") and five.classifier.out_features == 3
+    assert json.loads((out / "summary.json").read_text())["head_probe"] is None  # random weights: nothing to fit to
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
