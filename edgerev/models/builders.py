@@ -8,8 +8,9 @@ per package in :data:`BUILDERS`, keyed by the top-level package the module's cla
 package is imported unless the module already comes from it (they are not edgerev's dependencies).
 
 - **timm** records its models' names: ``pretrained_cfg["architecture"]`` (``default_cfg`` in older releases).
-  The builder is ``timm:create_model`` (timm's public name for it) with ``model_name``, and ``in_chans`` when
-  the first convolution does not take 3 channels.
+  The builder is ``timm:create_model`` (timm's public name for it) with ``model_name``, ``in_chans`` when
+  the first convolution does not take 3 channels, and ``img_size`` when the module's weights have the shapes of
+  another image size than its default (EfficientFormerV2's attention biases: built at 64x64, not 224x224).
 - **torchvision** does not. Its registered builders (``torchvision.models.list_models()``) that return the
   module's class are built on the meta device (nothing allocated), with the module's classifier rows, and
   the one whose weights have the module's names and shapes is its builder; none, or two that differ, is
@@ -69,7 +70,28 @@ def _timm(model: nn.Module, num_classes: int, in_channels: int) -> tuple[str, di
     if not isinstance(name, str) or not name:
         raise NoBuilder(f"timm's {type(model).__qualname__} carries no model name (pretrained_cfg['architecture']): "
                         "it was not made by timm.create_model")
-    return "timm:create_model", {"model_name": name, **({} if in_channels == 3 else {"in_chans": in_channels})}
+    args = {"model_name": name, **({} if in_channels == 3 else {"in_chans": in_channels})}
+    import timm
+
+    own = weight_shapes(model)
+    built = _built_empty(timm.create_model, num_classes, args)
+    if built is None or not shapes_differ(own, weight_shapes(built)):
+        return "timm:create_model", args  # (one that cannot be built empty is checked by rebuild_error)
+    try:
+        takes_size = "img_size" in inspect.signature(type(model).__init__).parameters
+    except (TypeError, ValueError):
+        takes_size = False
+    for size in _IMG_SIZES if takes_size else ():  # its weights' shapes follow the image size it was built for
+        built = _built_empty(timm.create_model, num_classes, {**args, "img_size": size})
+        if built is not None and not shapes_differ(own, weight_shapes(built)):
+            return "timm:create_model", {**args, "img_size": size}
+    return "timm:create_model", args  # rebuild_error names the weights that differ
+
+
+#: the ``img_size`` values tried for a timm model whose weights built by its name alone have other shapes (timm
+#: records a model's name, not the arguments it was built with): 32 to 512 in steps of 32, the first that builds
+#: every weight's name and shape is recorded
+_IMG_SIZES = tuple(range(32, 513, 32))
 
 
 def package_normalization(model: nn.Module, in_channels: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:

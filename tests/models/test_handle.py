@@ -227,6 +227,18 @@ def test_a_timm_module_of_other_input_channels_records_them():
     assert rebuild_error(h) is None
 
 
+def test_a_timm_module_built_for_another_image_size_records_it():
+    """EfficientFormerV2's attention biases are sized by the image size it is built for, which the module does not
+    keep: the size whose build has every weight's name and shape is recorded, and its directory rebuilds it."""
+    timm = pytest.importorskip("timm")
+    with torch.device("meta"):
+        small = resolve_model(timm.create_model("efficientformerv2_s0", img_size=64, num_classes=4))
+        default = resolve_model(timm.create_model("efficientformerv2_s0", num_classes=4))
+    assert dict(small.args) == {"model_name": "efficientformerv2_s0", "img_size": 64}
+    assert rebuild_error(small) is None
+    assert dict(default.args) == {"model_name": "efficientformerv2_s0"}  # the default size: nothing to record
+
+
 def test_a_torchvision_module_built_with_arguments_it_keeps_is_rebuilt_with_them():
     """GoogLeNet built without its auxiliary classifiers keeps ``aux_logits=False`` as an attribute: its builder is
     found with it, and its model directory rebuilds it; built with the defaults it records none."""
