@@ -9,12 +9,14 @@ replays the history to the moment the most bytes were allocated, and writes what
 size and the innermost frame of edgerev (file, line, function) and of torch that allocated it, summed by that
 line. The same step is measured with cuDNN off too (no workspaces, slower convolutions), so that what cuDNN
 adds at the peak is read apart from what the step itself holds; with ``--capped``, under the budget as the
-allocator's cap (as the trainer runs it), where cuDNN falls back to algorithms whose workspace fits.
+allocator's cap (as the trainer runs it), where cuDNN falls back to algorithms whose workspace fits; with
+``--wscap MiB``, with cuDNN's workspaces capped (``CUDNN_CONV_WSCAP_DBG``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -134,9 +136,15 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--capped", action="store_true", help="also run the step under the budget as the allocator's cap "
                    "(absolute: the process's weights and batch included), timed against the uncapped step")
+    p.add_argument("--wscap", type=int, help="cap cuDNN's convolution workspaces at this many MiB "
+                   "(CUDNN_CONV_WSCAP_DBG, which PyTorch's CUDA notes name; set before cuDNN starts): whether a "
+                   "bounded workspace brings the allocated peak within the prediction plus the cap")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
-    result = {"arch": a.arch, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "cases": []}
+    if a.wscap is not None:
+        os.environ["CUDNN_CONV_WSCAP_DBG"] = str(a.wscap)  # read by cuDNN when it starts: before the first CUDA call
+    result = {"arch": a.arch, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+              "cudnn_workspace_cap_mib": a.wscap, "cases": []}
     for b in a.budgets.split(","):
         result["cases"].append(case(a.arch, a.size, parse_bytes(b), a.batch, a.top, a.capped))
         torch.cuda.empty_cache()
