@@ -86,10 +86,13 @@ class _Tracer(fx.Tracer):
     """torch.fx's tracer, with every batch norm a module of the graph, whatever package it comes from: timm's
     ``BatchNormAct2d`` traced through is a ``F.batch_norm`` call whose training flag and momentum are fixed where it
     was traced, so a checkpointed segment's re-run moved its running statistics a second time (``replaying`` sets a
-    module's momentum to 0) and ``bn_stats: frozen`` (eval mode) did not reach it."""
+    module's momentum to 0) and ``bn_stats: frozen`` (eval mode) did not reach it. A module whose class says
+    ``graph_leaf = True`` is kept whole too: its forward reads sizes as Python numbers, which a trace cannot follow
+    (an ONNX import's :class:`~edgerev.models.onnx_import.shapefn.ShapeFunction`)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, nn.modules.batchnorm._BatchNorm) or super().is_leaf_module(m, qualname)
+        return (isinstance(m, nn.modules.batchnorm._BatchNorm) or getattr(type(m), "graph_leaf", False)
+                or super().is_leaf_module(m, qualname))
 
 
 def _first_line(e: BaseException) -> str:

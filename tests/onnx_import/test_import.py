@@ -353,3 +353,40 @@ def test_rounding_apart_measures_against_the_exact_logits():
     off, allowed = rounding_apart(exact + 1.0, exact + 0.1, exact)
     assert not off <= allowed
     assert not rounding_apart(exact + np.nan, exact, exact)[0] <= 0.0
+
+
+def test_a_value_computed_from_shapes_alone_trains_plans_and_exports(tmp_path):
+    """A positional grid computed from the input's shape alone (ConstantOfShape over the batch, CumSum, Sin, as
+    EdgeNeXt's encoding) through a Conv whose weights train: computed for each batch as ONNX Runtime computes it,
+    its Conv trains, the planner captures and plans the model, and the export writes the trained Conv back."""
+    import edgerev
+
+    rng = np.random.default_rng(0)
+    w = lambda *s: rng.standard_normal(s).astype(np.float32) * 0.3  # noqa: E731
+    nodes = [node("Shape", ["X"], ["sh"]),
+             node("ConstantOfShape", ["sh"], ["ones"], value=init("v", np.array([1.0], np.float32))),
+             node("CumSum", ["ones", "ax"], ["cs"]), node("Sin", ["cs"], ["s"]),
+             node("Conv", ["s", "Wg"], ["g"], pads=[1, 1, 1, 1]), node("Conv", ["X", "Wx"], ["c"], pads=[1, 1, 1, 1]),
+             node("Add", ["c", "g"], ["a"]), node("Relu", ["a"], ["r"]), node("GlobalAveragePool", ["r"], ["p"]),
+             node("Flatten", ["p"], ["f"]), node("Gemm", ["f", "Wf", "Bf"], transB=1)]
+    inits = [init("ax", np.array(2, np.int64)), init("Wg", w(3, 3, 3, 3)), init("Wx", w(3, 3, 3, 3)),
+             init("Wf", w(5, 3)), init("Bf", w(5))]
+    path = save(model(nodes, (2, 3, 8, 8), inits=inits), tmp_path / "grid.onnx")
+    net = load_onnx(path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, 3, 8, 8)).astype(np.float32)
+        with torch.no_grad():
+            np.testing.assert_allclose(net(torch.from_numpy(x)).numpy(), session.run(None, {"X": x})[0], atol=1e-5)
+    convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
+    net.train()
+    F.cross_entropy(net(torch.randn(4, 3, 8, 8)), torch.tensor([0, 1, 2, 3])).backward()
+    assert len(convs) == 2 and all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in convs)
+    plan = edgerev.plan(path, size=8, budget="64MiB", batch=4, estimate=True)
+    assert plan.predicted_peak_bytes > 0
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.Conv2d):
+                m.weight.add_(0.1)
+    result = export_imported(net, tmp_path / "grid-trained.onnx")
+    assert result.max_abs_diff < 1e-4

@@ -45,8 +45,37 @@ def _split(opset: int):
     return nodes, [init("s", np.array([1, 3], np.int64))], equal
 
 
+def _reduce_l2(opset: int):
+    ins, inits, attrs = axes_input(opset, "ax", [1], since=18)
+    return [node("ReduceL2", ["X", *ins], ["n"], keepdims=1, **attrs), node("Shape", ["X"], ["sh"]),
+            node("Expand", ["n", "sh"], ["e"]), node("Div", ["X", "e"])], inits  # F.normalize over the channels
+
+
+def _gather_reversed_batch(opset: int):
+    """The batch in reverse order, by a Gather whose indices a Range computes from the batch size (as the dynamo
+    exporter writes as_strided): they are computed when the model runs."""
+    one = init("one", np.array(1, np.int64))
+    return ([node("Shape", ["X"], ["sh"], start=0, end=1), node("Squeeze", ["sh", "a0"], ["b"]),
+             node("Range", ["zero", "b", "one"], ["r"]), node("Sub", ["b", "one"], ["last"]),
+             node("Sub", ["last", "r"], ["rev"]), node("Gather", ["X", "rev"], axis=0)],
+            [init("a0", np.array([0], np.int64)), init("zero", np.array(0, np.int64)), one])
+
+
+def _grid_into_conv(opset: int):
+    """A positional grid computed from the input's shape alone (ConstantOfShape, CumSum, Sin: EdgeNeXt's Fourier
+    encoding) through a Conv whose weights train, added to the input."""
+    return ([node("Shape", ["X"], ["sh"]),
+             node("ConstantOfShape", ["sh"], ["ones"], value=init("v", np.array([1.0], np.float32))),
+             node("CumSum", ["ones", "ax"], ["cs"]), node("Sin", ["cs"], ["s"]),
+             node("Conv", ["s", "W"], ["c"], pads=[1, 1, 1, 1]), node("Add", ["X", "c"])],
+            [init("ax", np.array(2, np.int64)), init("W", w(4, 4, 3, 3))])
+
+
 # name -> opset -> (nodes, initializers)
 CASES = {
+    "reduce_l2_expand": _reduce_l2,
+    "gather_reversed_batch": _gather_reversed_batch,
+    "grid_into_conv": _grid_into_conv,
     "conv": lambda o: ([node("Conv", ["X", "W", "B"], pads=[1, 1, 1, 1])], [init("W", w(6, 4, 3, 3)), init("B", w(6))]),
     "conv_grouped": lambda o: ([node("Conv", ["X", "W"], group=2, strides=[2, 2], pads=[1, 1, 1, 1])],
                                [init("W", w(6, 2, 3, 3))]),
@@ -212,7 +241,7 @@ CASES = {
 #: Gelu 20)
 SINCE = {"hard_swish": 14, "layer_norm": 17, "layer_norm_channels": 17, "reshape_shape_slice": 15,
           "resize_sizes_from_shape": 15, "cast_like": 15,
-         "reshape_batch_from_shape": 15, "gelu": 20, "gelu_tanh": 20}
+         "reshape_batch_from_shape": 15, "gelu": 20, "gelu_tanh": 20, "gather_reversed_batch": 15}
 #: cases onnx's reference evaluator computes wrongly or not at all (ONNX Runtime checks them up to opset 21)
 REFERENCE_LACKS = {"conv_transpose_asymmetric": "grouped ConvTranspose", "pad_crop": "negative pads"}
 

@@ -28,6 +28,7 @@ from edgerev.models.onnx_import.fold import ShapeValue, Sym, evaluate, fold_shap
 from edgerev.models.onnx_import.model import ImportedModel
 from edgerev.models.onnx_import.ops import OPS
 from edgerev.models.onnx_import.read import OPS_PAGE, OnnxFile, check_classifier, initializers, read_io, read_onnx
+from edgerev.models.onnx_import.shapefn import shape_function
 from edgerev.models.onnx_import.signature import OnnxIO
 
 #: the batches of the runs that read sizes shape inference left unknown (:meth:`Builder._probe`)
@@ -36,10 +37,17 @@ PROBE_BATCHES = (1, 2)
 
 @dataclass(frozen=True)
 class Unfolded:
-    """A value of shape arithmetic that depends on a dynamic dimension in a way that does not fold."""
+    """A value of shape arithmetic that depends on a dynamic dimension in a way that does not fold: computed when
+    the model runs, from the sizes it reads (:meth:`Builder.computed`), where a run-time op takes it."""
 
     node: str
     op: str
+
+
+#: ops whose weights train: a value computed from shapes alone that reaches one is computed when the model runs,
+#: and the op is a layer of the model (EdgeNeXt's positional encoding reaches a Conv)
+_LAYER_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", "LayerNormalization",
+                        "InstanceNormalization", "GroupNormalization", "PRelu"})
 
 
 def load_onnx(path: str | Path, *, classifier: bool = False) -> ImportedModel:
@@ -88,6 +96,8 @@ class Builder:
         self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
         # a node by its first output (unique in SSA form; node names need not be, and protobuf wrappers change)
         self._index = {n.output[0]: i for i, n in enumerate(file.proto.graph.node)}
+        self._producer = {o: n for n in file.proto.graph.node for o in n.output if o}
+        self._computed: dict[str, fx.Node] = {}
         for node in file.proto.graph.node:
             for i in node.input:
                 self.consumers[i].append(node)
@@ -120,10 +130,45 @@ class Builder:
             return v
         if isinstance(v, np.ndarray):
             return self.buffer(v, key=name)
-        if isinstance(v, Unfolded):
-            self.refuse(self.node, f"takes {name!r}, shape arithmetic on the batch that does not fold "
-                                   f"(node {v.node!r}, {v.op})")
-        self.refuse(self.node, f"uses {name!r} as a tensor, but it is shape arithmetic that depends on the batch")
+        if isinstance(v, (Unfolded, ShapeValue)):
+            return self.computed(name)
+        self.refuse(self.node, f"uses {name!r} as a tensor, but it is not computed by the graph")
+
+    def computed(self, name: str) -> fx.Node:
+        """Value ``name``, computed from shapes alone (an :class:`Unfolded` value or a :class:`ShapeValue`), as a
+        tensor the model computes when it runs (:class:`~edgerev.models.onnx_import.shapefn.ShapeFunction`: the
+        nodes that make it, evaluated once for each input shape)."""
+        if name in self._computed:
+            return self._computed[name]
+        nodes, constants, shapes, seen, stack = {}, {}, {}, set(), [name]
+        while stack:
+            v = stack.pop()
+            if not v or v in seen:
+                continue
+            seen.add(v)
+            value = self.env.get(v)
+            if isinstance(value, Unfolded):
+                node = self._producer[v]
+                nodes[self._index[node.output[0]]] = node
+                stack.extend(node.input)
+            elif isinstance(value, np.ndarray):
+                constants[v] = value
+            elif isinstance(value, ShapeValue):
+                shapes[v] = value
+            else:
+                self.refuse(self.node, f"computes {name!r} from shapes and from {v!r}, which is neither")
+        ordered = [nodes[k] for k in sorted(nodes)]
+        out = name
+        if not ordered:  # a shape value itself: the subgraph passes it through
+            out = f"{name}__value"
+            ordered = [helper.make_node("Identity", [name], [out])]
+        fn, reads = shape_function(out, ordered, constants, shapes, self.file.opset)
+        for tensor, _ in reads:
+            if not isinstance(self.env.get(tensor), fx.Node):
+                self.refuse(self.node, f"needs the size of {tensor!r} at run time, which the import cannot read")
+        module = self.add_module(self._producer[name] if name in self._producer else self.node, fn)
+        self._computed[name] = self.graph.call_module(module, tuple(self.env[t] for t, _ in reads))
+        return self._computed[name]
 
     def buffer(self, a: np.ndarray, key: str | None = None) -> fx.Node:
         """A constant as a buffer of the model (kept in its state dict, not trained)."""
@@ -300,8 +345,11 @@ class Builder:
         present = [a for i, a in zip(node.input, args) if i]
         runtime = any(isinstance(a, fx.Node) for a in present)
         if not runtime and any(isinstance(a, Unfolded) for a in present):
-            self._mark_unfolded(node)
-            return
+            if node.op_type not in _LAYER_OPS:
+                self._mark_unfolded(node)
+                return
+            args = [self.computed(i) if isinstance(a, Unfolded) else a for i, a in zip(node.input, args)]
+            present, runtime = [a for i, a in zip(node.input, args) if i], True
         if all(isinstance(a, np.ndarray) for a in present) and node.op_type != "Dropout":
             out = evaluate(node, present, self.file.opset)
             if out is not None:

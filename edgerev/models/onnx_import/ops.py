@@ -380,6 +380,19 @@ def reshape(b, node):
     return [b.call(torch.reshape, b.tensor(node.input[0]), b.resolve_shape(node, entries, data))]
 
 
+def expand(b, node):
+    """ONNX's Expand: broadcast to the shape given, both ways (where the shape says 1, the input keeps its size)."""
+    target = b.value(node.input[1])
+    if not isinstance(target, (np.ndarray, ShapeValue)):
+        b.refuse(node, f"needs a constant shape, but {node.input[1]!r} is computed at run time")
+    entries = list(target.entries) if isinstance(target, ShapeValue) else [int(v) for v in target.reshape(-1)]
+    rank = b.rank(node.input[0])
+    n = max(rank, len(entries))
+    entries = [-1] * (n - len(entries)) + entries
+    entries = [-1 if e == 1 and i >= n - rank else e for i, e in enumerate(entries)]  # -1: torch keeps the size
+    return [b.graph.call_method("expand", (b.tensor(node.input[0]), *b.resolve_shape(node, entries, None)))]
+
+
 def flatten(b, node):
     axis = int(b.attrs(node).get("axis", 1))
     rank = b.rank(node.input[0])
@@ -459,14 +472,30 @@ def slice_op(b, node):
 
 
 def gather(b, node):
-    idx = b.const(node, 1, "indices")
     axis = int(b.attrs(node).get("axis", 0))
     x = b.tensor(node.input[0])
+    if not isinstance(b.value(node.input[1]), np.ndarray):  # indices computed from shapes (as_strided's)
+        return [_gather_computed(b, node, x, axis)]
+    idx = b.const(node, 1, "indices")
     if idx.ndim == 0:
         return [b.call(torch.select, x, axis, int(idx))]
     if idx.ndim != 1 or (idx < 0).any():
         b.refuse(node, "gathers with indices that are not one non-negative vector")
     return [b.call(torch.index_select, x, axis, b.buffer(idx.astype(np.int64)))]
+
+
+def _gather_computed(b, node, x, axis: int):
+    """Gather with indices computed when the model runs (any rank; a negative one counts from the end): one
+    ``index_select`` on the flat indices, reshaped to the input's sizes around the indices' own."""
+    rank, rank_i = b.rank(node.input[0]), b.rank(node.input[1])
+    axis %= rank
+    g = b.graph
+    indices = b.tensor(node.input[1])
+    flat = g.call_method("reshape", (b.call(torch.remainder, indices, g.call_method("size", (x, axis))), -1))
+    picked = b.call(torch.index_select, x, axis, flat)
+    sizes = ([g.call_method("size", (x, i)) for i in range(axis)] + [g.call_method("size", (indices, j))
+             for j in range(rank_i)] + [g.call_method("size", (x, i)) for i in range(axis + 1, rank)])
+    return g.call_method("reshape", (picked, *sizes))
 
 
 def pad(b, node):
@@ -537,16 +566,23 @@ def resize(b, node):
                    **kwargs)]
 
 
-def reduce_mean(b, node):
-    a = b.attrs(node)
-    axes = _axes(b, node)
-    keep = bool(a.get("keepdims", 1))
-    x = b.tensor(node.input[0])
-    if not axes:
-        if int(a.get("noop_with_empty_axes", 0)):
-            return [x]
-        axes = list(range(b.rank(node.input[0])))
-    return [b.call(torch.mean, x, tuple(axes), keepdim=keep)]
+def _reduce(fn, **fixed):
+    """ONNX's Reduce* over ``axes`` (an attribute, or an input from opset 18) as ``fn(x, axes, keepdim=...)``."""
+    def convert(b, node):
+        a = b.attrs(node)
+        axes = _axes(b, node)
+        keep = bool(a.get("keepdims", 1))
+        x = b.tensor(node.input[0])
+        if not axes:
+            if int(a.get("noop_with_empty_axes", 0)):
+                return [x]
+            axes = list(range(b.rank(node.input[0])))
+        return [b.call(fn, x, *fixed.values(), tuple(axes), keepdim=keep)]
+    return convert
+
+
+reduce_mean = _reduce(torch.mean)
+reduce_l2 = _reduce(torch.linalg.vector_norm, ord=2)  # F.normalize's norm (EdgeNeXt's cross-covariance attention)
 
 
 def identity(b, node):
@@ -583,7 +619,7 @@ OPS = {
     "Concat": concat, "Split": split, "Slice": slice_op, "Reshape": reshape, "Flatten": flatten,
     "Transpose": transpose, "Squeeze": squeeze, "Unsqueeze": unsqueeze, "Gather": gather,
     "GlobalAveragePool": _global(torch.mean), "GlobalMaxPool": _global(torch.amax),
-    "AveragePool": average_pool, "MaxPool": max_pool, "ReduceMean": reduce_mean,
-    "Gemm": gemm, "MatMul": matmul, "Pad": pad, "Resize": resize, "Identity": identity, "Dropout": dropout,
-    "Cast": cast, "CastLike": cast_like,
+    "AveragePool": average_pool, "MaxPool": max_pool, "ReduceMean": reduce_mean, "ReduceL2": reduce_l2,
+    "Gemm": gemm, "MatMul": matmul, "Pad": pad, "Expand": expand, "Resize": resize, "Identity": identity,
+    "Dropout": dropout, "Cast": cast, "CastLike": cast_like,
 }
