@@ -32,7 +32,8 @@ For MobileNetV2, ResNet-18 and EfficientNet-B0 (:mod:`edgerev.models.designs`, t
   ``DEFAULT_CLIP``, relative to ``--finetune-lr``: the folded one's gradient clipped to a norm of 5; without
   batch norm the same rate unclipped diverges);
   accuracy on held-out new and old digits, against the same recipe from random weights (no teacher: there is
-  none).
+  none), each the mean over ``--fewshot-seeds`` fine-tuning seeds (batch order, grown rows, random weights; the
+  pretrained model and the split are ``--seed``'s), every run beside.
 
 Each part writes its figures into the JSON as it ends (``--out``), and a part whose library pieces are missing
 records what is missing instead of failing the run.
@@ -414,34 +415,50 @@ def accuracy(model: nn.Module, data) -> float:
 
 def _tune_imported(model: nn.Module, bn: str, lr: float, clip: float | None, tune, old_test, new_test, a,
                    path: Path) -> dict:
-    """Export ``model`` with batch norm kept or folded, import it, grow its head, fine-tune with distillation."""
+    """Export ``model`` with batch norm kept or folded, import it; for each fine-tuning seed, grow a copy's head,
+    fit its new rows, fine-tune with distillation."""
     export(model.eval(), a.fewshot_size, path, keep_bn=bn == "kept")
     out = {"lr": lr, "clip_grad_norm": clip}
     try:
-        base = load_imported(path)
+        imported = load_imported(path)
         out["start"] = "imported from ONNX"
-        out["batch_norms"] = sum(isinstance(m, nn.BatchNorm2d) for m in base.modules())
-        out["imported_old"] = accuracy(base, old_test)
+        out["batch_norms"] = sum(isinstance(m, nn.BatchNorm2d) for m in imported.modules())
+        out["imported_old"] = accuracy(imported, old_test)
     except Missing as e:
-        base = copy.deepcopy(model)
+        imported = copy.deepcopy(model)
         out["start"] = f"the PyTorch model (the import is missing: {e})"
-    teacher = copy.deepcopy(base).eval()
+    teacher = copy.deepcopy(imported).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
     classes = tuple(str(c) for c in range(10))
-    grow_head(base, classes[:5], classes)
-    start = time.perf_counter()
-    if a.probe:  # the trainer's continual.probe: the new rows fitted to the imported features first (on every
-        # image: the set has 20 of each class, fewer than the trainer's PROBE_IMAGES)
-        out["probe"] = fit_new_rows(base, head_inputs(base, tune[0].split(256)), tune[1], 5, 5e-4)
-    fit(base, tune, a.finetune_epochs, lr, 20, a.seed, teacher=teacher, distill=1.0, clip=clip)
-    out["finetune_seconds"] = round(time.perf_counter() - start, 1)
-    out["new"], out["old"] = accuracy(base, new_test), accuracy(base, old_test)
-    if out["start"] == "imported from ONNX":
-        from edgerev.export.imported import export_imported
+    runs = []
+    for seed in fewshot_seeds(a):
+        base = copy.deepcopy(imported)
+        torch.manual_seed(seed)  # the grown rows' initialization
+        grow_head(base, classes[:5], classes)
+        run = {"seed": seed}
+        start = time.perf_counter()
+        if a.probe:  # the trainer's continual.probe: the new rows fitted to the imported features first (on every
+            # image: the set has 20 of each class, fewer than the trainer's PROBE_IMAGES)
+            run["probe"] = fit_new_rows(base, head_inputs(base, tune[0].split(256)), tune[1], 5, 5e-4)
+        fit(base, tune, a.finetune_epochs, lr, 20, seed, teacher=teacher, distill=1.0, clip=clip)
+        run["finetune_seconds"] = round(time.perf_counter() - start, 1)
+        run["new"], run["old"] = accuracy(base, new_test), accuracy(base, old_test)
+        if not runs and out["start"] == "imported from ONNX":
+            from edgerev.export.imported import export_imported
 
-        out["export_back_max_abs_diff"] = export_imported(base, path.with_suffix(".tuned.onnx")).max_abs_diff
-    return out
+            out["export_back_max_abs_diff"] = export_imported(base, path.with_suffix(".tuned.onnx")).max_abs_diff
+        runs.append(run)
+    return {**out, **_means(runs), "runs": runs}
+
+
+def fewshot_seeds(a) -> range:
+    """The fine-tuning seeds (batch order, grown rows, random weights): ``--seed`` and the next ones."""
+    return range(a.seed, a.seed + a.fewshot_seeds)
+
+
+def _means(runs: list[dict]) -> dict:
+    return {k: round(statistics.mean(r[k] for r in runs), 4) for k in ("new", "old")}
 
 
 def fewshot(name: str, a, tmp: Path) -> dict:
@@ -463,10 +480,13 @@ def fewshot(name: str, a, tmp: Path) -> dict:
                                              tmp / f"{name}-digits-{bn}.onnx")
         except Exception as e:  # an import that refuses one export still leaves the other's figures
             out[f"bn_{bn}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-    torch.manual_seed(a.seed)
-    scratch = DESIGNS[name](num_classes=10, width=a.fewshot_width)
-    fit(scratch, tune, a.finetune_epochs, a.finetune_lr, 20, a.seed)
-    out["random"] = {"new": accuracy(scratch, new_test), "old": accuracy(scratch, old_test)}
+    runs = []
+    for seed in fewshot_seeds(a):
+        torch.manual_seed(seed)
+        scratch = DESIGNS[name](num_classes=10, width=a.fewshot_width)
+        fit(scratch, tune, a.finetune_epochs, a.finetune_lr, 20, seed)
+        runs.append({"seed": seed, "new": accuracy(scratch, new_test), "old": accuracy(scratch, old_test)})
+    out["random"] = {**_means(runs), "runs": runs}
     return out
 
 
@@ -495,6 +515,7 @@ def main() -> None:
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="activation_memory_budget values")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fewshot-seeds", type=int, default=3, help="fine-tuning seeds per few-shot run (means reported)")
     p.add_argument("--shots", type=int, default=20)
     p.add_argument("--fewshot-size", type=int, default=32)
     p.add_argument("--fewshot-width", type=float, default=0.5)
