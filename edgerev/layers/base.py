@@ -253,13 +253,6 @@ def replaying(module: nn.Module) -> Iterator[None]:
                 m._replay = value
 
 
-def is_fake(t: Tensor) -> bool:
-    """True for tensors without data (FakeTensorMode, meta): no value checks are possible."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor) or t.device.type == "meta"
-
-
 def check_even(name: str, x: Tensor) -> None:
     if x.dim() != 4:
         raise ShapeError(f"{name} expects a 4-d [batch, channels, height, width] tensor, got shape {tuple(x.shape)}")

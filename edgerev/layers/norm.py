@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev.layers.base import Grads, Invertible, Tape, add_grad, check_channels, is_fake
+from edgerev._torchapi import is_fake
+from edgerev.layers.base import Grads, Invertible, Tape, add_grad, check_channels
 
 
 class InvBatchNorm2d(Invertible):
