@@ -163,6 +163,8 @@ class Builder:
             out = f"{name}__value"
             ordered = [helper.make_node("Identity", [name], [out])]
         fn, reads = shape_function(out, ordered, constants, shapes, self.file.opset)
+        if not reads:  # nothing in it changes from run to run, yet it did not fold
+            self.refuse(self.node, f"computes {name!r} from shapes in a way the import cannot evaluate")
         for tensor, _ in reads:
             if not isinstance(self.env.get(tensor), fx.Node):
                 self.refuse(self.node, f"needs the size of {tensor!r} at run time, which the import cannot read")
