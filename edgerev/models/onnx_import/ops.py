@@ -366,11 +366,17 @@ def matmul(b, node):
 # ---------------------------------------------------------------- tensor shapes
 
 
-def reshape(b, node):
+def _target(b, node) -> list:
+    """The shape a Reshape or an Expand is given (its second input) as entries: integers, and :class:`Sym` for
+    the sizes read at run time; refused when it is computed from data."""
     target = b.value(node.input[1])
     if not isinstance(target, (np.ndarray, ShapeValue)):
         b.refuse(node, f"needs a constant shape, but {node.input[1]!r} is computed at run time")
-    entries = list(target.entries) if isinstance(target, ShapeValue) else [int(v) for v in target.reshape(-1)]
+    return list(target.entries) if isinstance(target, ShapeValue) else [int(v) for v in target.reshape(-1)]
+
+
+def reshape(b, node):
+    entries = _target(b, node)
     data = b.shape_entries(node.input[0])
     if not int(b.attrs(node).get("allowzero", 0)) and data is not None:
         entries = [data[i] if e == 0 else e for i, e in enumerate(entries)]
@@ -382,10 +388,7 @@ def reshape(b, node):
 
 def expand(b, node):
     """ONNX's Expand: broadcast to the shape given, both ways (where the shape says 1, the input keeps its size)."""
-    target = b.value(node.input[1])
-    if not isinstance(target, (np.ndarray, ShapeValue)):
-        b.refuse(node, f"needs a constant shape, but {node.input[1]!r} is computed at run time")
-    entries = list(target.entries) if isinstance(target, ShapeValue) else [int(v) for v in target.reshape(-1)]
+    entries = _target(b, node)
     rank = b.rank(node.input[0])
     n = max(rank, len(entries))
     entries = [-1] * (n - len(entries)) + entries
