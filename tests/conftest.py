@@ -36,6 +36,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def gpu_memory_of_its_own(request):
+    """A GPU test starts from what it makes: what earlier tests left is collected and the cache emptied, and the
+    allocator's peaks are reset (the caps and peaks these tests read are the process's)."""
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def profile_cache(tmp_path_factory):
     """The stage profiles the tests measure, in the run's temporary folder and shared by its workers: never in the

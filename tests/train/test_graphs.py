@@ -2,6 +2,7 @@
 and no replay of a step whose shapes, plan, weights or modes changed. The replays need CUDA (marked gpu); what
 decides a replay is tested on the CPU."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -85,7 +86,9 @@ def _lockstep(batches, configure=lambda m: None, micro=1, clip=None, between=Non
         if between is not None:
             between(i, a, oa)
         b.load_state_dict(a.state_dict())
-        ob.load_state_dict(oa.state_dict())
+        # a deep copy: load_state_dict keeps the very momentum tensors it is given (same device and dtype), which
+        # the first optimizer's step would then move under the second's feet
+        ob.load_state_dict(copy.deepcopy(oa.state_dict()))
         ra = train_step(a, oa, x, y, micro_batches=micro, clip_grad_norm=clip, loss_fn=loss_fn, graphs=graphs)
         rb = train_step(b, ob, x, y, micro_batches=micro, clip_grad_norm=clip, loss_fn=loss_fn)
         assert ra.loss == pytest.approx(rb.loss, rel=1e-5, abs=1e-6), i
