@@ -10,6 +10,8 @@
 - ``torch.utils._python_dispatch.TorchDispatchMode``: the hook under autograd through which a meta op is answered
   from what the same call returned before (:class:`MetaMemo`), and the live-bytes tracker and the kernel counter see
   every op.
+- ``torch._inductor.config``: the compiler's option that makes a compiled float32 division round as eager's
+  (:func:`exact_division_options`).
 """
 
 from __future__ import annotations
@@ -234,8 +236,22 @@ def is_fake(t: Tensor) -> bool:
     return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 
-__all__ = ["fake_copy", "fake_mode", "is_fake", "left_as_it_was", "meta_copy", "restore_buffers", "save_buffers",
-           "shadowed", "storage_bytes", "storage_key"]
+def exact_division_options() -> dict[str, bool]:
+    """``torch.compile`` options under which a compiled float32 division rounds to nearest as eager's does. Triton
+    lowers ``/`` to an approximate division by default (``div.full``: within 2 units of the last place), so a
+    compiled body's quotient could differ from the eager kernel's in its last bit; the option (``eager_numerics.
+    division_rounding`` in torch 2.14, ``emulate_divison_rounding`` before) makes it ``div_rn``. Empty where this
+    torch has neither: its division is the approximate one."""
+    from torch._inductor import config
+
+    names = [k for k in config.get_config_copy() if k.rsplit(".", 1)[-1] in ("division_rounding",
+                                                                            "emulate_divison_rounding",
+                                                                            "emulate_division_rounding")]
+    return {k: True for k in names}
+
+
+__all__ = ["exact_division_options", "fake_copy", "fake_mode", "is_fake", "left_as_it_was",
+           "meta_copy", "restore_buffers", "save_buffers", "shadowed", "storage_bytes", "storage_key"]
 
 
 def save_buffers(model: nn.Module) -> dict[str, Tensor]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from edgerev._torchapi import exact_division_options
 from edgerev.layers.base import batch_slices
 
 
@@ -243,12 +244,13 @@ _compiled: dict[tuple, object] = {}
 def _compile(body, *variant):
     """``body`` compiled for one variant of its arguments (the flags, and which sizes are 1: the compiler
     specializes those, so that one compiled function would recompile for each and stop at its limit): a copy of
-    its code object per variant, each of which compiles once, with symbolic sizes."""
+    its code object per variant, each of which compiles once, with symbolic sizes. Its divisions round as the
+    eager kernels' do (:func:`~edgerev._torchapi.exact_division_options`): the same codes and table, bit for bit."""
     key = (body.__name__, *variant)
     if key not in _compiled:
         code = body.__code__.replace(co_name=f"{body.__name__}_{len(_compiled)}")
         fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
-        _compiled[key] = torch.compile(fn, dynamic=True, fullgraph=True)
+        _compiled[key] = torch.compile(fn, dynamic=True, fullgraph=True, options=exact_division_options() or None)
     return _compiled[key]
 
 
