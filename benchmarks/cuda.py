@@ -12,9 +12,10 @@ onnxscript or hypothesis needed) inside ``--budget-seconds`` (460, under 8 minut
   took at most ``--tracker-seconds`` (its dispatch costs several times the step, and the engine's batch
   slices of temporaries make a RevNeXt step at 240x240 some 380,000 ops in invert mode, 2.3 million in
   floor mode: seconds of kernel launches);
-* ``predict``: the fake-tensor prediction (``fake_step_peak``) of each of those steps, on the CPU in
-  ``--workers`` processes beside the GPU parts (the same tracker on fake tensors: tens of CPU seconds for
-  RevNeXt at 240x240, minutes in floor mode);
+* ``predict``: the fake-tensor prediction (``fake_step_peak``) of each of those steps, in ``--workers``
+  processes beside the GPU parts (the same tracker on fake tensors: tens of CPU seconds for RevNeXt at
+  240x240, minutes in floor mode), with what cuBLAS and each convolution take on the device, measured there
+  as a CUDA plan counts them (``edgerev.memory.measure.workspaces``);
 * ``profile``: the planner's per-stage profile of the GTX 750 recipe's model on this GPU (beside the others);
 * ``cap`` and ``cap_expandable``: ``configs/gtx750.yaml`` (RevNeXt width 32, 32x32, SGD with momentum,
   clipping) with steps of 256 samples as the daemon's GTX 750 preset, under the 400 MiB cap, planned and
@@ -78,14 +79,13 @@ class Part:
     limit: float
     alloc_conf: str | None = None
     background: bool = False
-    cpu_only: bool = False
     plans: bool = False  # it plans from the profile part's measurement: waits for it, and --only brings it
 
 
 def parts(args: argparse.Namespace) -> list[Part]:
     return [
         Part("environment", "environment", 60),
-        Part("predict", "predict", args.budget_seconds, background=True, cpu_only=True),
+        Part("predict", "predict", args.budget_seconds, background=True),
         Part("profile", "profile", 300, background=True),
         Part("memory", "memory", 170),
         Part("cap", "cap", 80, plans=True),
@@ -191,8 +191,6 @@ class Campaign:
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if part.alloc_conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = part.alloc_conf
-        if part.cpu_only:
-            env["CUDA_VISIBLE_DEVICES"] = ""  # fake tensors only: keep this process off the GPU
         out = self.work / f"{part.name}.json"
         limit = min(part.limit, left)
         cmd = [sys.executable, str(Path(__file__).resolve()), *self.argv, "--part", part.run, "--part-out", str(out),

@@ -158,23 +158,29 @@ def memory(args, save: Save) -> dict:
     return result
 
 
-def _predict_one(arch: str, mode: str, batch: int, size: int, overrides: dict) -> dict:
-    """The fake-tensor prediction of one configuration's step (a worker process: one thread)."""
+def _predict_one(arch: str, mode: str, batch: int, size: int, overrides: dict, device: str) -> dict:
+    """The fake-tensor prediction of one configuration's step (a worker process: one thread), with what the math
+    libraries take on ``device`` where it is a CUDA device (measured there, as a CUDA plan counts it)."""
     import torch
 
     torch.set_num_threads(1)
     from edgerev.memory.measure.peak import fake_step_peak, set_modes
+    from edgerev.memory.measure.workspaces import counting, for_device
     from edgerev.models import create_model
 
     t0 = time.perf_counter()
     model = create_model(arch, **overrides)
     set_modes(model, mode)
-    peak = fake_step_peak(model, None, batch, size)
-    return {"arch": arch, "mode": mode, "predicted_peak_bytes": peak, "seconds": round(time.perf_counter() - t0, 2)}
+    lib = for_device(device)
+    with counting(lib):
+        peak = fake_step_peak(model, None, batch, size)
+    return {"arch": arch, "mode": mode, "predicted_peak_bytes": peak, "seconds": round(time.perf_counter() - t0, 2),
+            **({"libraries": lib.summary()} if lib is not None else {})}
 
 
 def predict(args, save: Save) -> dict:
-    """``fake_step_peak`` of every configuration of the memory part, on the CPU, in parallel processes.
+    """``fake_step_peak`` of every configuration of the memory part, in parallel processes: fake tensors on the CPU,
+    and on CUDA each convolution's own workspace and cuBLAS's, measured on the device as a CUDA plan counts them.
 
     A fake-tensor step of RevNeXt at 32 x 240 x 240 runs every batch slice of every layer through
     FakeTensorMode: tens of seconds of CPU each, so the configurations run on ``--workers`` processes
@@ -190,7 +196,8 @@ def predict(args, save: Save) -> dict:
     configs.sort(key=lambda c: (c[0] != "revnext", c[1] not in ("floor", "store4", "store8")))
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
-        futures = {pool.submit(_predict_one, a, m, args.batch, args.size, args.overrides): (a, m) for a, m in configs}
+        futures = {pool.submit(_predict_one, a, m, args.batch, args.size, args.overrides, args.device): (a, m)
+                   for a, m in configs}
         for f in concurrent.futures.as_completed(futures):
             arch, mode = futures[f]
             try:

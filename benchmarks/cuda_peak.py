@@ -9,14 +9,16 @@ replays the history to the moment the most bytes were allocated, and writes what
 size and the innermost frame of edgerev (file, line, function) and of torch that allocated it, summed by that
 line. The same step is measured with cuDNN off too (no workspaces, slower convolutions), so that what cuDNN
 adds at the peak is read apart from what the step itself holds; with ``--capped``, under the budget as the
-allocator's cap (as the trainer runs it), where cuDNN falls back to algorithms whose workspace fits; with
-``--wscap MiB``, with cuDNN's workspaces capped (``CUDNN_CONV_WSCAP_DBG``).
+allocator's cap (as the trainer runs it), where cuDNN falls back to algorithms whose workspace fits. Each case
+records the plan's prediction (cuBLAS's workspaces and each convolution's own counted, as a plan made on the
+device counts them: ``libraries``), the allocator's whole peak over it (``allocated_over_predicted``), and with
+``--tracker`` the step's live tensors counted on the device; ``--time N`` times N planned steps against plain
+autograd's.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -57,10 +59,23 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     return best, best_live
 
 
-def case(arch: str, size: int, budget: int, batch: int, top: int, capped: bool) -> dict:
+def _timed(step, n: int) -> float:
+    step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n
+
+
+def case(arch: str, size: int, budget: int, batch: int, top: int, capped: bool, tracker: bool = False,
+         timed: int = 0, trace: bool = True) -> dict:
     torch.manual_seed(0)
     model = create_model(arch).cuda().train()
+    t0 = time.perf_counter()
     tp = plan_training(model, size, budget, "cuda", estimate=True, max_batch=batch, check=True, batches=[batch])
+    plan_seconds = time.perf_counter() - t0
     tp.apply(model)
     parts = split_batch(batch, batch // tp.batch)
     x = torch.randn(batch, 3, size, size, device="cuda")
@@ -71,7 +86,17 @@ def case(arch: str, size: int, budget: int, batch: int, top: int, capped: bool) 
         accumulate(model, x, (y,), parts, F.cross_entropy).read()
 
     row = {"size": size, "budget_bytes": budget, "predicted_peak_bytes": tp.predicted_peak_bytes,
-           "modes": list(tp.modes or ()), "slices": list(tp.slices or ())}
+           "modes": list(tp.modes or ()), "slices": list(tp.slices or ()),
+           "account": tp.account.as_dict() if tp.account is not None else None,
+           "libraries": tp.summary.get("libraries"), "plan_seconds": round(plan_seconds, 2)}
+    if timed:  # the planned step against plain autograd's whole batch, same weights and data
+        from edgerev import plain
+
+        row["step_seconds"] = _timed(step, timed)
+        with plain(model):
+            row["plain_step_seconds"] = _timed(step, timed)
+        row["relative_to_plain"] = row["step_seconds"] / row["plain_step_seconds"]
+        torch.cuda.empty_cache()
     for cudnn in (True, False):
         with torch.backends.cudnn.flags(enabled=cudnn):
             step()
@@ -81,7 +106,19 @@ def case(arch: str, size: int, budget: int, batch: int, top: int, capped: bool) 
             step()
             torch.cuda.synchronize()
             row[f"allocated_peak_bytes_cudnn_{'on' if cudnn else 'off'}"] = torch.cuda.max_memory_allocated() - base
+            row[f"allocated_peak_raw_bytes_cudnn_{'on' if cudnn else 'off'}"] = torch.cuda.max_memory_allocated()
+            row[f"reserved_peak_bytes_cudnn_{'on' if cudnn else 'off'}"] = torch.cuda.max_memory_reserved()
+    # the allocator's whole peak (weights, batch and cuBLAS's workspaces included, as the prediction counts them)
+    row["allocated_over_predicted"] = round(row["allocated_peak_raw_bytes_cudnn_on"] / tp.predicted_peak_bytes, 4)
     row["baseline_bytes"] = base
+    if tracker:  # the live tensors of the same step on the device: what the allocator holds beyond them
+        from edgerev.memory.measure.tracker import MemoryTracker
+
+        step()
+        with MemoryTracker() as t:
+            step()
+        row["tracker_peak_bytes"] = t.peak
+        row["tracker_peak_op"] = str(t.peak_op)
     if capped:  # as the trainer runs it: the allocator may reserve at most the budget, workspaces included
         from edgerev.train.cap import apply_cuda_cap
 
@@ -107,6 +144,8 @@ def case(arch: str, size: int, budget: int, batch: int, top: int, capped: bool) 
             finally:
                 torch.cuda.set_per_process_memory_fraction(1.0)
         row["step_seconds_uncapped_capped"] = [times.get(False), times.get(True)]
+    if not trace:
+        return row
     step()
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
@@ -136,17 +175,18 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--capped", action="store_true", help="also run the step under the budget as the allocator's cap "
                    "(absolute: the process's weights and batch included), timed against the uncapped step")
-    p.add_argument("--wscap", type=int, help="cap cuDNN's convolution workspaces at this many MiB "
-                   "(CUDNN_CONV_WSCAP_DBG, which PyTorch's CUDA notes name; set before cuDNN starts): whether a "
-                   "bounded workspace brings the allocated peak within the prediction plus the cap")
+    p.add_argument("--tracker", action="store_true", help="count the step's live tensors on the device too")
+    p.add_argument("--time", type=int, default=0, help="time this many planned steps and plain autograd's")
+    p.add_argument("--no-trace", dest="trace", action="store_false", help="skip the allocator's history")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
-    if a.wscap is not None:
-        os.environ["CUDNN_CONV_WSCAP_DBG"] = str(a.wscap)  # read by cuDNN when it starts: before the first CUDA call
-    result = {"arch": a.arch, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-              "cudnn_workspace_cap_mib": a.wscap, "cases": []}
+    result = {"arch": a.arch, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "cases": []}
     for b in a.budgets.split(","):
-        result["cases"].append(case(a.arch, a.size, parse_bytes(b), a.batch, a.top, a.capped))
+        try:
+            result["cases"].append(case(a.arch, a.size, parse_bytes(b), a.batch, a.top, a.capped, a.tracker, a.time,
+                                        a.trace))
+        except Exception as e:  # noqa: BLE001 (a budget the plan refuses, an error of one case: recorded, next one)
+            result["cases"].append({"budget": b, "error": f"{type(e).__name__}: {e}"[:500]})
         torch.cuda.empty_cache()
         write_json(result, a.out)
 

@@ -12,6 +12,9 @@
   every op.
 - ``torch._inductor.config``: the compiler's option that makes a compiled float32 division round as eager's
   (:func:`exact_division_options`).
+- ``torch._C._cuda_getCublasWorkspaceSize`` and ``_cuda_getCublasLtWorkspaceSize``: the sizes of the workspaces
+  cuBLAS and cuBLASLt keep per stream (:func:`cublas_workspace_bytes`); ``torch.utils._python_dispatch.
+  _disable_current_modes``: real kernels run from inside a dispatch mode (:func:`without_dispatch_modes`).
 """
 
 from __future__ import annotations
@@ -250,8 +253,30 @@ def exact_division_options() -> dict[str, bool]:
     return {k: True for k in names}
 
 
-__all__ = ["exact_division_options", "fake_copy", "fake_mode", "is_fake", "left_as_it_was",
-           "meta_copy", "restore_buffers", "save_buffers", "shadowed", "storage_bytes", "storage_key"]
+def cublas_workspace_bytes() -> int:
+    """Bytes cuBLAS and cuBLASLt keep allocated for a stream once a matrix product has run on it: cuBLAS's
+    workspace and cuBLASLt's own (the same one where ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set). 0 where this
+    torch cannot say."""
+    import os
+
+    names = ["_cuda_getCublasWorkspaceSize"]
+    if os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0") in ("", "0"):
+        names.append("_cuda_getCublasLtWorkspaceSize")
+    return sum(int(getattr(torch._C, n)()) for n in names if hasattr(torch._C, n))
+
+
+@contextlib.contextmanager
+def without_dispatch_modes() -> Iterator[None]:
+    """Inside the block no dispatch mode sees an op (fake tensors, the trackers, the memo): real kernels run."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+__all__ = ["cublas_workspace_bytes", "exact_division_options", "fake_copy", "fake_mode", "is_fake", "left_as_it_was",
+           "meta_copy", "restore_buffers", "save_buffers", "shadowed", "storage_bytes", "storage_key",
+           "without_dispatch_modes"]
 
 
 def save_buffers(model: nn.Module) -> dict[str, Tensor]:

@@ -8,13 +8,15 @@ daemon's start check and every "smallest budget" in an error come from :func:`ac
   teacher's weights and buffers; the whole batch as one float tensor (replay samples are part of
   the batch: a step mixes them in, it does not add them), its labels, and the teacher's logits for
   it; with FixMatch (``StepShape.unlabeled``), the batch is the labelled samples and the unlabelled
-  images' strong views together, with a weight per sample;
+  images' strong views together, with a weight per sample; where a CUDA step is planned on its device, the
+  workspaces the math libraries keep for the process (:mod:`edgerev.memory.measure.workspaces`);
 - allocated by the step (:attr:`StepAccount.step_bytes`): the weight gradients, and the
   activations, gradients and temporaries of the planned micro-batch, measured exactly by running
   the trainer's own micro-batch loop (:func:`edgerev.memory.measure.microbatch.accumulate`) on tensors
   without data (meta tensors, :func:`edgerev._torchapi.shadowed`), and, with FixMatch, the no-grad forward
   of a micro-batch of weak views that comes before it (its input is counted as the batch's: it is made and
-  dropped before the batch is).
+  dropped before the batch is); and, where a CUDA step is planned on its device, what each convolution takes
+  inside itself while it runs (cuDNN's workspace), measured there.
 
 Not counted: what the CPU tracker cannot see and the CPU cap therefore does not guard (Python
 objects, the allocator's slack), and the teacher's and evaluation's no-grad forwards, which run
@@ -35,6 +37,7 @@ from edgerev._torchapi import left_as_it_was, shadowed
 from edgerev.engine import engine_body, floor_restores
 from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryTracker
+from edgerev.memory.measure.workspaces import active as library_memory
 from edgerev.models.spec import model_spec
 
 LABEL_BYTES = 8  # int64 class indices
@@ -93,12 +96,13 @@ class StepAccount:
     step_bytes: int  # the largest total the step itself had alive (gradients, activations, temporaries)
     batch: int
     micro_batch: int
+    libraries: int = 0  # the math libraries' workspaces kept for the process (CUDA, planned on the device)
 
     @property
     def baseline(self) -> int:
         """Bytes alive before the step and through it: the CPU cap's baseline."""
         return (self.weights + self.buffers + self.optimizer + self.teacher + self.batch_input + self.labels
-                + self.teacher_logits + self.sample_weights)
+                + self.teacher_logits + self.sample_weights + self.libraries)
 
     @property
     def total(self) -> int:
@@ -161,7 +165,9 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
     batch = shape.batch or micro_batch
     micro_batch = min(micro_batch, batch)
     terms = held(model, shape, micro_batch)
-    baseline = sum(terms.values())
+    lib = library_memory()
+    libraries = lib.persistent if lib is not None else 0
+    baseline = sum(terms.values()) + libraries
     loss_fn = loss_fn or F.cross_entropy
     spec = model_spec(model)
     # the way floor stages run where the model is, unless the plan says (a copy without data is on the meta device)
@@ -204,7 +210,7 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
         stage_peaks.update(tracker.section_peaks)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return StepAccount(**terms, gradients=_nbytes(trainable), step_bytes=tracker.peak - baseline, batch=batch,
-                       micro_batch=micro_batch)
+                       micro_batch=micro_batch, libraries=libraries)
 
 
 def weak_forward(model: nn.Module, x: Tensor) -> None:

@@ -6,7 +6,10 @@ when it dies. Views and in-place ops return storages already seen and so count n
 
 Only tensors produced inside the ``with`` block are counted; what existed before (weights, the
 input batch) is the caller's baseline. Memory an operator uses internally and frees before it
-returns (a convolution workspace) is invisible to it; on CUDA, use :class:`CudaPeak` for that.
+returns (a convolution workspace) is invisible to it, except where library memory is being counted
+(:mod:`edgerev.memory.measure.workspaces`, where a CUDA step is planned): then each such operator's
+bytes, measured on the device, are added to the live tensors while it runs. On CUDA, :class:`CudaPeak`
+reads the allocator itself.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgerev._torchapi import storage_bytes, storage_key
 from edgerev.errors import EdgerevError
+from edgerev.memory.measure.workspaces import active
 
 
 class MemoryBudgetExceeded(EdgerevError, MemoryError):
@@ -64,6 +68,11 @@ class MemoryTracker(TorchDispatchMode):
             key = storage_key(t)
             if key not in inputs or key in self._live:
                 self._see(t, func)
+        lib = active()
+        if lib is not None:  # what the operator took inside itself, beside its inputs and outputs, while it ran
+            inside = lib.transient(func, args, kwargs)
+            if inside:
+                self._reached(self.current + inside, func, " (with its workspace)")
         return out
 
     def _see(self, t: torch.Tensor, func) -> None:
@@ -80,13 +89,17 @@ class MemoryTracker(TorchDispatchMode):
             self.current += nbytes - known
         else:
             return
-        if self.current > self.peak:
-            self.peak, self.peak_op = self.current, str(func)
-        if self.section is not None and self.current > self.section_peaks.get(self.section, -1):
-            self.section_peaks[self.section] = self.current
-        if self.budget is not None and self.current > self.budget:
+        self._reached(self.current, func)
+
+    def _reached(self, total: int, func, what: str = "") -> None:
+        """The live bytes were ``total`` during ``func``: the peaks, and the budget."""
+        if total > self.peak:
+            self.peak, self.peak_op = total, f"{func}{what}"
+        if self.section is not None and total > self.section_peaks.get(self.section, -1):
+            self.section_peaks[self.section] = total
+        if self.budget is not None and total > self.budget:
             raise MemoryBudgetExceeded(
-                f"live tensors reached {self.current} bytes, over the budget of {self.budget} bytes (at {func})"
+                f"live tensors reached {total} bytes, over the budget of {self.budget} bytes (at {func}{what})"
             )
 
     def _free(self, key: int) -> None:

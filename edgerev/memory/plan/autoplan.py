@@ -45,6 +45,7 @@ from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
 from edgerev.memory.measure.account import StepAccount, StepShape, account_step, beyond_model
 from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
+from edgerev.memory.measure.workspaces import counting, for_device, not_counted
 from edgerev.memory.plan.progress import SILENT, Progress
 from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
 from edgerev.memory.solve.knapsack import APPROXIMATE, default_batches, exact_only, plan, smallest_budget
@@ -412,10 +413,29 @@ def plan_training(model: nn.Module, size: int, budget: int, device: str = "cpu",
         progress: told each phase as it begins (:class:`~edgerev.memory.plan.progress.Progress`: reported once
             planning has taken a few seconds).
 
+    On CUDA, where this process has the device, every account also counts what the math libraries take there
+    (:mod:`edgerev.memory.measure.workspaces`: cuBLAS's workspaces, each convolution's own, measured on the
+    device); the summary's ``libraries`` says what was counted.
+
     Raises:
         BudgetTooSmall: the budget is below the floor (named in the message), checked before anything
             is profiled.
     """
+    lib = for_device(device)
+    with counting(lib):
+        tp = _plan_training(model, size, budget, device, estimate, max_batch, step, loss_fn, profile, stats, check,
+                            rounds, batches, segments, widen, progress)
+    if lib is not None:
+        tp.summary["libraries"] = lib.summary()
+    elif torch.device(device).type == "cuda":
+        tp.summary["libraries"] = not_counted(device)
+    return tp
+
+
+def _plan_training(model: nn.Module, size: int, budget: int, device: str, estimate: bool, max_batch: int | None,
+                   step: StepShape | None, loss_fn: Callable[..., Tensor] | None, profile: Profile | None,
+                   stats: list[StageStats] | None, check: bool | None, rounds: int, batches: list[int] | None,
+                   segments: bool | None, widen: bool, progress: Progress) -> TrainingPlan:
     progress.phase("capturing the model's graph")
     name = type(model).__name__
     model = planned(model, size)  # any nn.Module: a model without an engine body is captured as a chain
