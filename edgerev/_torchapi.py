@@ -13,7 +13,8 @@
 - ``torch._inductor.config``: the compiler's option that makes a compiled float32 division round as eager's
   (:func:`exact_division_options`).
 - ``torch._C._cuda_getCublasWorkspaceSize`` and ``_cuda_getCublasLtWorkspaceSize``: the sizes of the workspaces
-  cuBLAS and cuBLASLt keep per stream (:func:`cublas_workspace_bytes`); ``torch.utils._python_dispatch.
+  cuBLAS and cuBLASLt keep per stream (:func:`cublas_workspace_bytes`), and ``_cuda_clearCublasWorkspaces``
+  (:func:`clear_cublas_workspaces`); ``torch.utils._python_dispatch.
   _disable_current_modes``: real kernels run from inside a dispatch mode (:func:`without_dispatch_modes`).
 """
 
@@ -253,16 +254,28 @@ def exact_division_options() -> dict[str, bool]:
     return {k: True for k in names}
 
 
-def cublas_workspace_bytes() -> int:
-    """Bytes cuBLAS and cuBLASLt keep allocated for a stream once a matrix product has run on it: cuBLAS's
-    workspace and cuBLASLt's own (the same one where ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set). 0 where this
-    torch cannot say."""
+def cublas_workspace_bytes() -> int | None:
+    """Bytes cuBLAS and cuBLASLt keep allocated for a stream once a matrix product has run on it, as torch sizes
+    them: cuBLAS's workspace and cuBLASLt's own (the same one where ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set).
+    None where this torch does not say (torch 2.11 has neither getter)."""
     import os
 
     names = ["_cuda_getCublasWorkspaceSize"]
     if os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0") in ("", "0"):
         names.append("_cuda_getCublasLtWorkspaceSize")
-    return sum(int(getattr(torch._C, n)()) for n in names if hasattr(torch._C, n))
+    if not all(hasattr(torch._C, n) for n in names):
+        return None
+    return sum(int(getattr(torch._C, n)()) for n in names)
+
+
+def clear_cublas_workspaces() -> bool:
+    """Free the workspaces cuBLAS and cuBLASLt keep (the next product makes them again, as torch does itself before
+    it captures a CUDA graph); False where this torch cannot."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    clear()
+    return True
 
 
 @contextlib.contextmanager
@@ -274,9 +287,9 @@ def without_dispatch_modes() -> Iterator[None]:
         yield
 
 
-__all__ = ["cublas_workspace_bytes", "exact_division_options", "fake_copy", "fake_mode", "is_fake", "left_as_it_was",
-           "meta_copy", "restore_buffers", "save_buffers", "shadowed", "storage_bytes", "storage_key",
-           "without_dispatch_modes"]
+__all__ = ["clear_cublas_workspaces", "cublas_workspace_bytes", "exact_division_options", "fake_copy", "fake_mode",
+           "is_fake", "left_as_it_was", "meta_copy", "restore_buffers", "save_buffers", "shadowed", "storage_bytes",
+           "storage_key", "without_dispatch_modes"]
 
 
 def save_buffers(model: nn.Module) -> dict[str, Tensor]:

@@ -6,7 +6,8 @@ held more, in two kinds of memory no tensor of the step owns:
 
 * kept for the process: cuBLAS's and cuBLASLt's workspaces, one each per stream, made by the first matrix
   product and held from then on (64 MiB on an H200; their sizes are torch's, ``CUBLAS_WORKSPACE_CONFIG`` and
-  ``CUBLASLT_WORKSPACE_SIZE``): :attr:`LibraryMemory.persistent`, part of a step's baseline;
+  ``CUBLASLT_WORKSPACE_SIZE``, read from torch where it says them and measured where it does not):
+  :attr:`LibraryMemory.persistent`, part of a step's baseline;
 * taken inside one operator and given back before it returns: cuDNN's convolution workspace and the copies
   its wrapper makes (172 MB of workspace and a 29 MB copy inside the stem's convolution backward of that step,
   whole batch at 240x240, where the step's tensors peaked): :meth:`LibraryMemory.transient`, added to the
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from edgerev._torchapi import cublas_workspace_bytes, without_dispatch_modes
+from edgerev._torchapi import clear_cublas_workspaces, cublas_workspace_bytes, without_dispatch_modes
 
 #: the operators whose kernels take memory of their own: convolutions (cuDNN's workspace; the native kernels'
 #: columns where cuDNN is off)
@@ -147,8 +148,28 @@ def for_device(device: torch.device | str) -> LibraryMemory | None:
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev not in _DEVICES:
-        _DEVICES[dev] = LibraryMemory(cublas_workspace_bytes(), device=dev)
+        _DEVICES[dev] = LibraryMemory(_kept(dev), device=dev)
     return _DEVICES[dev]
+
+
+def _kept(dev: torch.device) -> int:
+    """The bytes cuBLAS and cuBLASLt keep on ``dev`` once a step has run: their sizes where torch says them, else
+    measured: the workspaces are let go of, then a classifier head's forward and backward runs on small tensors
+    (its product with a bias through cuBLASLt, its gradients through cuBLAS), and what stays allocated is theirs."""
+    sizes = cublas_workspace_bytes()
+    if sizes is not None:
+        return sizes
+    with torch.cuda.device(dev), without_dispatch_modes():
+        torch.cuda.synchronize(dev)
+        clear_cublas_workspaces()
+        before = torch.cuda.memory_allocated(dev)
+        x = torch.ones(8, 64, device=dev, requires_grad=True)
+        w = torch.ones(10, 64, device=dev, requires_grad=True)
+        b = torch.zeros(10, device=dev, requires_grad=True)
+        torch.nn.functional.linear(x, w, b).sum().backward()
+        del x, w, b
+        torch.cuda.synchronize(dev)
+        return max(0, torch.cuda.memory_allocated(dev) - before)
 
 
 def not_counted(device: torch.device | str) -> dict:
