@@ -39,7 +39,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 @pytest.fixture(autouse=True)
 def gpu_memory_of_its_own(request):
     """A GPU test starts from what it makes: what earlier tests left is collected and the cache emptied, and the
-    allocator's peaks are reset (the caps and peaks these tests read are the process's)."""
+    allocator's peaks are reset (the caps and peaks these tests read are the process's); the allocator's cap is
+    lifted after it. A test that caps the allocator runs in a process of its own (``tests.helpers.own_process``)."""
     if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
         yield
         return
@@ -50,6 +51,7 @@ def gpu_memory_of_its_own(request):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     yield
+    torch.cuda.set_per_process_memory_fraction(1.0)  # a cap a test (or the trainer it ran) set is not the next one's
 
 
 @pytest.fixture(scope="session", autouse=True)

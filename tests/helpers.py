@@ -215,3 +215,29 @@ __all__ = [
     "rel_err",
     "residual_fn",
 ]
+
+
+#: set in the process :func:`own_process` starts for a test: there the test itself runs
+OWN_PROCESS = "EDGEREV_TEST_IN_ITS_OWN_PROCESS"
+
+
+def own_process(test):
+    """Run ``test`` in a Python process of its own (pytest on its node id alone), for a test that caps the
+    process's CUDA allocator and reads its peaks: what earlier tests of the same process left allocated (some
+    500 MiB after the GPU tests of the graphs and the fused quantizer on an H200) would count against its cap.
+    Its fixtures are made in both processes; the test runs in the second, and its failure is this one's."""
+    import functools
+    import os
+    import subprocess
+    import sys
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get(OWN_PROCESS):
+            return test(*args, **kwargs)
+        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+                              env={**os.environ, OWN_PROCESS: "1"}, capture_output=True, text=True)
+        assert done.returncode == 0, f"{node} in its own process:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+
+    return run

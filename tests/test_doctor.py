@@ -35,6 +35,7 @@ from edgerev.doctor.judge import (
 from edgerev.doctor.plan import PlanFacts, verified_plan
 from edgerev.exits import OK, PARTIAL, USAGE, WARNINGS
 from edgerev_daemon.service.doctor_cli import target_of
+from tests.helpers import own_process
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -358,6 +359,7 @@ def test_without_config_the_cpu_preset_runs_in_the_current_directory(tmp_path, c
 
 
 @pytest.mark.gpu
+@own_process
 def test_on_cuda_the_plan_runs_under_the_allocators_cap(tmp_path, cache, capsys):
     status = main(["doctor", "--config", str(write_config(tmp_path, budget="400MiB", device="cuda")), "--json"])
     report = json.loads(capsys.readouterr().out)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from edgerev.memory.plan.autoplan import TrainingPlan
 from edgerev.memory.plan.device_fit import fit_to_device
 from edgerev.memory.solve.costs import BudgetTooSmall
+from tests.helpers import own_process
 
 MiB = 2**20
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -101,6 +102,7 @@ def test_a_floor_beyond_the_device_names_the_budget_that_would_fit():
 
 @pytest.mark.gpu
 @pytest.mark.slow  # the estimated profile runs the tracker over fake stages: over a minute for this model
+@own_process
 def test_the_planned_batch_trains_under_a_400_mib_cap_without_running_out_of_memory():
     """The GTX 750 recipe (RevNeXt width 32, 32x32, steps of 256) planned as the trainer does, then 20 steps at
     the planned micro-batch: not one out-of-memory retry, and the allocator's peak under the cap."""

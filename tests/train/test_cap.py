@@ -13,6 +13,7 @@ from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
 from edgerev.models import create_model
 from edgerev.train.cap import CpuCap, StepFailed, cpu_cap, train_step
+from tests.helpers import own_process
 
 # Small enough to run in float64, large enough that activations outweigh the weights: splitting the
 # batch must lower the peak, or no split can rescue a budget one byte short.
@@ -218,6 +219,7 @@ def test_cpu_cap_without_budget_is_a_no_op():
 
 
 @pytest.mark.gpu
+@own_process
 def test_cuda_cap_recovers_from_out_of_memory():
     """Under a 400 MiB CUDA cap a batch too large for it is split, not crashed on."""
     from edgerev.train.cap import apply_cuda_cap
