@@ -1,17 +1,16 @@
-"""A plan fitted to the CUDA allocator: a real step under the cap, since the accounting cannot see all of it.
+"""A plan fitted to the CUDA allocator: a real step under the cap, for what the accounting cannot see.
 
-The accounting (:mod:`edgerev.memory.measure.account`) predicts a step from fake tensors on the CPU. Under a CUDA
-cap (``set_per_process_memory_fraction``, which limits the bytes *reserved*) a step also needs what CUDA
-kernels save beyond the CPU's and room left by the allocator's fragments. cuDNN's convolution workspaces
-need no planning: with the cap set, cuDNN takes the largest workspace that fits and falls back to slimmer
-algorithms when none does. Measured on an H100 with the GTX 750 recipe, a plan predicted at 314 MiB peaked
-at 562 MiB allocated without a cap (298 MiB with cuDNN off), and at 335 MiB under the 400 MiB cap with no
-out-of-memory error in 30 steps. An allocated peak near the cap therefore says nothing; an out-of-memory
-error does: in the CUDA campaign the plan from the measured profile (predicted 335 MiB) ran out once under
-the cap, and fits made again under less ran out twice before one fitted. So the plan is tried: with the cap
-set, two real steps of the planned micro-batch, with the bytes a step holds besides (the optimizer's state)
-allocated beside them; while they run out of memory, the plan is made again under an eighth less. The
-trainer's out-of-memory recovery (halving the micro-batch) stays as the last guard.
+The accounting (:mod:`edgerev.memory.measure.account`) predicts a step from fake tensors on the CPU; planned in
+a process that has the device, it also counts what the math libraries take there (cuBLAS's workspaces, each
+convolution's own: :mod:`edgerev.memory.measure.workspaces`), and on an H200 the paper's step planned under 711 MB
+then allocated 1.003 times its prediction. What it still cannot see is the allocator's own slack: under a CUDA
+cap (``set_per_process_memory_fraction``, which limits the bytes *reserved*) a step needs room left by the
+allocator's fragments too (79 MiB of them when a plan of 711 MB ran out of memory under its cap on the H200), and
+a plan made without the device counts the tensors alone. So the plan is tried: with the cap set, two real steps
+of the planned micro-batch, with the bytes a step holds besides (the optimizer's state) allocated beside them;
+while they run out of memory, the plan is made again under an eighth less. With the cap set first, cuDNN takes
+the largest workspace that fits and falls back to slimmer algorithms when none does. The trainer's
+out-of-memory recovery (halving the micro-batch) stays as the last guard.
 """
 
 from __future__ import annotations
