@@ -5,7 +5,7 @@ live-tensor count of a planned RevNeXt step at batch 32, 240x240 was the predict
 held more, in two kinds of memory no tensor of the step owns:
 
 * kept for the process: cuBLAS's and cuBLASLt's workspaces, one each per stream, made by the first matrix
-  product and held from then on (64 MiB on an H200; their sizes are torch's, ``CUBLAS_WORKSPACE_CONFIG`` and
+  product and held from then on (65 MiB on an H200; their sizes are torch's, ``CUBLAS_WORKSPACE_CONFIG`` and
   ``CUBLASLT_WORKSPACE_SIZE``, read from torch where it says them and measured where it does not):
   :attr:`LibraryMemory.persistent`, part of a step's baseline;
 * taken inside one operator and given back before it returns: cuDNN's convolution workspace and the copies
@@ -64,7 +64,8 @@ class LibraryMemory:
         device: where the default probe runs.
 
     Attributes:
-        failures: why a signature could not be probed (its transient counted as 0), by signature.
+        failures: why a signature could not be probed (its transient counted as 0, and the summary's
+            ``unprobed`` counts them), by signature.
     """
 
     def __init__(self, persistent: int, probe: Probe | None = None, device: torch.device | str = "cuda") -> None:
@@ -85,6 +86,9 @@ class LibraryMemory:
             except torch.cuda.OutOfMemoryError as e:  # its tensors alone do not fit: the step would not either
                 self._transient[key] = 0
                 self.failures[key] = f"out of memory: {str(e).splitlines()[0][:200]}"
+            except Exception as e:  # noqa: BLE001 (a kernel that refused the probe: counted as 0, and said)
+                self._transient[key] = 0
+                self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return self._transient[key]
 
     def summary(self) -> dict:
