@@ -61,6 +61,21 @@ def test_a_signature_is_probed_once():
                              "largest_transient_bytes": MiB}
 
 
+def test_a_remembered_account_is_the_one_of_the_libraries_counted():
+    """The planner remembers accounts for the process: one made without the libraries' memory is not the one
+    with it, nor one with another device's."""
+    from edgerev.memory.plan.autoplan import Proposal, accounted
+
+    model, step = _model(), StepShape(32)
+    p = Proposal(8, tuple("store" if i == 0 else "invert" for i in range(len(model.body.stages))), None, 0, 0.0)
+    bare = accounted(model, step, p)
+    with counting(LibraryMemory(5 * MiB, probe=Probe(0))):
+        assert accounted(model, step, p).total == bare.total + 5 * MiB
+    with counting(LibraryMemory(7 * MiB, probe=Probe(0))):
+        assert accounted(model, step, p).total == bare.total + 7 * MiB
+    assert accounted(model, step, p) is bare
+
+
 def test_a_signature_is_shapes_strides_and_arguments_not_values():
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)

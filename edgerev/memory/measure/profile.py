@@ -36,6 +36,7 @@ from edgerev.engine import Execution, InvertibleSequence, Mode, engine_body, flo
 from edgerev.errors import EdgerevError
 from edgerev.layers.base import LEAN_SLICE_BYTES, chunk_budget, replaying
 from edgerev.memory.measure.tracker import MemoryTracker
+from edgerev.memory.measure.workspaces import active_key
 from edgerev.memory.solve.costs import (
     PROFILE_VERSION,
     TIMED_BATCHES,
@@ -184,7 +185,8 @@ def _bytes_curves(stage: nn.Module, mode: Mode, shape: tuple[int, ...], first: b
     modes first and for all of them later, a model repeats its blocks, and a daemon plans each job of the same model
     again."""
     restore = floor_restores(device)
-    key = (stage_key(stage, shape, first), mode, LEAN_SLICE_BYTES, restore if mode is Mode.FLOOR else None)
+    key = (stage_key(stage, shape, first), mode, LEAN_SLICE_BYTES, restore if mode is Mode.FLOOR else None,
+           active_key())  # a CUDA device's libraries counted in them, or none
     if key not in _BYTES:
         _BYTES[key] = _fit_bytes(stage, mode, shape, first, restore)
     return _BYTES[key]
@@ -487,7 +489,7 @@ def load_or_measure(model: nn.Module, size: int, device: str = "cpu", cache: Pat
     a minute and more on a small CPU; a daemon or a fleet round that plans each job of the same model
     would pay it every job.
     """
-    key = (model_key(model, size, device), exact)
+    key = (model_key(model, size, device), exact, active_key())
     if estimate and key in _ESTIMATES:
         return _own_bytes(copy.deepcopy(_ESTIMATES[key]), model)
     root = cache or cache_dir()
@@ -523,7 +525,7 @@ def _own_bytes(prof: Profile, model: nn.Module) -> Profile:
     return prof if prof.fixed_bytes == own else replace(prof, fixed_bytes=own)
 
 
-_ESTIMATES: dict[tuple[str, bool], Profile] = {}  # (model key, exact modes only) -> estimated profile, this process
+_ESTIMATES: dict[tuple[str, bool, int], Profile] = {}  # (model key, exact modes only, libraries) -> estimated profile
 
 
 # ---- plain models: per-stage statistics for checkpoint segments (edgerev.memory.solve.segments) ----

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -40,6 +41,7 @@ from edgerev._torchapi import clear_cublas_workspaces, cublas_workspace_bytes, w
 LIBRARY_OPS = frozenset({torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default})
 
 Probe = Callable[[object, tuple, dict], int]
+_SERIALS = itertools.count(1)
 
 
 def signature(func, args: tuple, kwargs: dict) -> tuple:
@@ -69,6 +71,7 @@ class LibraryMemory:
     """
 
     def __init__(self, persistent: int, probe: Probe | None = None, device: torch.device | str = "cuda") -> None:
+        self.serial = next(_SERIALS)  # what a cache of accounts keys them by: each instance its own figures
         self.persistent = persistent
         self.device = torch.device(device)
         self._probe = probe or self._on_device
@@ -133,6 +136,12 @@ def active() -> LibraryMemory | None:
     return _ACTIVE.get()
 
 
+def active_key() -> int:
+    """Which library memory the accounting counts now, for a cache of accounts (0: none)."""
+    lib = _ACTIVE.get()
+    return 0 if lib is None else lib.serial
+
+
 @contextlib.contextmanager
 def counting(lib: LibraryMemory | None) -> Iterator[LibraryMemory | None]:
     """Count ``lib`` in every account and tracker inside the block (None: count none)."""
@@ -182,4 +191,4 @@ def not_counted(device: torch.device | str) -> dict:
                                       "are not in the prediction"}
 
 
-__all__ = ["LIBRARY_OPS", "LibraryMemory", "active", "counting", "for_device", "not_counted", "signature"]
+__all__ = ["LIBRARY_OPS", "LibraryMemory", "active", "active_key", "counting", "for_device", "not_counted", "signature"]

@@ -45,7 +45,7 @@ from edgerev.memory.graph import planned
 from edgerev.memory.measure import profile as profiles
 from edgerev.memory.measure.account import StepAccount, StepShape, account_step, beyond_model
 from edgerev.memory.measure.peak import apply_plan, fake_step_peak, step_peak
-from edgerev.memory.measure.workspaces import counting, for_device, not_counted
+from edgerev.memory.measure.workspaces import active_key, counting, for_device, not_counted
 from edgerev.memory.plan.progress import SILENT, Progress
 from edgerev.memory.solve.costs import BudgetTooSmall, Plan, Profile, Segment, SegmentPlan, StageStats
 from edgerev.memory.solve.knapsack import APPROXIMATE, default_batches, exact_only, plan, smallest_budget
@@ -698,7 +698,7 @@ def _loss_key(loss_fn: Callable[..., Tensor] | DescribedLoss | None) -> tuple | 
     return getattr(loss_fn, "memory_key", None)  # None: a loss this cannot describe, accounted every time
 
 
-_ACCOUNTS: dict[tuple, StepAccount] = {}  # (model, step, plan, loss) -> its account, for this process
+_ACCOUNTS: dict[tuple, StepAccount] = {}  # (model, step, plan, loss, libraries) -> its account, for this process
 _STAGE_PEAKS: dict[tuple, dict[int, int]] = {}  # the same key -> the account's peak per stage
 
 
@@ -707,8 +707,9 @@ def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[
     """:func:`~edgerev.memory.measure.account.account_step` of proposal ``p``, remembered for this process.
 
     An account on fake tensors depends only on the model's structure, its weights' types and which are
-    trained, the step's shape, the plan and the loss: a daemon plans each job of the same model again, and
-    each account runs a whole step under the tracker (seconds on a small CPU).
+    trained, the step's shape, the plan, the loss and the libraries' memory it counts (a CUDA device's, or none):
+    a daemon plans each job of the same model again, and each account runs a whole step under the tracker
+    (seconds on a small CPU).
     """
     loss = _loss_key(loss_fn)
     if loss is None:
@@ -717,7 +718,7 @@ def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[
            tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in model.named_parameters()),
            tuple((n, tuple(t.shape), t.dtype) for n, t in model.named_buffers()),
            tuple(str(m) for m in getattr(engine_body(model), "modes", ())),  # () for a model without an engine
-           step, p.batch, p.modes, p.segments, p.slices, p.floor_restore, loss)
+           step, p.batch, p.modes, p.segments, p.slices, p.floor_restore, loss, active_key())
     if key not in _ACCOUNTS or (stage_peaks is not None and key not in _STAGE_PEAKS):
         peaks: dict[int, int] = {}
         _ACCOUNTS[key] = account_step(model, step, p.batch, p.apply, loss_fn, stage_peaks=peaks)
