@@ -59,9 +59,12 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     return best, best_live
 
 
-def _timed(step, n: int) -> float:
+def _timed(step, n: int, reset_peaks: bool = False) -> float:
+    """Seconds per step over ``n`` steps after a warm one (the allocator's peaks reset after it, if asked)."""
     step()
     torch.cuda.synchronize()
+    if reset_peaks:
+        torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for _ in range(n):
         step()
@@ -128,14 +131,7 @@ def case(arch: str, size: int, budget: int, batch: int, top: int, capped: bool, 
                 torch.cuda.empty_cache()
                 apply_cuda_cap(budget)
             try:
-                step()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                t = time.perf_counter()
-                for _ in range(3):
-                    step()
-                torch.cuda.synchronize()
-                times[cap] = (time.perf_counter() - t) / 3
+                times[cap] = _timed(step, 3, reset_peaks=True)
                 if cap:
                     row["capped_allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
                     row["capped_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()

@@ -243,9 +243,9 @@ def is_fake(t: Tensor) -> bool:
 def exact_division_options() -> dict[str, bool]:
     """``torch.compile`` options under which a compiled float32 division rounds to nearest as eager's does. Triton
     lowers ``/`` to an approximate division by default (``div.full``: within 2 units of the last place), so a
-    compiled body's quotient could differ from the eager kernel's in its last bit; the option (``eager_numerics.
-    division_rounding`` in torch 2.14, ``emulate_divison_rounding`` before) makes it ``div_rn``. Empty where this
-    torch has neither: its division is the approximate one."""
+    compiled body's quotient could differ from the eager kernel's in its last bit; the option
+    (``eager_numerics.division_rounding`` in torch 2.14, read here under whichever of its names this torch's
+    configuration has) makes it ``div_rn``. Empty where it has none: its division is the approximate one."""
     from torch._inductor import config
 
     names = [k for k in config.get_config_copy() if k.rsplit(".", 1)[-1] in ("division_rounding",

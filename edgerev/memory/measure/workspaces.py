@@ -34,7 +34,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from edgerev._torchapi import clear_cublas_workspaces, cublas_workspace_bytes, without_dispatch_modes
+from edgerev._torchapi import (
+    clear_cublas_workspaces,
+    cublas_workspace_bytes,
+    storage_bytes,
+    without_dispatch_modes,
+)
 
 #: the operators whose kernels take memory of their own: convolutions (cuDNN's workspace; the native kernels'
 #: columns where cuDNN is off)
@@ -120,10 +125,10 @@ class LibraryMemory:
             out = func(*a, **kw)
             torch.cuda.synchronize(dev)
             peak = torch.cuda.max_memory_allocated(dev)
-            outs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(t, torch.Tensor)}
+            outs = storage_bytes(t for t in (out if isinstance(out, (list, tuple)) else (out,))
+                                 if isinstance(t, torch.Tensor))
             del out, a, kw
-        return peak - before - sum(outs.values())
+        return peak - before - outs
 
 
 _ACTIVE: contextvars.ContextVar[LibraryMemory | None] = contextvars.ContextVar("edgerev_library_memory",
