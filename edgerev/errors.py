@@ -14,6 +14,13 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def described(e: BaseException) -> str:
+    """``e`` as its type's name and its message's first line (the name alone where it has none): what a summary, a
+    refusal or a fact records of an error that it passes over (``RuntimeError: CUDA error: out of memory``)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0].strip()}" if lines else type(e).__name__
+
+
 class EdgerevError(ValueError):
     """Base class of all edgerev input errors."""
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from edgerev.errors import described
+
 #: the distributions that install the ``onnxruntime`` module (each overwrites the others' files)
 ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnxruntime-training-cpu")
 
@@ -102,7 +104,7 @@ def torch_facts() -> TorchFacts:
     try:
         import torch
     except Exception as e:  # a broken install raises more than ImportError (an OSError for a missing library)
-        return TorchFacts(None, error=f"{type(e).__name__}: {e}")
+        return TorchFacts(None, error=described(e))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return TorchFacts(str(torch.__version__), torch.version.cuda, cudnn, torch.get_num_threads())
 
@@ -124,7 +126,7 @@ def cuda_facts() -> CudaFacts:
             return CudaFacts(**{**facts.__dict__, "error": str(e).strip().splitlines()[0]})
         return CudaFacts(**{**facts.__dict__, "free_bytes": int(free), "total_bytes": int(total)})
     except Exception as e:
-        return CudaFacts(False, error=f"{type(e).__name__}: {e}")
+        return CudaFacts(False, error=described(e))
 
 
 def onnxruntime_facts() -> OrtFacts:
@@ -138,7 +140,7 @@ def onnxruntime_facts() -> OrtFacts:
     try:
         import onnxruntime
     except Exception as e:
-        return OrtFacts(tuple(installed), wanted=wanted, error=f"{type(e).__name__}: {e}")
+        return OrtFacts(tuple(installed), wanted=wanted, error=described(e))
     return OrtFacts(tuple(installed), str(onnxruntime.__version__), tuple(onnxruntime.get_available_providers()),
                     wanted)
 

@@ -34,7 +34,7 @@ from torch import Tensor, fx, nn
 
 from edgerev._torchapi import left_as_it_was
 from edgerev.engine import Execution, InvertibleSequence, engine_body
-from edgerev.errors import EdgerevError, UnsupportedModel
+from edgerev.errors import EdgerevError, UnsupportedModel, described
 from edgerev.layers.base import replaying
 from edgerev.memory.solve.costs import Segment
 from edgerev.models.handle import describes
@@ -76,8 +76,8 @@ def capture(model: nn.Module, example: Tensor) -> fx.GraphModule:
                 gm = _export(model, example)
             except Exception as export_error:  # noqa: BLE001
                 raise GraphError(f"cannot capture {type(model).__name__} as a graph: torch.fx failed "
-                                 f"({_first_line(fx_error)}) and torch.export failed ({_first_line(export_error)})"
-                                 ) from None
+                                 f"({described(fx_error)[:200]}) and torch.export failed "
+                                 f"({described(export_error)[:200]})") from None
     _out_of_place(gm)
     return gm
 
@@ -93,11 +93,6 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return (isinstance(m, nn.modules.batchnorm._BatchNorm) or getattr(type(m), "graph_leaf", False)
                 or super().is_leaf_module(m, qualname))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
 
 
 def _export(model: nn.Module, example: Tensor) -> fx.GraphModule:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn  # noqa: F401 (Tensor: named for the model directory annotations)
 
 from edgerev.engine import InvertibleSequence, engine_body
-from edgerev.errors import EdgerevError
+from edgerev.errors import EdgerevError, described
 
 #: the names the PyTorch route exports a model's input and output under (an ONNX import keeps the file's own)
 INPUT_NAME, OUTPUT_NAME = "pixels", "logits"
@@ -231,7 +231,7 @@ def _output_width(model: nn.Module, in_channels: int, image_size: int | None) ->
         shape = shadowed(model, width)
     except Exception as e:  # noqa: BLE001 (any failure of the user's forward is the one line below)
         raise SpecError(f"{name} has no linear layer to count its classes from, and its forward at {size}x{size} "
-                        f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                        f"failed ({described(e)})") from None
     if len(shape) != 2:
         raise SpecError(f"{name} has no linear layer to count its classes from, and returns a tensor of shape "
                         f"{tuple(shape)} for two images, not [batch, classes]")

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edgerev.errors import EdgerevError
+from edgerev.errors import EdgerevError, described
 from edgerev.models.builders import NoBuilder, package_builder, package_normalization, shapes_differ, weight_shapes
 from edgerev.models.directory import (
     INFO,
@@ -263,7 +263,7 @@ def _from_factory(text: str, args: dict, num_classes: int | None, trust) -> Mode
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001  (a user's module may fail with anything while it imports)
-        raise ModelSourceError(f"{text}: cannot import {module_name} ({type(e).__name__}: {_line(e)})") from None
+        raise ModelSourceError(f"{text}: cannot import {module_name} ({described(e)})") from None
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -278,7 +278,7 @@ def _from_factory(text: str, args: dict, num_classes: int | None, trust) -> Mode
     try:
         model = fn(**call_args)
     except Exception as e:  # noqa: BLE001  (the factory is the user's code: whatever it raises is one line)
-        raise ModelSourceError(f"{text} raised {type(e).__name__}: {_line(e)}") from None
+        raise ModelSourceError(f"{text} raised {described(e)}") from None
     if not isinstance(model, nn.Module):
         raise ModelSourceError(f"{text} returned a {type(model).__name__}, not a torch.nn.Module")
     handle = _package_normalization(describe(model, arch=text, args=dict(args)))
@@ -308,7 +308,7 @@ def _from_onnx(text: str, args: dict, num_classes: int | None, trust) -> ModelHa
     try:
         from edgerev.models.onnx_import import load_onnx
     except ImportError as e:
-        raise ModelSourceError(f"{path}: this edgerev cannot import ONNX files ({_line(e)})") from None
+        raise ModelSourceError(f"{path}: this edgerev cannot import ONNX files ({described(e)})") from None
     return describe(load_onnx(path, classifier=True))  # its handle carries the file's bytes, names and input
 
 
@@ -342,12 +342,12 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except (SafetensorError, ValueError, OSError) as e:
-            raise ModelSourceError(f"weights file {path} is not a valid safetensors file ({_line(e)})") from None
+            raise ModelSourceError(f"weights file {path} is not a valid safetensors file ({described(e)})") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  (pickle refusals, zip errors, truncation: all mean 'not a state_dict')
         raise ModelSourceError(f"weights file {path} is neither safetensors nor a state_dict saved by torch.save "
-                               f"({type(e).__name__}: {_line(e)})") from None
+                               f"({described(e)})") from None
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -362,11 +362,6 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
 def _looks_safetensors(head: bytes, size: int) -> bool:
     """safetensors starts with the little-endian length of its JSON header, then ``{``."""
     return len(head) == 9 and head[8:] == b"{" and 0 < int.from_bytes(head[:8], "little") < size
-
-
-def _line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def build_model(info: ModelInfo, folder: str | Path | None = None,
@@ -396,7 +391,7 @@ def build_model(info: ModelInfo, folder: str | Path | None = None,
             handle = resolve_model(info.arch, args=info.model_args, num_classes=len(info.classes))
         except Exception as e:  # noqa: BLE001  (the arguments are a file's: whatever they make the builder raise)
             raise CheckpointError(f"{where}: model_args: {info.arch} cannot be built with {_shown(info.model_args)} "
-                                  f"({type(e).__name__}: {_line(e)})") from None
+                                  f"({described(e)})") from None
     # the normalization its weights are trained with, and its classes
     return handle.replace(mean=info.mean, std=info.std, classes=info.classes)
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from edgerev.errors import one_line
+from edgerev.errors import described
 from edgerev.layers.base import chunk_bytes
 from edgerev.memory.measure.microbatch import StepLoss, accumulate, step_signature
 
@@ -149,7 +149,7 @@ class StepGraphs:
             with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
                 loss = accumulate(model, static_x, static_t, parts, loss_fn)
         except Exception as e:  # noqa: BLE001 (whatever refused the capture, the step runs eagerly)
-            refused = f"{type(e).__name__}: {one_line(e)}"
+            refused = described(e)
         if refused is not None:  # out of the except block: its traceback no longer holds the graph and its pool
             for p in params:
                 p.grad = None

@@ -40,6 +40,7 @@ from edgerev._torchapi import (
     storage_bytes,
     without_dispatch_modes,
 )
+from edgerev.errors import described
 
 #: the operators whose kernels take memory of their own: convolutions (cuDNN's workspace; the native kernels'
 #: columns where cuDNN is off)
@@ -96,7 +97,7 @@ class LibraryMemory:
                 self.failures[key] = f"out of memory: {str(e).splitlines()[0][:200]}"
             except Exception as e:  # noqa: BLE001 (a kernel that refused the probe: counted as 0, and said)
                 self._transient[key] = 0
-                self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self.failures[key] = described(e)[:200]
         return self._transient[key]
 
     def summary(self) -> dict:
