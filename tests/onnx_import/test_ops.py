@@ -259,6 +259,27 @@ def test_op_matches_the_reference(case, opset, tmp_path):
     assert_matches(m, tmp_path, X)
 
 
+def test_the_ops_that_make_weights_are_the_layer_ops(tmp_path):
+    """LAYER_OPS (what the import computes at run time when a value of shapes reaches it) is read from the converters
+    themselves: a case whose import holds parameters has a layer op, and every layer op makes them in some case (not
+    in every one: a MatMul of two computed values has none)."""
+    from edgerev.models.onnx_import import load_onnx
+    from edgerev.models.onnx_import.ops import LAYER_OPS
+    from tests.onnx_import.graphs import save
+
+    seen = set()
+    for case in sorted(CASES):
+        opset = max(SINCE.get(case, 0), min(OPSETS))
+        nodes, inits, *out_shape = CASES[case](opset)
+        nodes = [n for n in nodes if n is not None]
+        m = model(nodes, X.shape, inits=inits, opset=opset, out_shape=out_shape[0] if out_shape else None)
+        trains = any(True for _ in load_onnx(save(m, tmp_path / f"{case}.onnx")).parameters())
+        ops = {n.op_type for n in nodes}
+        assert not trains or ops & LAYER_OPS, (case, ops)
+        seen |= ops & LAYER_OPS if trains else set()
+    assert seen == LAYER_OPS  # every layer op was seen making weights
+
+
 @settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(k=st.integers(1, 4), s=st.integers(1, 3), d=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
        pads=st.lists(st.integers(0, 2), min_size=4, max_size=4), size=st.integers(7, 10),

@@ -26,7 +26,7 @@ from torch import nn
 from edgerev.errors import UnsupportedModel
 from edgerev.models.onnx_import.fold import ShapeValue, Sym, evaluate, fold_shape_op, shape_entries
 from edgerev.models.onnx_import.model import ImportedModel
-from edgerev.models.onnx_import.ops import OPS
+from edgerev.models.onnx_import.ops import LAYER_OPS, OPS
 from edgerev.models.onnx_import.read import OPS_PAGE, OnnxFile, check_classifier, initializers, read_io, read_onnx
 from edgerev.models.onnx_import.shapefn import shape_function
 from edgerev.models.onnx_import.signature import OnnxIO
@@ -42,12 +42,6 @@ class Unfolded:
 
     node: str
     op: str
-
-
-#: ops whose weights train: a value computed from shapes alone that reaches one is computed when the model runs,
-#: and the op is a layer of the model (EdgeNeXt's positional encoding reaches a Conv)
-_LAYER_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", "LayerNormalization",
-                        "InstanceNormalization", "GroupNormalization", "PRelu"})
 
 
 def load_onnx(path: str | Path, *, classifier: bool = False) -> ImportedModel:
@@ -347,7 +341,7 @@ class Builder:
         present = [a for i, a in zip(node.input, args) if i]
         runtime = any(isinstance(a, fx.Node) for a in present)
         if not runtime and any(isinstance(a, Unfolded) for a in present):
-            if node.op_type not in _LAYER_OPS:
+            if node.op_type not in LAYER_OPS:
                 self._mark_unfolded(node)
                 return
             args = [self.computed(i) if isinstance(a, Unfolded) else a for i, a in zip(node.input, args)]

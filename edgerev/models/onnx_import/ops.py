@@ -61,6 +61,13 @@ def _torch_pad(pads: list[int]) -> tuple[int, ...]:
     return tuple(v for i in reversed(range(n)) for v in (pads[i], pads[n + i]))
 
 
+def _layer(convert):
+    """Mark ``convert`` as making a layer whose weights train (:data:`LAYER_OPS`)."""
+    convert.makes_layer = True
+    return convert
+
+
+@_layer
 def conv(b, node):
     a = b.attrs(node)
     w = b.const(node, 1, "weights")
@@ -96,6 +103,7 @@ def _convolution(b, node, m: nn.Module, w, bias) -> str:
     return name
 
 
+@_layer
 def conv_transpose(b, node):
     a = b.attrs(node)
     w = b.const(node, 1, "weights")
@@ -189,6 +197,7 @@ def _global(fn):
 # ---------------------------------------------------------------- normalization, activations
 
 
+@_layer
 def batch_norm(b, node):
     a = b.attrs(node)
     if any(o for o in node.output[1:]):
@@ -213,6 +222,7 @@ def batch_norm(b, node):
     return [b.call_module(name, b.tensor(node.input[0]))]
 
 
+@_layer
 def layer_norm(b, node):
     """ONNX LayerNormalization: :func:`torch.nn.functional.layer_norm` over the axes from ``axis`` on, its scale and
     bias the weights of an ``nn.LayerNorm`` (trained, and written back by the export)."""
@@ -276,6 +286,7 @@ def clip(b, node):
     return [b.call(torch.clamp, x, lo, hi)]
 
 
+@_layer
 def prelu(b, node):
     slope = b.const(node, 1, "slope")
     name = b.add_module(node, PRelu(_t(slope)))
@@ -318,6 +329,7 @@ def _linear(b, node, weight: np.ndarray, bias: np.ndarray | None, x) -> tuple[st
     return name, b.call_module(name, x)
 
 
+@_layer
 def gemm(b, node):
     a = b.attrs(node)
     alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))
@@ -350,6 +362,7 @@ def gemm(b, node):
     return [y]
 
 
+@_layer
 def matmul(b, node):
     w = b.value(node.input[1])
     if not (isinstance(w, np.ndarray) and w.ndim == 2):
@@ -626,3 +639,8 @@ OPS = {
     "Gemm": gemm, "MatMul": matmul, "Pad": pad, "Expand": expand, "Resize": resize, "Identity": identity,
     "Dropout": dropout, "Cast": cast, "CastLike": cast_like,
 }
+
+#: the ops whose weights train (their converters marked ``_layer``): a value computed from shapes alone that reaches
+#: one is computed when the model runs, and the op is a layer of the model (EdgeNeXt's positional encoding reaches a
+#: Conv)
+LAYER_OPS = frozenset(op for op, convert in OPS.items() if getattr(convert, "makes_layer", False))
