@@ -28,9 +28,9 @@ For MobileNetV2, ResNet-18 and EfficientNet-B0 (:mod:`edgerev.models.designs`, t
   default) and imported; its head grows to ten classes, the new rows are fitted to the imported features (the
   trainer's ``continual.probe``; ``--no-probe``: left at their random initialization), and it is fine-tuned on
   20 images of each of the digits 5-9 (with distillation from the imported model and a replay of 20 images of
-  each old digit) as the trainer's recipe fine-tunes each (:data:`edgerev.train.config.DEFAULT_LR` and
-  ``DEFAULT_CLIP``, relative to ``--finetune-lr``: the folded one's gradient clipped to a norm of 5; without
-  batch norm the same rate unclipped diverges);
+  each old digit) as the trainer's recipe fine-tunes each (:data:`edgerev.train.config.DEFAULT_LR`,
+  ``DEFAULT_CLIP`` and ``DEFAULT_ADAPTIVE_CLIP``, relative to ``--finetune-lr``: the folded one's gradient clipped
+  unit by unit, :func:`edgerev.train.optim.adaptive_clip_`; without batch norm the same rate unclipped diverges);
   accuracy on held-out new and old digits, against the same recipe from random weights (no teacher: there is
   none), each the mean over ``--fewshot-seeds`` fine-tuning seeds (batch order, grown rows, random weights; the
   pretrained model and the split are ``--seed``'s), every run beside.
@@ -66,6 +66,7 @@ from edgerev.memory.measure.tracker import CudaPeak, MemoryTracker
 from edgerev.models.designs import DESIGNS
 from edgerev.train.config import ContinualConfig
 from edgerev.train.continual import ContinualLoss, fit_new_rows, grow_head, head_inputs
+from edgerev.train.optim import adaptive_clip_
 
 PARTS = ("fidelity", "memory", "torch", "time", "fewshot")
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
@@ -377,9 +378,10 @@ def split_digits(size: int, shots: int, seed: int):
 
 
 def fit(model: nn.Module, data, epochs: int, lr: float, batch: int, seed: int, teacher: nn.Module | None = None,
-        distill: float = 0.0, clip: float | None = None) -> None:
+        distill: float = 0.0, clip: float | None = None, adaptive: float | None = None) -> None:
     """SGD with Nesterov momentum and a cosine schedule; distillation from ``teacher`` when given; each step's
-    gradient clipped to the norm ``clip`` when given."""
+    gradient clipped unit by unit at the ratio ``adaptive``, then to the norm ``clip``, where given (as the trainer's
+    update does)."""
     x, y = data
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
@@ -400,6 +402,8 @@ def fit(model: nn.Module, data, epochs: int, lr: float, batch: int, seed: int, t
                     targets += (teacher(xb),)
             opt.zero_grad(set_to_none=True)
             loss_fn(model(xb), *targets).backward()
+            if adaptive is not None:
+                adaptive_clip_(list(model.parameters()), adaptive)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
@@ -413,12 +417,12 @@ def accuracy(model: nn.Module, data) -> float:
     return float((model(x).argmax(1) == y).float().mean())
 
 
-def _tune_imported(model: nn.Module, bn: str, lr: float, clip: float | None, tune, old_test, new_test, a,
-                   path: Path) -> dict:
+def _tune_imported(model: nn.Module, bn: str, lr: float, clip: float | None, adaptive: float | None, tune, old_test,
+                   new_test, a, path: Path) -> dict:
     """Export ``model`` with batch norm kept or folded, import it; for each fine-tuning seed, grow a copy's head,
     fit its new rows, fine-tune with distillation."""
     export(model.eval(), a.fewshot_size, path, keep_bn=bn == "kept")
-    out = {"lr": lr, "clip_grad_norm": clip}
+    out = {"lr": lr, "clip_grad_norm": clip, "adaptive_clip": adaptive}
     try:
         imported = load_imported(path)
         out["start"] = "imported from ONNX"
@@ -441,7 +445,7 @@ def _tune_imported(model: nn.Module, bn: str, lr: float, clip: float | None, tun
         if a.probe:  # the trainer's continual.probe: the new rows fitted to the imported features first (on every
             # image: the set has 20 of each class, fewer than the trainer's PROBE_IMAGES)
             run["probe"] = fit_new_rows(base, head_inputs(base, tune[0].split(256)), tune[1], 5, 5e-4)
-        fit(base, tune, a.finetune_epochs, lr, 20, seed, teacher=teacher, distill=1.0, clip=clip)
+        fit(base, tune, a.finetune_epochs, lr, 20, seed, teacher=teacher, distill=1.0, clip=clip, adaptive=adaptive)
         run["finetune_seconds"] = round(time.perf_counter() - start, 1)
         run["new"], run["old"] = accuracy(base, new_test), accuracy(base, old_test)
         if not runs and out["start"] == "imported from ONNX":
@@ -471,13 +475,13 @@ def fewshot(name: str, a, tmp: Path) -> dict:
     out = {"pretrain_seconds": round(time.perf_counter() - start, 1), "pretrained_old": accuracy(model, old_test),
            "pretrain_images": len(pre[0]), "finetune_images": len(tune[0]), "old_test": len(old_test[0]),
            "new_test": len(new_test[0])}
-    from edgerev.train.config import DEFAULT_CLIP, DEFAULT_LR
+    from edgerev.train.config import DEFAULT_ADAPTIVE_CLIP, DEFAULT_CLIP, DEFAULT_LR
 
     for bn, start in (("kept", "pretrained"), ("folded", "folded")):  # the trainer's recipe for each: its rate
         lr = a.finetune_lr * DEFAULT_LR[start] / DEFAULT_LR["pretrained"]  # relative to --finetune-lr, and its clip
         try:
-            out[f"bn_{bn}"] = _tune_imported(model, bn, lr, DEFAULT_CLIP[start], tune, old_test, new_test, a,
-                                             tmp / f"{name}-digits-{bn}.onnx")
+            out[f"bn_{bn}"] = _tune_imported(model, bn, lr, DEFAULT_CLIP[start], DEFAULT_ADAPTIVE_CLIP[start], tune,
+                                             old_test, new_test, a, tmp / f"{name}-digits-{bn}.onnx")
         except Exception as e:  # an import that refuses one export still leaves the other's figures
             out[f"bn_{bn}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     runs = []

@@ -37,6 +37,7 @@ from edgerev.errors import EdgerevError
 from edgerev.memory.measure.microbatch import StepLoss, accumulate, split_batch, step_signature
 from edgerev.memory.measure.tracker import MemoryBudgetExceeded, MemoryTracker
 from edgerev.train.graphs import StepGraphs
+from edgerev.train.optim import adaptive_clip_
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (MemoryBudgetExceeded, torch.cuda.OutOfMemoryError)
 
@@ -151,7 +152,7 @@ class StepResult:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, target: Tensor | tuple[Tensor, ...], *,
                micro_batches: int = 1, loss_fn: Callable[..., Tensor] = F.cross_entropy,
-               clip_grad_norm: float | None = None, cap: CpuCap | None = None,
+               clip_grad_norm: float | None = None, adaptive_clip: float | None = None, cap: CpuCap | None = None,
                graphs: StepGraphs | None = None) -> StepResult:
     """One optimizer step on ``(x, target)``, split into micro-batches as memory requires.
 
@@ -160,6 +161,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
             are split with the batch and passed to ``loss_fn(logits, *target)``.
         micro_batches: split to start from (a previous step's answer; halving only ever grows it).
         clip_grad_norm: scale the summed gradient down to this norm before the step (None: never).
+        adaptive_clip: scale each unit's summed gradient down to this fraction of its weight's norm before the step
+            (:func:`edgerev.train.optim.adaptive_clip_`; None: never); before ``clip_grad_norm`` where both are set.
         cap: the CPU cap: its budget over its baseline, verified once per new (shapes, plan) and trusted
             afterwards (see :class:`CpuCap`; :meth:`CpuCap.over_alive` for a baseline of what is alive now).
             None: no CPU cap; on CUDA, set the cap once with :func:`apply_cuda_cap`.
@@ -179,7 +182,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
     if graphs is not None and cap is None:
         replayed = graphs.step(model, x, targets, micro_batches, loss_fn, split_batch(n, micro_batches))
         if replayed is not None:
-            return _update(model, optimizer, clip_grad_norm, replayed, micro_batches, 0)
+            return _update(model, optimizer, (adaptive_clip, clip_grad_norm), replayed, micro_batches, 0)
     buffers = save_buffers(model)
     retries = 0
     while True:
@@ -210,14 +213,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, ta
                 cap.trusted_steps += 1
         if graphs is not None:
             graphs.ran_eagerly(model, x, targets, micro_batches, loss_fn)
-        return _update(model, optimizer, clip_grad_norm, total, micro_batches, retries)
+        return _update(model, optimizer, (adaptive_clip, clip_grad_norm), total, micro_batches, retries)
 
 
-def _update(model: nn.Module, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None, total: StepLoss,
-            micro_batches: int, retries: int) -> StepResult:
-    """The optimizer's step on the summed gradients (clipped first when asked), then the step's one read of the
-    host: its loss and value checks."""
-    if clip_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad_norm)
+def _update(model: nn.Module, optimizer: torch.optim.Optimizer, clip: tuple[float | None, float | None],
+            total: StepLoss, micro_batches: int, retries: int) -> StepResult:
+    """The optimizer's step on the summed gradients (clipped first where ``clip``, the unit-wise ratio and the global
+    norm, asks), then the step's one read of the host: its loss and value checks."""
+    adaptive, norm = clip
+    if adaptive is not None or norm is not None:
+        params = [p for p in model.parameters() if p.grad is not None]
+        if adaptive is not None:
+            adaptive_clip_(params, adaptive)
+        if norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, norm)
     optimizer.step()
     return StepResult(total.read(), micro_batches, retries)

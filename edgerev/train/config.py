@@ -7,6 +7,7 @@ optional; ``configs/`` holds presets.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -151,7 +152,9 @@ class AugmentConfig:
 DEFAULT_LR = {"scratch": 0.4, "new": 0.1, "pretrained": 0.01, "folded": 0.01}
 NEW_LR_BATCH = 256
 #: the gradient norm a run clips at when the recipe leaves ``optim.clip_grad_norm`` null, by how it starts
-DEFAULT_CLIP = {"scratch": None, "new": None, "pretrained": None, "folded": 5.0}
+DEFAULT_CLIP = {"scratch": None, "new": None, "pretrained": None, "folded": None}
+#: the unit-wise clipping ratio a run clips at when the recipe leaves ``optim.adaptive_clip`` null, by how it starts
+DEFAULT_ADAPTIVE_CLIP = {"scratch": None, "new": None, "pretrained": None, "folded": 0.2}
 
 
 @dataclass(frozen=True)
@@ -164,24 +167,29 @@ class OptimConfig:
     for fine-tuning a pretrained one (an ONNX file, a model directory, ``model.weights``, ``model.init``, a
     module object whose batch norms hold trained statistics), whose batch norms were folded into its
     convolutions or not (a folded one, with no batch norm after most of its convolutions, has its gradient
-    clipped: see ``clip_grad_norm``).
+    clipped unit by unit: see ``adaptive_clip``).
 
     ``schedule``: ``onecycle`` (warm-up from ``lr/25``, cosine down), ``linear`` (the RevNeXt authors'
     cycle: from 0 up to ``lr``, then straight down to 0; their CIFAR-10 runs: ``warmup: 0.1``, i.e. 5 of
     50 epochs) or ``constant``.
 
     ``clip_grad_norm``: scale each step's gradient down to this norm; null: chosen by how the run starts
-    (:data:`DEFAULT_CLIP`): 5.0 for a pretrained model whose batch norms were folded, never otherwise (``.inf``:
-    never, whatever the model). A folded network's gradient can be large where nothing renormalizes it, and a
-    lower rate alone is no answer. In ``benchmarks/byo_model.py``'s few-shot digits, the folded ResNet-18 fell
-    to chance at 0.01; at 0.001 it learned the new digits to 0.64 (0.89 from random weights); at 0.01 clipped
-    at 5.0, to 0.89, the old ones at 0.93 (clipped at 1.0 or 2.0: 0.72, 0.81; at 0.001 clipped at 1.0: none).
-    torchvision's ResNet-50 exported folded (random weights, its statistics its own, ``benchmarks/zoo.py``)
-    went from a loss of 9.5 to NaN in three steps at 0.001, its gradient's norm 1,094 at the first; at 0.01
-    clipped at 5.0 its loss fell to 2.7 in eight. edgerev's earlier RevNeXt (a bare convolution as
-    stem, a mean and a biased linear layer as head) diverged at the paper's peak lr 0.4 without it (batch
-    256: the stem's output, then every activation, grew without bound within 15 steps); the paper's stem
-    and head remove the cause. The presets that use lr >= 0.1 still set it.
+    (:data:`DEFAULT_CLIP`: never, whatever the start; ``.inf``: never). edgerev's earlier RevNeXt (a bare
+    convolution as stem, a mean and a biased linear layer as head) diverged at the paper's peak lr 0.4 without it
+    (batch 256: the stem's output, then every activation, grew without bound within 15 steps); the paper's stem and
+    head remove the cause. The presets that use lr >= 0.1 still set it.
+
+    ``adaptive_clip``: unit-wise adaptive gradient clipping (AGC, Brock et al. 2021, the NFNets' answer to training
+    without batch norm): each unit's gradient (a convolution's output channel, a linear layer's row, a bias) is
+    scaled down to at most this fraction of the unit's weight norm; null: chosen by how the run starts
+    (:data:`DEFAULT_ADAPTIVE_CLIP`): 0.2 for a pretrained model whose batch norms were folded, never otherwise
+    (``.inf``: never, whatever the model). Nothing renormalizes a folded network's activations, and a few units
+    with large gradients throw it off where a global norm clip bounds only the whole step: in ``benchmarks/zoo.py``'s
+    files at 64x64 (random weights exported folded, six steps at 0.01), LCNet's loss rose from 2.67 to 10.5 with the
+    gradient clipped to a norm of 5 and fell to 0.72 at 0.2. Tighter ratios train those files more smoothly and
+    fine-tune pretrained ones less (``benchmarks/byo_model.py``'s few-shot digits: MobileNetV2's new digits 0.81 at
+    0.1, 0.87 at 0.2); looser ones let LCNet's and MNASNet's files diverge again (0.4). Applied before
+    ``clip_grad_norm`` where both are set.
     """
 
     lr: float | None = None
@@ -192,6 +200,7 @@ class OptimConfig:
     schedule: Literal["onecycle", "linear", "constant"] = "onecycle"
     warmup: float = 0.25
     clip_grad_norm: float | None = None
+    adaptive_clip: float | None = None
 
     def peak(self, start: str, batch: int = NEW_LR_BATCH) -> float:
         """``lr``, or when null the default for a run that starts ``start`` (a key of :data:`DEFAULT_LR`) with
@@ -204,9 +213,16 @@ class OptimConfig:
         """``clip_grad_norm``, or when null the default for a run that starts ``start`` (None: never)."""
         return self.clip_grad_norm if self.clip_grad_norm is not None else DEFAULT_CLIP[start]
 
+    def adaptive(self, start: str) -> float | None:
+        """``adaptive_clip``, or when null the default for a run that starts ``start`` (None: never, as ``.inf``)."""
+        ratio = self.adaptive_clip if self.adaptive_clip is not None else DEFAULT_ADAPTIVE_CLIP[start]
+        return None if ratio is None or math.isinf(ratio) else ratio
+
     def __post_init__(self) -> None:
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm",
               f"must be positive (or null), got {self.clip_grad_norm}")
+        check(self.adaptive_clip is None or self.adaptive_clip > 0, "adaptive_clip",
+              f"must be positive (or null), got {self.adaptive_clip}")
         check(self.lr is None or self.lr > 0, "lr", f"must be positive (or null), got {self.lr}")
         check(0.0 <= self.momentum < 1.0, "momentum", f"must lie in [0, 1), got {self.momentum}")
         check(not self.nesterov or self.momentum > 0, "nesterov", "needs momentum > 0")

@@ -1,4 +1,5 @@
-"""The optimizer a run steps with: torch's SGD, its momentum buffer in the weights' float32 or in bfloat16.
+"""The optimizer a run steps with: torch's SGD, its momentum buffer in the weights' float32 or in bfloat16; and the
+unit-wise adaptive gradient clipping a model without normalization steps with (:func:`adaptive_clip_`).
 
 ``train.trainable: auto`` keeps the momentum in bfloat16 where the float32 buffer does not fit the budget beside
 the weights that train (:func:`edgerev.train.trainable.choose_fit`): half the optimizer's bytes. torch's SGD
@@ -42,3 +43,28 @@ def keep_state_in(optimizer: torch.optim.SGD, dtype: torch.dtype) -> None:
             buf = state.get("momentum_buffer")
             state["momentum_buffer"] = (torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
                                         if buf is None else buf.to(dtype))
+
+
+#: a unit's weight norm below this counts as this in :func:`adaptive_clip_` (NFNets' epsilon): a zero unit still moves
+ADAPTIVE_CLIP_EPS = 1e-3
+
+
+def adaptive_clip_(params: list[nn.Parameter], ratio: float, eps: float = ADAPTIVE_CLIP_EPS) -> None:
+    """Unit-wise adaptive gradient clipping (AGC: Brock et al., "High-Performance Large-Scale Image Recognition
+    Without Normalization", ICML 2021), in place: each unit's gradient is scaled down where its norm is above
+    ``ratio`` times the unit's weight norm (at least ``eps``). A unit is one output of a weight of two or more
+    dimensions (a convolution's output channel, a linear layer's row); a vector or a scalar (a bias) is one unit.
+
+    A global norm clip bounds the whole step; this bounds each unit's step against its own size, which is what keeps
+    a network without batch norm (a file whose batch norms were folded into its convolutions) from being thrown off
+    by the few units whose gradients are large. It runs on the device, without reading the host. timm has it too
+    (``timm.utils.agc``); timm is not a dependency of edgerev's runtime, and the function is these few lines."""
+    with torch.no_grad():
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            dims = tuple(range(1, p.ndim)) if p.ndim > 1 else None
+            limit = torch.linalg.vector_norm(p, dim=dims, keepdim=True).clamp_min_(eps).mul_(ratio)
+            norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=limit.dtype).clamp_min_(1e-12)
+            g.mul_(limit.div_(norm).clamp_max_(1.0).to(g.dtype))

@@ -82,7 +82,8 @@ class RunResult:
 
 def _diverged(step: int, lr: float, what: str) -> RunError:
     return RunError(f"training diverged at step {step + 1} ({what}); lower optim.lr ({lr:.4g} at that step) or set "
-                    "optim.clip_grad_norm; the last checkpoint holds the weights before it")
+                    "optim.clip_grad_norm (or, for a network without batch norm, optim.adaptive_clip); the last "
+                    "checkpoint holds the weights before it")
 
 
 def _device(name: str) -> torch.device:
@@ -442,7 +443,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
         dump_yaml(out / CONFIG, cfg)
     # a saved null is chosen again on resume
     cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start, batch),
-                                     clip_grad_norm=cfg.optim.clip(s.start)))
+                                     clip_grad_norm=cfg.optim.clip(s.start), adaptive_clip=cfg.optim.adaptive(s.start)))
     params = [p for p in model.parameters() if p.requires_grad]
     if not memory.momentum:  # trainable auto dropped it to train more parameters (said in the plan)
         cfg = replace(cfg, optim=replace(cfg.optim, momentum=0.0, nesterov=False))
@@ -560,7 +561,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
             try:
                 with plain(run, cfg.memory.mode == "plain"):
                     res = train_step(run, optimizer, x, target, micro_batches=micro, loss_fn=loss_fn,
-                                     clip_grad_norm=cfg.optim.clip_grad_norm, cap=cap, graphs=graphs)
+                                     clip_grad_norm=cfg.optim.clip_grad_norm, adaptive_clip=cfg.optim.adaptive_clip,
+                                     cap=cap, graphs=graphs)
             except NonFiniteError as e:
                 raise _diverged(step, lr, str(e)) from None
             if not math.isfinite(res.loss):

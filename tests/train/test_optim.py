@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from edgerev.train.optim import keep_state_in, sgd
+from edgerev.train.optim import ADAPTIVE_CLIP_EPS, adaptive_clip_, keep_state_in, sgd
 from edgerev.train.state import load_checkpoint, save_checkpoint
 
 SETTINGS = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
@@ -58,3 +60,30 @@ def test_without_momentum_nothing_is_kept():
     w = torch.nn.Parameter(torch.ones(3))
     opt = sgd([w], lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, state_bytes=2)
     assert not opt.state
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.sampled_from([(), (5,), (4, 3), (6, 2, 3, 3)]), ratio=st.floats(0.001, 2.0),
+       scale=st.floats(1e-4, 1e3), seed=st.integers(0, 2**31 - 1))
+def test_adaptive_clip_bounds_each_unit_against_its_weight_and_keeps_its_direction(shape, ratio, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(shape, generator=g) * torch.rand((), generator=g))
+    p.grad = torch.randn(shape, generator=g) * scale
+    before = p.grad.clone()
+    adaptive_clip_([p], ratio)
+    dims = tuple(range(1, p.ndim)) if p.ndim > 1 else None
+    limit = torch.linalg.vector_norm(p.detach(), dim=dims).clamp_min(ADAPTIVE_CLIP_EPS) * ratio
+    norm, was = (torch.linalg.vector_norm(t, dim=dims) for t in (p.grad, before))
+    assert torch.all(norm <= limit * (1 + 1e-5))  # every unit within its bound
+    kept = was <= limit
+    assert torch.equal(p.grad[kept], before[kept]) if p.ndim > 0 else (not kept or torch.equal(p.grad, before))
+    factor = norm / was  # a unit scaled as a whole: the same direction
+    assert torch.allclose(p.grad, before * (factor.reshape(-1, *[1] * (p.ndim - 1)) if p.ndim > 1 else factor),
+                          rtol=1e-5, atol=0)
+
+
+def test_adaptive_clip_leaves_parameters_without_a_gradient():
+    p, q = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2))
+    q.grad = torch.full((2,), 100.0)
+    adaptive_clip_([p, q], 0.1)
+    assert p.grad is None and torch.allclose(torch.linalg.vector_norm(q.grad), 0.1 * torch.linalg.vector_norm(q))

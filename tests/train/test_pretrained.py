@@ -149,23 +149,26 @@ def test_a_module_whose_head_numbers_the_data_s_classes_keeps_it(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("keep_batch_norm, recipe_clip, clip", [(True, None, None), (False, None, 5.0),
-                                                                (False, 5.0, 5.0)])
-def test_a_folded_file_clips_its_gradient_unless_the_recipe_says(tmp_path, monkeypatch, keep_batch_norm,
-                                                                 recipe_clip, clip):
+@pytest.mark.parametrize("keep_batch_norm, recipe, clips", [
+    (True, {}, (None, None)),  # batch norm kept: nothing clipped
+    (False, {}, (0.2, None)),  # folded: each unit's gradient against its weight
+    (False, {"adaptive_clip": float("inf")}, (None, None)),  # the recipe says never
+    (False, {"adaptive_clip": 0.2, "clip_grad_norm": 5.0}, (0.2, 5.0)),  # the recipe's own
+])
+def test_a_folded_file_clips_its_gradient_unit_by_unit_unless_the_recipe_says(tmp_path, monkeypatch, keep_batch_norm,
+                                                                              recipe, clips):
     from edgerev.train import trainer
 
     seen, step = [], trainer.train_step
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("clip_grad_norm"))
+        seen.append((kwargs.get("adaptive_clip"), kwargs.get("clip_grad_norm")))
         return step(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", spy)
-    recipe = {**RECIPE, "optim": {"schedule": "constant", "clip_grad_norm": recipe_clip}}
     edgerev.fit(onnx_file(tmp_path / "owner.onnx", keep_batch_norm=keep_batch_norm), out=tmp_path / "run",
-                size=SIZE, config=recipe)
-    assert seen and set(seen) == {clip}
+                size=SIZE, config={**RECIPE, "optim": {"schedule": "constant", **recipe}})
+    assert seen and set(seen) == {clips}
 
 
 def test_folded_means_no_batch_norm_after_most_convolutions():
