@@ -399,8 +399,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8, help="training images (as many are held out)")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--lr", type=float, default=None,
-                    help="the learning rate (default: the recipe's for how the run starts, as a user gets it: 0.01 for "
-                         "a module with its weights, 0.001 for a file whose batch norms were folded)")
+                    help="the learning rate (default: the recipe's for how the run starts, as a user gets it: 0.1 x "
+                         "batch / 256 for a module from random weights, 0.01 for a file, its gradient clipped unit by "
+                         "unit where its batch norms were folded)")
     ap.add_argument("--fraction", type=float, default=0.75, help="the planned budget, of the store-everything peak")
     ap.add_argument("--time", action="store_true",
                     help="time a step of the plan at --fraction against plain autograd's (the issue's 1.5x at half "
