@@ -92,10 +92,9 @@ class LibraryMemory:
         if key not in self._transient:
             try:
                 self._transient[key] = max(0, int(self._probe(func, args, kwargs)))
-            except torch.cuda.OutOfMemoryError as e:  # its tensors alone do not fit: the step would not either
-                self._transient[key] = 0
-                self.failures[key] = f"out of memory: {str(e).splitlines()[0][:200]}"
-            except Exception as e:  # noqa: BLE001 (a kernel that refused the probe: counted as 0, and said)
+            # out of memory (its tensors alone do not fit: the step would not either) or a kernel that refused the
+            # probe: counted as 0, and said
+            except Exception as e:  # noqa: BLE001
                 self._transient[key] = 0
                 self.failures[key] = described(e)[:200]
         return self._transient[key]
