@@ -100,6 +100,7 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
     from edgerev.models.spec import check_size, model_spec
     from edgerev.train.cap import CpuCap, apply_cuda_cap, train_step
     from edgerev.train.memory import loss_of, step_shape
+    from edgerev.train.trainer import pretrained_source, run_start
 
     t = cfg.train
     budget = None if cfg.memory.budget is None else int(cfg.memory.budget)
@@ -154,9 +155,11 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         if teacher is not None:
             teacher.to(dev)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(params, lr=cfg.optim.peak("scratch"),  # the rate changes no byte
-                                    momentum=cfg.optim.momentum,
-                                    nesterov=cfg.optim.nesterov, weight_decay=cfg.optim.weight_decay)
+        # the job's recipe: a job after the first (one that distils) starts from the model in service, trained
+        optim = cfg.optim.resolved(run_start(handle, teacher is not None or pretrained_source(cfg, handle) is not None),
+                                   t.batch)
+        optimizer = torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov,
+                                    weight_decay=optim.weight_decay)
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(t.batch, model_spec(model).in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev)
         y = torch.randint(0, classes, (t.batch,), generator=g).to(dev)
@@ -183,11 +186,11 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
             if cap is None and dev.type == "cpu":
                 with MemoryTracker(baseline=base) as tracker:  # no cap: measured, not enforced
                     res = train_step(model, optimizer, x, target, micro_batches=n, loss_fn=loss_fn,
-                                     clip_grad_norm=cfg.optim.clip_grad_norm)
+                                     clip_grad_norm=optim.clip_grad_norm, adaptive_clip=optim.adaptive_clip)
                 peak = max(peak, tracker.peak)
             else:
                 res = train_step(model, optimizer, x, target, micro_batches=n, loss_fn=loss_fn,
-                                 clip_grad_norm=cfg.optim.clip_grad_norm, cap=cap)
+                                 clip_grad_norm=optim.clip_grad_norm, adaptive_clip=optim.adaptive_clip, cap=cap)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - s0)

@@ -8,7 +8,7 @@ optional; ``configs/`` holds presets.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from edgerev.config import Pruned, byte_size, check
@@ -217,6 +217,13 @@ class OptimConfig:
         """``adaptive_clip``, or when null the default for a run that starts ``start`` (None: never, as ``.inf``)."""
         ratio = self.adaptive_clip if self.adaptive_clip is not None else DEFAULT_ADAPTIVE_CLIP[start]
         return None if ratio is None or math.isinf(ratio) else ratio
+
+    def resolved(self, start: str, batch: int = NEW_LR_BATCH) -> OptimConfig:
+        """This recipe with each null that how the run starts chooses set (:meth:`peak`, :meth:`clip`,
+        :meth:`adaptive`): the optimizer and the step a run of ``start`` with steps of ``batch`` samples take (its
+        clips as :func:`edgerev.train.cap.train_step` takes them, None: never; a recipe to run, not to save)."""
+        return replace(self, lr=self.peak(start, batch), clip_grad_norm=self.clip(start),
+                       adaptive_clip=self.adaptive(start))
 
     def __post_init__(self) -> None:
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm",

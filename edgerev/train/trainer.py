@@ -210,7 +210,7 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
                                f"directory ({why}); name the function that builds it as a factory, e.g. "
                                'fit("torchvision.models:resnet18", data, args={...}), or set arch and model_args on '
                                "the module")
-        pretrained = _pretrained(cfg, model)
+        pretrained = pretrained_source(cfg, model)
         mean, std = _normalization(cfg, model, train_new, pretrained)
         info = ModelInfo(model.arch or "", classes, size, tuple(round(float(v), 4) for v in mean),
                          tuple(round(float(v), 4) for v in std), dict(model.args))
@@ -219,9 +219,8 @@ def _prepare(cfg: RunConfig, device: torch.device, data: tuple[LabeledImages, La
     if replay is not None:
         train = LabeledImages.concat([train, replay.relabel(classes)])
     model.module.to(device)
-    start = (("scratch" if _own(model) else "new") if not pretrained else "folded" if _folded(model.module)
-             else "pretrained")
-    return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha, start, fresh)
+    return _Setup(model, info, train, val.restrict(classes), old, teacher, start_eval, source_sha,
+                  run_start(model, pretrained is not None), fresh)
 
 
 def _head_classes(model: ModelHandle, data: LabeledImages) -> tuple[tuple[str, ...], int | None]:
@@ -249,7 +248,17 @@ def _head_classes(model: ModelHandle, data: LabeledImages) -> tuple[tuple[str, .
     return present, 0
 
 
-def _pretrained(cfg: RunConfig, model: ModelHandle) -> str | None:
+def run_start(model: ModelHandle, pretrained: bool) -> str:
+    """How a run of ``model`` starts, a key of :data:`~edgerev.train.config.DEFAULT_LR` (its recipe's defaults,
+    :meth:`~edgerev.train.config.OptimConfig.resolved`): from random weights one of edgerev's models (scratch) or
+    any other (new); from trained weights a network of batch norms (pretrained) or one whose batch norms were folded
+    into its convolutions (folded)."""
+    if not pretrained:
+        return "scratch" if _own(model) else "new"
+    return "folded" if _folded(model.module) else "pretrained"
+
+
+def pretrained_source(cfg: RunConfig, model: ModelHandle) -> str | None:
     """Why the run's starting model is a pretrained one (what it was resolved from), or None: random weights.
 
     A file (an ONNX file, a model directory) or ``model.weights`` carries trained weights; any other source (a
@@ -442,8 +451,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, stop: Callable[[], bool] | N
     if not resume:
         dump_yaml(out / CONFIG, cfg)
     # a saved null is chosen again on resume
-    cfg = replace(cfg, optim=replace(cfg.optim, lr=cfg.optim.peak(s.start, batch),
-                                     clip_grad_norm=cfg.optim.clip(s.start), adaptive_clip=cfg.optim.adaptive(s.start)))
+    cfg = replace(cfg, optim=cfg.optim.resolved(s.start, batch))
     params = [p for p in model.parameters() if p.requires_grad]
     if not memory.momentum:  # trainable auto dropped it to train more parameters (said in the plan)
         cfg = replace(cfg, optim=replace(cfg.optim, momentum=0.0, nesterov=False))

@@ -171,6 +171,29 @@ def test_a_folded_file_clips_its_gradient_unit_by_unit_unless_the_recipe_says(tm
     assert seen and set(seen) == {clips}
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("keep_batch_norm, clips", [(True, (None, None)), (False, (0.2, None))])
+def test_the_doctor_verifies_a_file_s_plan_with_the_trainer_s_clipping(tmp_path, monkeypatch, keep_batch_norm, clips):
+    """``edgerev doctor``'s real steps are the step the trainer runs for the file: a folded one clipped unit by unit."""
+    from edgerev.config import from_dict, merged
+    from edgerev.doctor.plan import verified_plan
+    from edgerev.train import cap
+    from edgerev.train.config import RunConfig
+
+    seen, step = [], cap.train_step
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("adaptive_clip"), kwargs.get("clip_grad_norm")))
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(cap, "train_step", spy)
+    source = onnx_file(tmp_path / "owner.onnx", keep_batch_norm=keep_batch_norm)
+    cfg = from_dict(RunConfig, merged(RECIPE, {"model": {"arch": str(source)}, "data": {"size": SIZE}}))
+    facts = verified_plan(cfg, "cpu", classes=2, steps=1)
+    assert facts.error is None and facts.steps == 1, facts
+    assert seen == [clips]
+
+
 def test_folded_means_no_batch_norm_after_most_convolutions():
     from torch import nn
 
