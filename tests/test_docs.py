@@ -290,43 +290,66 @@ DEMO = "edgerev daemon demo --images 150"
 DEMO_DIR = Path("runs") / "daemon-demo"
 
 
+#: commands that several pages run alike, each sequence with the folders it writes. They do the same every time
+#: (generated images and data, fixed seeds, the page's small presets, a new folder), so the first page to get
+#: there runs them in a folder of its own shared by the run's workers, and every page takes a copy of the folders
+#: they wrote and of what they printed. A page whose folder holds one of those folders already (the README's
+#: second demo, after its first) runs them itself. Each sequence is 15-30 s of a worker on a 2-core machine.
+SHARED = {
+    (DEMO,): (DEMO_DIR,),  # the README and the daemon, device and labelling guides start so
+    ("edgerev train --config configs/cpu-demo.yaml --out runs/demo",): (Path("runs/demo"),),  # training, export
+    ("edgerev train --config configs/cpu-demo-old.yaml --out runs/old",  # the README and the continual guide
+     "edgerev train --config configs/finetune-demo.yaml --out runs/new"): (Path("runs/old"), Path("runs/new")),
+}
+
+
 @pytest.fixture(scope="session")
-def shared_demo(tmp_path_factory) -> Path:
-    """A folder the run's workers share (beside their temporary folders) for :func:`_demo`."""
+def shared_runs(tmp_path_factory) -> Path:
+    """A folder the run's workers share (beside their temporary folders) for :func:`_shared`."""
     base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-demo"
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-shared"
 
 
-def _demo(work: Path, env: dict, shared: Path) -> str:
-    """``DEMO`` in ``work``, a page's folder that holds no demo data directory yet: what it prints. Four pages
-    start so (the README, the daemon, device and labelling guides), and the demo does the same there every time
-    (generated images and training from fixed seeds, in a new data directory): the first page to get there runs
-    it, in a folder of its own shared by the run's workers, and every page takes a copy of the data directory it
-    wrote and what it printed (16 s of a worker each on a 2-core machine, three times over). A page whose demo
-    comes after others of its commands that wrote a data directory runs it itself (the README's second demo)."""
-    assert not (work / DEMO_DIR).exists()
-    shared.mkdir(parents=True, exist_ok=True)
-    with open(shared.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker runs the demo; the others wait for it, then copy
-        printed = shared / "stdout.txt"
+def _pieces(block: Block, work: Path) -> list[Block | tuple[str, ...]]:
+    """``block`` in the order it runs: the lines that run in the page's folder as blocks, and in between each
+    sequence of :data:`SHARED` it holds, one command a line, whose folders ``work`` has none of yet (its key). A
+    sequence is looked for only above the block's first here-document or continued line."""
+    if block.lang != "sh" or block.marker is not None:
+        return [block]
+    lines = block.code.splitlines()
+    plain = next((i for i, x in enumerate(lines) if "<<" in x or x.endswith("\\")), len(lines))
+    said = [(i, " ".join(COMMENT.sub("", x).split())) for i, x in enumerate(lines[:plain])]
+    said = [(i, c) for i, c in said if c]
+    for k in range(len(said)):
+        for key, folders in SHARED.items():
+            if tuple(c for _, c in said[k:k + len(key)]) != key or any((work / f).exists() for f in folders):
+                continue
+            first, last = said[k][0], said[k + len(key) - 1][0]
+            before = Block(block.page, block.line, "sh", "\n".join(lines[:first]) + "\n", None)
+            after = Block(block.page, block.line + last + 1, "sh", "\n".join(lines[last + 1:]) + "\n", None)
+            return [*([before] if before.code.strip() else []), key, *([after] if after.code.strip() else [])]
+    return [block]
+
+
+def _shared(key: tuple[str, ...], work: Path, env: dict, shared: Path) -> str:
+    """The commands ``key`` of :data:`SHARED` for ``work``, a page's folder: run once in the run (the first page to
+    get there runs them; the others wait for it), their folders copied into ``work``; what they printed."""
+    folder = shared / str(list(SHARED).index(key))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        printed = folder / "stdout.txt"
         if not printed.exists():
-            demo = shared / "work"
-            demo.mkdir(exist_ok=True)
-            r = subprocess.run(["bash", "-c", "set -euo pipefail\n" + DEMO], cwd=demo, env=env, capture_output=True,
-                               text=True)
-            assert r.returncode == 0, f"{DEMO}: exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+            ran = folder / "work"
+            ran.mkdir(exist_ok=True)
+            _configs(ran)
+            r = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(key)], cwd=ran, env=env,
+                               capture_output=True, text=True)
+            assert r.returncode == 0, f"{key}: exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
             printed.write_text(r.stdout)
-        shutil.copytree(shared / "work" / DEMO_DIR, work / DEMO_DIR, symlinks=True)
+        for f in SHARED[key]:
+            shutil.copytree(folder / "work" / f, work / f, symlinks=True)
         return printed.read_text()
-
-
-def _demo_first(block: Block, work: Path) -> Block | None:
-    """The rest of ``block`` (None: nothing) where its first line is ``DEMO`` run on a folder that holds no demo
-    data directory yet (:func:`_demo` runs that line); else ``block`` itself."""
-    first, _, rest = block.code.partition("\n")
-    if block.lang != "sh" or block.marker is not None or first.strip() != DEMO or (work / DEMO_DIR).exists():
-        return block
-    return Block(block.page, block.line + 1, block.lang, rest, None) if rest.strip() else None
 
 
 #: the presets the pages train, rewritten in a page's scratch configs/ with these keys (the rest are the preset's)
@@ -447,7 +470,7 @@ def _small(page: Path, todo: list[Block]) -> list[Block]:
 @pytest.mark.parametrize("page", [p for p in RUN_PAGES if any(b.marker is None and b.lang in ("sh", "python")
                                                               for b in blocks(p))],
                          ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_runs(page, tmp_path, profile_cache, shared_demo):
+def test_page_runs(page, tmp_path, profile_cache, shared_runs):
     work = tmp_path / "work"
     work.mkdir()
     _configs(work)
@@ -467,20 +490,18 @@ def test_page_runs(page, tmp_path, profile_cache, shared_demo):
             continue
         if block.marker is not None or block.lang not in ("sh", "python"):
             continue
-        rest = _demo_first(block, work)
-        if rest is not block:
-            printed.append(_demo(work, env, shared_demo))
-            if rest is None:
+        for piece in _pieces(block, work):
+            if isinstance(piece, tuple):
+                printed.append(_shared(piece, work, env, shared_runs))
                 continue
-            block = rest
-        if block.lang == "sh":
-            argv = ["bash", "-c", "set -euo pipefail\n" + block.code]
-        else:
-            argv = [sys.executable, "-c", block.code]
-        r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
-        assert r.returncode == 0, (f"{where}: exit {r.returncode}\n$ {shlex.join(argv)[:2000]}\n"
-                                   f"--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}")
-        printed.append(r.stdout)
+            if piece.lang == "sh":
+                argv = ["bash", "-c", "set -euo pipefail\n" + piece.code]
+            else:
+                argv = [sys.executable, "-c", piece.code]
+            r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
+            assert r.returncode == 0, (f"{where}: exit {r.returncode}\n$ {shlex.join(argv)[:2000]}\n"
+                                       f"--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}")
+            printed.append(r.stdout)
     name = str(page.relative_to(ROOT))
     for path in CHECKS[name].files:
         assert (work / path).is_file(), f"{name}: its commands wrote no {path}"
@@ -500,6 +521,23 @@ def test_the_readmes_training_quickstart_runs_in_the_training_guide():
         "edgerev train --config configs/cpu-demo.yaml --out runs/demo",
         "edgerev train --config capped.yaml --out runs/capped"]
     assert all(b.marker is None for b in skipped)
+
+
+def test_each_shared_sequence_is_run_by_two_pages_or_more(tmp_path):
+    """A sequence of SHARED is worth sharing only while pages run it alike (an edit that makes one differ leaves it
+    to run in each page, and this says so), and a page's piece around it keeps the rest of its block."""
+    runs = {key: [] for key in SHARED}
+    for page in RUN_PAGES:
+        elsewhere = _run_elsewhere(page)
+        for block in _small(page, blocks(page)):
+            if _commands(block) in elsewhere:
+                continue
+            pieces = _pieces(block, tmp_path)
+            assert [c for x in pieces for c in (x if isinstance(x, tuple) else _commands(x))] == list(_commands(block))
+            for x in pieces:
+                if isinstance(x, tuple):
+                    runs[x].append(page.name)
+    assert all(len(pages) >= 2 for pages in runs.values()), runs
 
 
 def test_every_page_that_runs_has_checks():
