@@ -58,13 +58,30 @@ def adaptive_clip_(params: list[nn.Parameter], ratio: float, eps: float = ADAPTI
     A global norm clip bounds the whole step; this bounds each unit's step against its own size, which is what keeps
     a network without batch norm (a file whose batch norms were folded into its convolutions) from being thrown off
     by the few units whose gradients are large. It runs on the device, without reading the host. timm has it too
-    (``timm.utils.agc``); timm is not a dependency of edgerev's runtime, and the function is these few lines."""
+    (``timm.utils.agc``); timm is not a dependency of edgerev's runtime, and the function is these few lines.
+
+    On a GPU a step of a small network is bound by its kernel launches, so the launches are few: two reductions per
+    weight of two or more dimensions (its units' norms and its gradient's), two for all vectors and scalars
+    together, five for the bounds of every unit at once, and one scaling per gradient. An op per tensor at each
+    stage took eight per parameter: for MobileNetV2's 158 tensors 1,264 launches, now 271, where its forward and
+    backward at batch 8, 224x224, launch 523 (counted on the meta device). The gradients are the same to the bit.
+    """
     with torch.no_grad():
-        for p in params:
-            g = p.grad
-            if g is None:
-                continue
-            dims = tuple(range(1, p.ndim)) if p.ndim > 1 else None
-            limit = torch.linalg.vector_norm(p, dim=dims, keepdim=True).clamp_min_(eps).mul_(ratio)
-            norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=limit.dtype).clamp_min_(1e-12)
-            g.mul_(limit.div_(norm).clamp_max_(1.0).to(g.dtype))
+        held = [p for p in params if p.grad is not None]
+        units = [p for p in held if p.ndim > 1]
+        whole = [p for p in held if p.ndim <= 1]
+        # a parameter's gradient has its dtype (autograd's rule): each norm in the parameter's dtype
+        limits = [torch.linalg.vector_norm(p, dim=tuple(range(1, p.ndim)), keepdim=True) for p in units]
+        norms = [torch.linalg.vector_norm(p.grad, dim=tuple(range(1, p.ndim)), keepdim=True) for p in units]
+        if whole:
+            limits += torch._foreach_norm(whole)
+            norms += torch._foreach_norm([p.grad for p in whole])
+        if not limits:
+            return
+        torch._foreach_clamp_min_(limits, eps)
+        torch._foreach_mul_(limits, ratio)
+        torch._foreach_clamp_min_(norms, 1e-12)
+        torch._foreach_div_(limits, norms)
+        torch._foreach_clamp_max_(limits, 1.0)
+        for p, scale in zip(units + whole, limits, strict=True):  # one broadcast product a tensor, as CUDA runs it
+            p.grad.mul_(scale)
