@@ -287,14 +287,24 @@ def without_dispatch_modes() -> Iterator[None]:
         yield
 
 
-__all__ = ["clear_cublas_workspaces", "cublas_workspace_bytes", "exact_division_options", "fake_copy", "fake_mode",
-           "is_fake", "left_as_it_was", "meta_copy", "restore_buffers", "save_buffers", "shadowed", "storage_bytes",
-           "storage_key", "without_dispatch_modes"]
+__all__ = ["clear_cublas_workspaces", "copy_all", "cublas_workspace_bytes", "exact_division_options", "fake_copy",
+           "fake_mode", "foreach", "is_fake", "left_as_it_was", "meta_copy", "restore_buffers", "save_buffers",
+           "shadowed", "storage_bytes", "storage_key", "without_dispatch_modes"]
 
 
-def _copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for each pair, in one multi-tensor copy per device and dtype: on a GPU a few
-    launches, not one per tensor."""
+def foreach(name: str, *args):
+    """``torch._foreach_<name>`` over lists (one multi-tensor kernel, a few launches on a GPU for any number of
+    tensors), or the same op tensor by tensor where this torch lacks it. An argument that is not a list or tuple is
+    used for every tensor."""
+    fn = getattr(torch, f"_foreach_{name}", None)
+    if fn is not None:
+        return fn(*args)
+    lists = [a if isinstance(a, (list, tuple)) else [a] * len(args[0]) for a in args]
+    return [getattr(Tensor, name)(*xs) for xs in zip(*lists, strict=True)]
+
+
+def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for each pair, in one multi-tensor copy per device and dtype (:func:`foreach`)."""
     groups: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
     for d, s in zip(dst, src, strict=True):
         to, of = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
@@ -302,7 +312,7 @@ def _copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
         of.append(s)
     with torch.no_grad():
         for to, of in groups.values():
-            torch._foreach_copy_(to, of)
+            foreach("copy_", to, of)
 
 
 def save_buffers(model: nn.Module) -> dict[str, Tensor]:
@@ -311,14 +321,14 @@ def save_buffers(model: nn.Module) -> dict[str, Tensor]:
     buffer (RevNeXt has 86, a tenth of a plain step's launches)."""
     named = dict(model.named_buffers())
     copies = {k: torch.empty_like(v) for k, v in named.items()}
-    _copy_all(list(copies.values()), list(named.values()))
+    copy_all(list(copies.values()), list(named.values()))
     return copies
 
 
 def restore_buffers(model: nn.Module, state: dict[str, Tensor]) -> None:
     """Put back the buffers :func:`save_buffers` copied."""
     named = dict(model.named_buffers())
-    _copy_all(list(named.values()), [state[k] for k in named])
+    copy_all(list(named.values()), [state[k] for k in named])
 
 
 @contextlib.contextmanager

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from edgerev._torchapi import restore_buffers, save_buffers
+from edgerev._torchapi import foreach, restore_buffers, save_buffers
 from edgerev.memory.measure.profile import FlopCounter
 
 
@@ -38,3 +39,24 @@ def test_saving_and_restoring_the_buffers_launches_a_kernel_per_dtype_not_per_bu
         restore_buffers(net, saved)
     assert len(list(net.buffers())) == 7
     assert saving.kernels == restoring.kernels == 3  # float32, int64, float64
+
+
+@pytest.mark.parametrize("name, extra", [("mul", 2.0), ("sub", None), ("clamp_min_", 0.5), ("div_", None),
+                                         ("norm", ()), ("reciprocal", ()), ("copy_", None)])
+def test_a_multi_tensor_op_this_torch_lacks_runs_tensor_by_tensor_alike(monkeypatch, name, extra):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3,), (2, 4), (5, 1, 2)]
+
+    def args():
+        first = [torch.rand(s, generator=g) + 0.1 for s in shapes]
+        second = [torch.rand(s, generator=g) + 0.1 for s in shapes] if extra is None else extra
+        return (first,) if extra == () else (first, second)
+
+    fused_args = args()
+    fallback_args = tuple([t.clone() for t in a] if isinstance(a, list) else a for a in fused_args)
+    fused = foreach(name, *fused_args)
+    monkeypatch.delattr(torch, f"_foreach_{name}")
+    slow = foreach(name, *fallback_args)
+    if name.endswith("_"):  # in place: the first list is the result
+        fused, slow = fused_args[0], fallback_args[0]
+    assert len(fused) == len(slow) and all(torch.equal(a, b) for a, b in zip(fused, slow, strict=True))

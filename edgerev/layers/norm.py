@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev._torchapi import is_fake
+from edgerev._torchapi import copy_all, foreach, is_fake
 from edgerev.layers.base import Grads, Invertible, Tape, add_grad, check_channels
 
 
@@ -228,7 +228,7 @@ def prepare(modules: Iterable[nn.Module], tape: Tape) -> None:
     for what the forward did not run)."""
     norms = [m for m in modules if isinstance(m, InvBatchNorm2d) and m not in tape.scales]
     if norms:
-        scales = _foreach("add", _foreach("abs", [m.weight.detach() for m in norms]), [m.eps_i for m in norms])
+        scales = foreach("add", foreach("abs", [m.weight.detach() for m in norms]), [m.eps_i for m in norms])
         tape.scales.update(zip(norms, scales))
 
 
@@ -280,16 +280,6 @@ class GradTerms:
     undo: tuple[Tensor, Tensor, Tensor] | None
 
 
-def _foreach(name: str, *args):
-    """``torch._foreach_<name>`` (one multi-tensor kernel for a list), or the same op tensor by tensor where
-    this torch lacks it."""
-    fn = getattr(torch, f"_foreach_{name}", None)
-    if fn is not None:
-        return fn(*args)
-    lists = [a if isinstance(a, (list, tuple)) else [a] * len(args[0]) for a in args]
-    return [getattr(torch, name)(*xs) for xs in zip(*lists)]
-
-
 def _coefficients(norms: list[InvBatchNorm2d], tape: Tape) -> list[Coefficients]:
     """:class:`Coefficients` of ``norms`` at once: each step of the arithmetic is one multi-tensor op over all
     of them, not one op per batch norm (on a GPU every op is a kernel launch)."""
@@ -301,35 +291,26 @@ def _coefficients(norms: list[InvBatchNorm2d], tape: Tape) -> list[Coefficients]
     betas = [m.bias.detach() for m in norms]
     prepare(norms, tape)  # the scales the forward did not put on the tape
     scales = [tape.scales[m] for m in norms]
-    inv_s = _foreach("reciprocal", scales)
-    a = _foreach("mul", scales, invstds)
-    inverse_a = _foreach("reciprocal", a)
-    shift = _foreach("sub", betas, _foreach("mul", means, a))
-    inverse_shift = _foreach("sub", means, _foreach("mul", betas, inverse_a))
-    sign = _foreach("sign", weights)
-    a_over_n = _foreach("div", a, counts)
-    a_over_ns = _foreach("mul", a_over_n, inv_s)
-    shift_over = _foreach("mul", a_over_ns, betas)
+    inv_s = foreach("reciprocal", scales)
+    a = foreach("mul", scales, invstds)
+    inverse_a = foreach("reciprocal", a)
+    shift = foreach("sub", betas, foreach("mul", means, a))
+    inverse_shift = foreach("sub", means, foreach("mul", betas, inverse_a))
+    sign = foreach("sign", weights)
+    a_over_n = foreach("div", a, counts)
+    a_over_ns = foreach("mul", a_over_n, inv_s)
+    shift_over = foreach("mul", a_over_ns, betas)
     # the same factors over a, for the map undone: 1 / (n s), -beta / (n s), -1 / n
-    minus_inverse_a = _foreach("neg", inverse_a)
-    over_ns = _foreach("mul", a_over_ns, inverse_a)
-    minus_shift_over = _foreach("mul", shift_over, minus_inverse_a)
-    minus_over_n = _foreach("mul", a_over_n, minus_inverse_a)
+    minus_inverse_a = foreach("neg", inverse_a)
+    over_ns = foreach("mul", a_over_ns, inverse_a)
+    minus_shift_over = foreach("mul", shift_over, minus_inverse_a)
+    minus_over_n = foreach("mul", a_over_n, minus_inverse_a)
     # each batch norm's factors as the rows of two tensors, filled for all of them by one kernel
     over_n = [torch.empty(2, len(b), dtype=b.dtype, device=b.device) for b in betas]
     ds_factors = [torch.empty(4, len(b), dtype=b.dtype, device=b.device) for b in betas]
     rows = [(over_n[i], (a_over_n[i], minus_over_n[i])) for i in range(len(norms))]
     rows += [(ds_factors[i], (a_over_ns[i], shift_over[i], over_ns[i], minus_shift_over[i])) for i in range(len(norms))]
-    _copy_all([t[r] for t, values in rows for r in range(len(values))], [v for _, values in rows for v in values])
+    copy_all([t[r] for t, values in rows for r in range(len(values))], [v for _, values in rows for v in values])
     return [Coefficients(_view(a[i]), _view(shift[i]), _view(inverse_a[i]), _view(inverse_shift[i]), betas[i],
                          inv_s[i], sign[i], over_n[i], ds_factors[i]) for i in range(len(norms))]
 
-
-def _copy_all(targets: list[Tensor], values: list[Tensor]) -> None:
-    """``targets[i].copy_(values[i])`` for all ``i``: one multi-tensor kernel where this torch has it."""
-    fn = getattr(torch, "_foreach_copy_", None)
-    if fn is not None:
-        fn(targets, values)
-        return
-    for t, v in zip(targets, values):
-        t.copy_(v)

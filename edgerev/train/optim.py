@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgerev._torchapi import foreach
+
 #: bytes per element of the momentum buffer -> its dtype
 STATE_DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
@@ -74,14 +76,14 @@ def adaptive_clip_(params: list[nn.Parameter], ratio: float, eps: float = ADAPTI
         limits = [torch.linalg.vector_norm(p, dim=tuple(range(1, p.ndim)), keepdim=True) for p in units]
         norms = [torch.linalg.vector_norm(p.grad, dim=tuple(range(1, p.ndim)), keepdim=True) for p in units]
         if whole:
-            limits += torch._foreach_norm(whole)
-            norms += torch._foreach_norm([p.grad for p in whole])
+            limits += foreach("norm", whole)
+            norms += foreach("norm", [p.grad for p in whole])
         if not limits:
             return
-        torch._foreach_clamp_min_(limits, eps)
-        torch._foreach_mul_(limits, ratio)
-        torch._foreach_clamp_min_(norms, 1e-12)
-        torch._foreach_div_(limits, norms)
-        torch._foreach_clamp_max_(limits, 1.0)
+        foreach("clamp_min_", limits, eps)
+        foreach("mul_", limits, ratio)
+        foreach("clamp_min_", norms, 1e-12)
+        foreach("div_", limits, norms)
+        foreach("clamp_max_", limits, 1.0)
         for p, scale in zip(units + whole, limits, strict=True):  # one broadcast product a tensor, as CUDA runs it
             p.grad.mul_(scale)
