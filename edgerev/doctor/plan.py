@@ -1,7 +1,10 @@
 """The doctor's verified plan: the configured model planned under the configured cap, then a few real steps.
 
-The recipe is the daemon's job recipe with distillation on (every job after the first has a teacher): the
-costliest step the daemon will run. Planning:
+The recipe is the daemon's job recipe with distillation on (every job after the first has a teacher), run as the
+trainer runs it (:func:`edgerev.train.memory.training_model`: a model from outside as its chain, the recipe's
+trainable set and batch-norm statistics; ``train.trainable: auto``'s set and optimizer state chosen under the cap;
+the rate and clipping of how the job starts). A job with unlabelled images adds FixMatch's views to its batch and
+the trainer plans that larger step; the doctor verifies the labelled one. Planning:
 
 - with the stage profile the daemon's planner uses (cached after its first job, or measured now with
   ``profile="measure"``): :func:`edgerev.memory.plan.autoplan.plan_training`, the daemon's own plan;
@@ -93,13 +96,14 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
     """
     import torch
 
-    from edgerev.errors import EdgerevError
+    from edgerev.errors import EdgerevError, described
     from edgerev.memory.measure import profile as profiles
     from edgerev.memory.plan.autoplan import floor_plan, plan_training
     from edgerev.models.resolve import resolve_model
-    from edgerev.models.spec import check_size, model_spec
+    from edgerev.models.spec import check_size
     from edgerev.train.cap import CpuCap, apply_cuda_cap, train_step
-    from edgerev.train.memory import loss_of, step_shape
+    from edgerev.train.memory import fit_trainable, loss_of, step_shape, training_model
+    from edgerev.train.optim import sgd
     from edgerev.train.trainer import pretrained_source, run_start
 
     t = cfg.train
@@ -111,12 +115,17 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         handle = resolve_model(cfg.model.arch, weights=cfg.model.weights, args=cfg.model.args, num_classes=classes,
                                trust_factories=cfg.model.factories)
         check_size(handle, cfg.data.size)
-        model = handle.module
         teacher = None
         if cfg.continual.distill > 0:  # jobs after the first distill from the model in service
-            teacher = copy.deepcopy(model).eval().requires_grad_(False)
+            teacher = copy.deepcopy(handle.module).eval().requires_grad_(False)
+        # what the trainer's steps run: the model itself or, for a model from outside, its chain; the recipe's
+        # trainable set and batch-norm statistics applied
+        model = training_model(cfg, handle)
         shape = step_shape(cfg, model, teacher, t.batch)
         loss_fn = loss_of(cfg)
+        trained = {}
+        if budget is not None:  # train.trainable: auto chooses its set under the cap, as the trainer's plan does
+            trained, shape = fit_trainable(cfg, model, shape, budget, loss_fn)
         floor, floor_account = floor_plan(model, shape, loss_fn)  # exact, nothing profiled
         facts = replace(facts, smallest_bytes=floor_account.total)
         if budget is not None and budget < floor_account.total:
@@ -147,6 +156,8 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
             planner = ("least-memory modes; the daemon plans faster ones from its stage profile, measured at its "
                        "first job (or now: --profile measure)")
             micro, modes, predicted, baseline = p.batch, p.modes, account.total, account.baseline
+        if trained:
+            planner += f" (trains {trained['trainable']}, optimizer state {trained['optimizer_state']})"
         facts = replace(facts, planner=planner, micro_batch=micro, micro_batches=math.ceil(t.batch / micro),
                         modes=modes, predicted_peak_bytes=predicted, plan_seconds=time.perf_counter() - t0)
 
@@ -158,10 +169,11 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         # the job's recipe: a job after the first (one that distils) starts from the model in service, trained
         optim = cfg.optim.resolved(run_start(handle, teacher is not None or pretrained_source(cfg, handle) is not None),
                                    t.batch)
-        optimizer = torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov,
-                                    weight_decay=optim.weight_decay)
+        momentum = optim.momentum if shape.momentum else 0.0  # auto may drop it (or keep it in bfloat16)
+        optimizer = sgd(params, lr=optim.lr, momentum=momentum, nesterov=optim.nesterov and momentum > 0,
+                        weight_decay=optim.weight_decay, state_bytes=shape.state_bytes)
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(t.batch, model_spec(model).in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev)
+        x = torch.randn(t.batch, handle.in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev)
         y = torch.randint(0, classes, (t.batch,), generator=g).to(dev)
         target = (y,)
         if teacher is not None:
@@ -202,7 +214,9 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
             peak = cap.peak
         return replace(facts, measured_peak_bytes=peak, steps=steps, micro_batches=n,
                        step_seconds=min(times) if times else None, retries=retries)
-    except (EdgerevError, ValueError, RuntimeError) as e:  # a failed step, a model that refuses the size, CUDA
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    # a failed step, a model that refuses the size, CUDA, or whatever else torch raises for this model: said, not raised
+    except Exception as e:  # noqa: BLE001
+        text = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) \
+            if isinstance(e, (EdgerevError, ValueError, RuntimeError)) else described(e)
         return replace(facts, error=text, advice=facts.advice or "see the error; edgerev plan shows the planning "
                        "step by step")

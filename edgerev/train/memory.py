@@ -8,10 +8,11 @@ with :func:`edgerev.memory.measure.account.account_step`: one count of what a st
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from edgerev.engine import engine_body
 from edgerev.memory.measure.account import StepAccount, StepShape
@@ -118,6 +119,20 @@ class MemoryPlan:
     state_bytes: int = 4
 
 
+def fit_trainable(cfg: RunConfig, model: nn.Module, shape: StepShape, budget: int,
+                  loss_fn: Callable[..., Tensor]) -> tuple[dict, StepShape]:
+    """With ``train.trainable: auto``, the most parameters whose step fits ``budget``, momentum kept where it fits,
+    set on ``model`` (:func:`edgerev.train.trainable.choose_fit`): what the plan's summary says of it, and the step
+    with its optimizer state (``momentum``, ``state_bytes``). Any other set is ``model``'s already
+    (:func:`training_model`): nothing to say, the step as it is."""
+    if cfg.train.trainable != "auto":
+        return {}, shape
+    from edgerev.train.trainable import choose_fit
+
+    fit = choose_fit(model, shape, budget, cfg.train.bn_stats, loss_fn)
+    return fit.summary(), fit.step(shape)
+
+
 def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, batch: int,
                 device: torch.device, unlabeled: int = 0) -> MemoryPlan:
     """The plan of ``cfg``'s step at ``batch`` labelled samples and ``unlabeled`` strong views per step (their
@@ -153,12 +168,7 @@ def plan_memory(cfg: RunConfig, model: nn.Module, teacher: nn.Module | None, bat
     budget = int(mem.budget)
     shape, loss_fn = step_shape(cfg, model, teacher, batch, unlabeled), loss_of(cfg, unlabeled)
     batch = shape.batch  # the step's whole batch, the strong views with the labelled samples
-    trainable = {}
-    if cfg.train.trainable == "auto":  # the most parameters whose step fits the budget, momentum kept where it fits
-        from edgerev.train.trainable import choose_fit
-
-        fit = choose_fit(model, shape, budget, cfg.train.bn_stats, loss_fn)
-        trainable, shape = fit.summary(), fit.step(shape)
+    trainable, shape = fit_trainable(cfg, model, shape, budget, loss_fn)
 
     def plan_at(b: int) -> TrainingPlan:
         return plan_training(model, cfg.data.size, b, str(device.type), estimate=mem.profile == "estimate",

@@ -194,6 +194,28 @@ def test_the_doctor_verifies_a_file_s_plan_with_the_trainer_s_clipping(tmp_path,
     assert seen == [clips]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_doctor_verifies_a_file_s_step_under_a_cap_as_the_trainer_runs_it(tmp_path):
+    """A model from outside runs as its chain under a cap, with the recipe's trainable set: the doctor's plan and
+    its real step are those (the doctor once probed the file's module for edgerev's layout and raised torch's
+    AttributeError)."""
+    from edgerev.config import from_dict, merged
+    from edgerev.doctor.plan import verified_plan
+    from edgerev.train.config import RunConfig
+
+    source = onnx_file(tmp_path / "owner.onnx", keep_batch_norm=True)
+    peaks = {}
+    for trainable in ("all", "head", "auto"):
+        cfg = from_dict(RunConfig, merged(RECIPE, {"model": {"arch": str(source)}, "data": {"size": SIZE},
+                                                   "memory": {"budget": "4MiB"}, "train": {"trainable": trainable}}))
+        facts = verified_plan(cfg, "cpu", classes=2, steps=1)
+        assert facts.error is None and facts.steps == 1, facts
+        assert facts.measured_peak_bytes == facts.predicted_peak_bytes <= facts.budget_bytes  # exact on the CPU
+        assert ("(trains all, optimizer state kept)" in facts.planner) == (trainable == "auto")
+        peaks[trainable] = facts.measured_peak_bytes
+    assert peaks["head"] < peaks["all"] == peaks["auto"]  # auto trains all where all fits
+
+
 def test_folded_means_no_batch_norm_after_most_convolutions():
     from torch import nn
 
