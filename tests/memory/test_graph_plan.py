@@ -625,6 +625,18 @@ def test_below_the_floor_is_refused_at_once_and_the_floor_trains(name, trainable
     capped_steps(model, cm, 6, CpuCap(floor, account.baseline))
 
 
+def test_a_plan_is_accounted_for_a_model_from_outside_as_its_chain():
+    """The planner's account takes the module a user gave (the doctor's fallback once handed it one and torch
+    raised that it has no engine body): the account of its chain, which the plan applies to."""
+    from edgerev.memory.plan.autoplan import accounted
+
+    model = build("rescnn")
+    step = StepShape(SIZE, 6, momentum=True)
+    proposal, floor = floor_plan(model, step)
+    chained = accounted(planned(model, SIZE), step, proposal)
+    assert accounted(model, step, proposal).total == chained.total == floor.total
+
+
 @pytest.mark.parametrize("name", ["rescnn", "tiny"])
 def test_the_floor_is_never_above_plain_autograds_step(name):
     """Plain autograd's step is one of the least-memory candidates: where weights, gradients and momentum are most

@@ -710,7 +710,11 @@ def accounted(model: nn.Module, step: StepShape, p: Proposal, loss_fn: Callable[
     trained, the step's shape, the plan, the loss and the libraries' memory it counts (a CUDA device's, or none):
     a daemon plans each job of the same model again, and each account runs a whole step under the tracker
     (seconds on a small CPU).
+
+    ``model`` is any classifier: one without an engine body is accounted as its chain (:func:`planned`), the model
+    the plan applies to and the trainer runs.
     """
+    model = planned(model, step.size)
     loss = _loss_key(loss_fn)
     if loss is None:
         return account_step(model, step, p.batch, p.apply, loss_fn, stage_peaks=stage_peaks)
