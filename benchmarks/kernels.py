@@ -24,7 +24,9 @@ the step it set up, and the wall and CPU seconds planning took.
 A bare step reads its value checks at once, which meta tensors cannot, so ``ops`` leaves them out (four
 kernels each, two a step). ``host_syncs`` is counted on the trainer's own step (``train_step``: value checks
 folded into the loss, read once at its end) for real, on the CPU, for the same model and mode at batch 2,
-32x32.
+32x32, and with it ``trainer_extra_ops``, what that step launches beyond the bare one (the optimizer's update in
+torch's multi-tensor SGD, CUDA's default; the batch-norm statistics saved before the step; the value checks): a
+few, whatever the number of parameters.
 
 Every measurement runs in a process of its own (``--jobs`` at a time, the dearest first) under a limit of CPU
 seconds (``--cpu-seconds``; ``--plan-cpu-seconds`` for planning, whose target is 30): one that overruns it is
@@ -183,21 +185,28 @@ def count_row(name: str, mode: str, batch: int, size: int, overrides: dict | Non
 
 def host_syncs(name: str, mode: str, overrides: dict | None = None) -> dict:
     """Host reads of one real CPU training step of ``name`` in ``mode`` as the trainer runs it (``train_step``,
-    SGD with momentum) at batch 2, 32x32, a size every registry model takes."""
+    SGD with momentum, multi-tensor as on CUDA; its second step, the optimizer's state made) at batch 2, 32x32, a
+    size every registry model takes; and the kernel ops that step launches beyond the bare step's
+    (``trainer_extra_ops``: the optimizer's update, the saved batch-norm statistics, the value checks), counted
+    the same way on the same batch."""
     from edgerev.models.spec import model_spec
     from edgerev.train.cap import train_step
 
     model = build(name, overrides)
     configure(model, mode)
     spec, size = model_spec(model), 32
-    model.train()
+    bare = sum(count_step(model, 2, size, device="cpu").ops.values())
+    model.zero_grad(set_to_none=True)
     x = torch.randn(2, spec.in_channels, size, size)
     y = torch.randint(0, spec.num_classes, (2,))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)  # CUDA's default
+    with quantizer("cpu"):
+        train_step(model, optimizer, x, y)  # the first step makes the optimizer's state (a copy per gradient)
     counter = KernelCounter()
     with counter, quantizer("cpu"):
         train_step(model, optimizer, x, y)
-    return {"host_syncs": counter.syncs, "host_syncs_at": [2, size]}
+    return {"host_syncs": counter.syncs, "host_syncs_at": [2, size],
+            "trainer_extra_ops": sum(counter.ops.values()) - bare}
 
 
 def peak_row(name: str, mode: str, batch: int, size: int, overrides: dict | None = None) -> dict:
@@ -609,7 +618,9 @@ def main(argv: list[str] | None = None) -> dict:
         else "fused (each operator counted at edgerev.quantize.LAUNCHES)",
         "what": "ops: ATen ops of one training step (forward, cross-entropy, backward), views and allocations "
                 f"({', '.join(sorted(NOT_KERNELS))}) left out; host_syncs: _local_scalar_dense/item on a real CPU "
-                "training step as the trainer runs it (host_syncs_at: batch, size); flops: "
+                "training step as the trainer runs it (host_syncs_at: batch, size); trainer_extra_ops: the kernel ops "
+                "that step launches beyond the bare step at the same batch (optimizer, saved statistics, value checks; "
+                "SGD multi-tensor, as on CUDA); flops: "
                 "torch.utils.flop_counter's formulas; peak_bytes: edgerev.memory.measure.account.account_step on fake "
                 "tensors; *_vs_plain: against plain autograd's row of the same model, batch and size",
         "rows": rows, "planned": planned, "seconds": round(time.perf_counter() - t0, 1),

@@ -43,6 +43,15 @@ def test_a_step_counts_more_kernels_inverted_than_stored_by_autograd():
     assert plain["flops"] < invert["flops"]  # the backward rebuilds the activations it did not keep
 
 
+def test_the_trainers_step_launches_a_few_kernels_beyond_the_bare_step_whatever_the_model_s_size():
+    """The optimizer's update, the saved batch-norm statistics and the value checks run over all tensors at once
+    (multi-tensor ops): on a GPU a fixed few launches a step, not one or more per parameter or buffer."""
+    small = kernels.host_syncs("revnext", "invert", overrides={**TINY, "blocks": [1, 1, 1, 1, 1]})
+    large = kernels.host_syncs("revnext", "invert", overrides=TINY)
+    assert small["host_syncs"] == large["host_syncs"] == 1  # the step's one read: its loss and checks
+    assert small["trainer_extra_ops"] == large["trainer_extra_ops"] <= 16
+
+
 def test_floor_rows_count_and_account_the_way_a_gpu_runs_it():
     """A floor row is one step, the GPU's way (its chains' gradient maps undone; ``Execution.floor_restore``),
     wherever it is counted or accounted: its ops are those of that way, not of the CPU's by slices, and its peak is
