@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgerev._torchapi import restore_buffers, save_buffers
 from edgerev.memory.measure.microbatch import split_batch, step_signature
 from edgerev.train.cap import CpuCap, cpu_cap
 
@@ -107,7 +108,7 @@ def weak_probs(model: nn.Module, x: Tensor, micro_batches: int, cap: CpuCap | No
     The model stays in training mode (its batch norms normalize by the views' statistics); every buffer it
     had (running statistics) is put back after, so the weak forward is no update.
     """
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    buffers = save_buffers(model)
     key = ("weak", tuple(x.shape), micro_batches, *step_signature(model, x[:1], (), micro_batches))
     check = cap is not None and cap.needs_check(key)
     guard = cpu_cap(cap.budget, cap.baseline) if check else contextlib.nullcontext()
@@ -117,9 +118,7 @@ def weak_probs(model: nn.Module, x: Tensor, micro_batches: int, cap: CpuCap | No
             for part in split_batch(len(x), micro_batches):
                 out.append(F.softmax(model(x[part]).float(), dim=1))
     finally:
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                v.copy_(buffers[k])
+        restore_buffers(model, buffers)
     if check:
         cap.verified(key)
         cap.peak = max(cap.peak, tracker.peak)

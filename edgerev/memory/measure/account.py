@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgerev._torchapi import left_as_it_was, shadowed
+from edgerev._torchapi import left_as_it_was, restore_buffers, save_buffers, shadowed
 from edgerev.engine import engine_body, floor_restores
 from edgerev.memory.measure.microbatch import accumulate, split_batch
 from edgerev.memory.measure.tracker import MemoryTracker
@@ -215,10 +215,9 @@ def account_step(model: nn.Module, shape: StepShape, micro_batch: int, apply: Ca
 
 def weak_forward(model: nn.Module, x: Tensor) -> None:
     """The weak views' no-grad forward of one micro-batch, as :func:`edgerev.train.semi.weak_probs` runs it."""
-    saved = {k: v.clone() for k, v in model.named_buffers()}
+    saved = save_buffers(model)
     with torch.no_grad():
         probs = F.softmax(model(x).float(), dim=1)
         del probs
-        for k, v in model.named_buffers():
-            v.copy_(saved[k])
+    restore_buffers(model, saved)
     del saved
