@@ -82,7 +82,8 @@ def add_parser(sub) -> None:
                                    "and its providers; Flower if installed; the data directory's free space (against "
                                    "storage.min_free_space) and write access; and the configured model planned "
                                    "under the configured cap, with a few real training steps whose measured peak is "
-                                   "set against the cap (the step of a job that distills, the costliest).",
+                                   "set against the cap (the costliest step: a job's that distills and, with FixMatch "
+                                   "on, takes unlabelled images).",
                        epilog="exit status: 0 every line ok; 3 warnings only; 1 a failing line; 2 bad input (an "
                               "unreadable config)")
     d.add_argument("--config", help="the daemon's YAML config (default: the CPU preset's model and cap, "

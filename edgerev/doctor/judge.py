@@ -240,7 +240,8 @@ def judge_disk(f: DiskFacts, min_free: int) -> Check:
 
 def judge_plan(f: PlanFacts) -> Check:
     facts = f.to_json()
-    what = f"{f.arch} at {f.size}x{f.size} on {f.device}, batch {f.batch}"
+    what = f"{f.arch} at {f.size}x{f.size} on {f.device}, batch {f.batch}" + \
+        (f" and {f.unlabeled} unlabelled views (FixMatch)" if f.unlabeled else "")
     if f.error is not None:
         return Check("plan", Status.FAILING, f"{what}: {f.error}", f.advice, facts)
     measured = f"measured peak {mib(f.measured_peak_bytes)}"

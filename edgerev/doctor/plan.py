@@ -3,8 +3,9 @@
 The recipe is the daemon's job recipe with distillation on (every job after the first has a teacher), run as the
 trainer runs it (:func:`edgerev.train.memory.training_model`: a model from outside as its chain, the recipe's
 trainable set and batch-norm statistics; ``train.trainable: auto``'s set and optimizer state chosen under the cap;
-the rate and clipping of how the job starts). A job with unlabelled images adds FixMatch's views to its batch and
-the trainer plans that larger step; the doctor verifies the labelled one. Planning:
+the rate and clipping of how the job starts), and with FixMatch on (``semi``, every daemon preset) a step of a job
+with unlabelled images in its inbox: ``semi.ratio`` strong views per labelled sample join the batch, after their
+weak views' forward. Planning:
 
 - with the stage profile the daemon's planner uses (cached after its first job, or measured now with
   ``profile="measure"``): :func:`edgerev.memory.plan.autoplan.plan_training`, the daemon's own plan;
@@ -47,6 +48,7 @@ class PlanFacts:
     plan_seconds: float | None = None
     error: str | None = None
     advice: str = ""
+    unlabeled: int = 0  # FixMatch's strong views the step adds to the batch (semi.ratio per sample; 0: FixMatch off)
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -96,19 +98,23 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
     """
     import torch
 
+    from edgerev._torchapi import storage_bytes
     from edgerev.errors import EdgerevError, described
     from edgerev.memory.measure import profile as profiles
+    from edgerev.memory.measure.tracker import MemoryTracker
     from edgerev.memory.plan.autoplan import floor_plan, plan_training
     from edgerev.models.resolve import resolve_model
     from edgerev.models.spec import check_size
     from edgerev.train.cap import CpuCap, apply_cuda_cap, train_step
     from edgerev.train.memory import fit_trainable, loss_of, step_shape, training_model
     from edgerev.train.optim import sgd
+    from edgerev.train.semi import pseudo_label, step_targets, weak_probs
     from edgerev.train.trainer import pretrained_source, run_start
 
     t = cfg.train
     budget = None if cfg.memory.budget is None else int(cfg.memory.budget)
-    facts = PlanFacts(cfg.model.arch, cfg.data.size, device, t.batch, budget)
+    u = cfg.semi.ratio * t.batch if cfg.semi.enabled else 0  # a job with unlabelled images: its costliest step
+    facts = PlanFacts(cfg.model.arch, cfg.data.size, device, t.batch, budget, unlabeled=u)
     t0 = time.perf_counter()
     try:
         torch.manual_seed(seed)
@@ -121,8 +127,9 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         # what the trainer's steps run: the model itself or, for a model from outside, its chain; the recipe's
         # trainable set and batch-norm statistics applied
         model = training_model(cfg, handle)
-        shape = step_shape(cfg, model, teacher, t.batch)
-        loss_fn = loss_of(cfg)
+        shape = step_shape(cfg, model, teacher, t.batch, u)
+        loss_fn = loss_of(cfg, u)
+        whole = shape.batch  # the labelled samples and the strong views
         trained = {}
         if budget is not None:  # train.trainable: auto chooses its set under the cap, as the trainer's plan does
             trained, shape = fit_trainable(cfg, model, shape, budget, loss_fn)
@@ -142,9 +149,9 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
             if prof is None and profile == "measure":
                 prof = profiles.load_or_measure(model, cfg.data.size, device, estimate=estimate, exact=True)
         if budget is None:
-            planner, micro, modes, predicted = "the model's default modes (no cap)", t.batch, None, None
+            planner, micro, modes, predicted = "the model's default modes (no cap)", whole, None, None
         elif prof is not None:
-            tp = plan_training(model, cfg.data.size, budget, device, estimate=estimate, max_batch=t.batch,
+            tp = plan_training(model, cfg.data.size, budget, device, estimate=estimate, max_batch=whole,
                                step=shape, loss_fn=loss_fn, profile=prof)
             tp.apply(model)
             planner, micro, modes, predicted = f"the daemon's plan, {tp.summary['planner']}", tp.batch, tp.modes, \
@@ -158,7 +165,7 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
             micro, modes, predicted, baseline = p.batch, p.modes, account.total, account.baseline
         if trained:
             planner += f" (trains {trained['trainable']}, optimizer state {trained['optimizer_state']})"
-        facts = replace(facts, planner=planner, micro_batch=micro, micro_batches=math.ceil(t.batch / micro),
+        facts = replace(facts, planner=planner, micro_batch=micro, micro_batches=math.ceil(whole / micro),
                         modes=modes, predicted_peak_bytes=predicted, plan_seconds=time.perf_counter() - t0)
 
         dev = torch.device(device)
@@ -175,10 +182,7 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(t.batch, handle.in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev)
         y = torch.randint(0, classes, (t.batch,), generator=g).to(dev)
-        target = (y,)
-        if teacher is not None:
-            with torch.no_grad():
-                target = (y, teacher(x))
+        views = torch.randn(2, u, handle.in_channels, cfg.data.size, cfg.data.size, generator=g).to(dev) if u else None
         cap = None
         if dev.type == "cuda":
             if budget is not None:
@@ -187,21 +191,24 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
             torch.cuda.reset_peak_memory_stats(dev)
         elif budget is not None:
             cap = CpuCap(budget, baseline)
-        else:
-            from edgerev._torchapi import storage_bytes
-            from edgerev.memory.measure.tracker import MemoryTracker
-
-            base = storage_bytes([*model.parameters(), *model.buffers(), x, *target])
-        n, retries, times, peak = math.ceil(t.batch / micro), 0, [], 0
+        n, retries, times, peak = math.ceil(whole / micro), 0, [], 0
         for _ in range(steps):
+            batch, target = x, (y,)
+            if u:  # as the trainer's step: pseudo-labels from the weak views, the strong views join the batch
+                pseudo, mask = pseudo_label(weak_probs(model, views[0], n, cap), cfg.semi.threshold)
+                batch, target = torch.cat([x, views[1]]), step_targets(y, pseudo, mask, cfg.semi.weight)
+            if teacher is not None:
+                with torch.no_grad():
+                    target = (*target, teacher(batch))
             s0 = time.perf_counter()
             if cap is None and dev.type == "cpu":
+                base = storage_bytes([*model.parameters(), *model.buffers(), batch, *target])
                 with MemoryTracker(baseline=base) as tracker:  # no cap: measured, not enforced
-                    res = train_step(model, optimizer, x, target, micro_batches=n, loss_fn=loss_fn,
+                    res = train_step(model, optimizer, batch, target, micro_batches=n, loss_fn=loss_fn,
                                      clip_grad_norm=optim.clip_grad_norm, adaptive_clip=optim.adaptive_clip)
                 peak = max(peak, tracker.peak)
             else:
-                res = train_step(model, optimizer, x, target, micro_batches=n, loss_fn=loss_fn,
+                res = train_step(model, optimizer, batch, target, micro_batches=n, loss_fn=loss_fn,
                                  clip_grad_norm=optim.clip_grad_norm, adaptive_clip=optim.adaptive_clip, cap=cap)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
