@@ -64,9 +64,9 @@ def adaptive_clip_(params: list[nn.Parameter], ratio: float, eps: float = ADAPTI
 
     On a GPU a step of a small network is bound by its kernel launches, so the launches are few: two reductions per
     weight of two or more dimensions (its units' norms and its gradient's), two for all vectors and scalars
-    together, five for the bounds of every unit at once, and one scaling per gradient. An op per tensor at each
-    stage took eight per parameter: for MobileNetV2's 158 tensors 1,264 launches, now 271, where its forward and
-    backward at batch 8, 224x224, launch 523 (counted on the meta device). The gradients are the same to the bit.
+    together, five for the bounds of every unit at once, and one scaling per gradient: for MobileNetV2's 158 tensors
+    271 launches, where its forward and backward at batch 8, 224x224, launch 523 (counted on the meta device); an op
+    per tensor at each stage would take eight per parameter, 1,264.
     """
     with torch.no_grad():
         held = [p for p in params if p.grad is not None]
