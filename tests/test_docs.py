@@ -310,14 +310,18 @@ def shared_runs(tmp_path_factory) -> Path:
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-shared"
 
 
+STATEFUL = re.compile(r"\s*(cd|export|source|\.)\s|\s*\w+=")
+
+
 def _pieces(block: Block, work: Path) -> list[Block | tuple[str, ...]]:
     """``block`` in the order it runs: the lines that run in the page's folder as blocks, and in between each
-    sequence of :data:`SHARED` it holds, one command a line, whose folders ``work`` has none of yet (its key). A
-    sequence is looked for only above the block's first here-document or continued line."""
+    sequence of :data:`SHARED` it holds, one command a line, whose folders ``work`` has none of yet (its key). Each
+    piece runs in a shell of its own, so a sequence is looked for only above the block's first here-document,
+    continued line, or line that sets the shell's state (``cd``, ``export``, a variable)."""
     if block.lang != "sh" or block.marker is not None:
         return [block]
     lines = block.code.splitlines()
-    plain = next((i for i, x in enumerate(lines) if "<<" in x or x.endswith("\\")), len(lines))
+    plain = next((i for i, x in enumerate(lines) if "<<" in x or x.endswith("\\") or STATEFUL.match(x)), len(lines))
     said = [(i, " ".join(COMMENT.sub("", x).split())) for i, x in enumerate(lines[:plain])]
     said = [(i, c) for i, c in said if c]
     for k in range(len(said)):
@@ -538,6 +542,9 @@ def test_each_shared_sequence_is_run_by_two_pages_or_more(tmp_path):
                 if isinstance(x, tuple):
                     runs[x].append(page.name)
     assert all(len(pages) >= 2 for pages in runs.values()), runs
+    for state in ("cd sub", "export X=1", "X=1"):  # the pieces run in shells of their own: a block that sets any
+        block = Block(README, 1, "sh", f"{state}\n{DEMO}\n", None)  # runs whole
+        assert _pieces(block, tmp_path) == [block]
 
 
 def test_every_page_that_runs_has_checks():
