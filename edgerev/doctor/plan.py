@@ -223,7 +223,7 @@ def verified_plan(cfg: RunConfig, device: str, classes: int = 10, steps: int = 2
                        step_seconds=min(times) if times else None, retries=retries)
     # a failed step, a model that refuses the size, CUDA, or whatever else torch raises for this model: said, not raised
     except Exception as e:  # noqa: BLE001
-        text = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) \
-            if isinstance(e, (EdgerevError, ValueError, RuntimeError)) else described(e)
+        text = str(e).strip().splitlines()[0] if isinstance(e, (EdgerevError, ValueError, RuntimeError)) and \
+            str(e).strip() else described(e)  # the message as it is, or with its type where that says more
         return replace(facts, error=text, advice=facts.advice or "see the error; edgerev plan shows the planning "
                        "step by step")
